@@ -1,0 +1,154 @@
+"""LMDB cold store: key = 8-byte big-endian id, value = the row's raw bytes.
+
+Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
+into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
+after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped on the next writable
+open. Reads are one read transaction per batch with sorted keys and LMDB's C-level ``getmulti``.
+The memory map doubles whenever a write transaction finds it full, and the write is retried.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import numpy as np
+import torch
+
+from ..errors import StoreFormatError
+from .base import ColdStore
+from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
+
+DIRECTORY = "lmdb"
+INITIAL_MAP_SIZE = 256 * 2**20
+
+
+class LmdbColdStore(ColdStore):
+    """Cold store in an LMDB environment at ``directory/lmdb``."""
+
+    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
+                 map_size: int = INITIAL_MAP_SIZE) -> None:
+        super().__init__(row_width, dtype, read_only)
+        path = Path(directory) / DIRECTORY
+        if read_only and not (path / "data.mdb").exists():
+            raise StoreFormatError(f"{path} is missing its LMDB data file (data.mdb)")
+        path.mkdir(exist_ok=True)
+        try:
+            # metasync=False: each commit syncs its data pages; flush() forces a full sync.
+            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=2, readonly=read_only,
+                                  metasync=False, readahead=False, lock=not read_only)
+            self._rows = self._env.open_db(b"rows", create=not read_only)
+            self._pending = self._env.open_db(b"pending", create=not read_only) if not read_only else None
+        except lmdb.Error as error:
+            raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
+        if not read_only:
+            with self._env.begin(write=True) as txn:
+                txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
+        self._pending_count = 0
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _read(self, txn: lmdb.Transaction, keys: torch.Tensor, databases: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins)."""
+        rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
+        found = torch.zeros(keys.numel(), dtype=torch.bool)
+        if keys.numel() == 0:
+            return rows, found
+        key_array = keys.numpy()
+        order = np.argsort(key_array, kind="stable")
+        sorted_keys = key_array[order]
+        encoded = encode_keys(sorted_keys)
+        for database in databases:
+            pairs = txn.cursor(database).getmulti(encoded)
+            if not pairs:
+                continue
+            hit_keys, hit_values = zip(*pairs)
+            joined = b"".join(hit_values)
+            if len(joined) != len(hit_values) * self.row_bytes:
+                raise StoreFormatError(
+                    f"LMDB rows are not {self.row_bytes} bytes each: the store is damaged or its "
+                    f"metadata (dim/dtype) does not describe it"
+                )
+            where = torch.from_numpy(order[np.searchsorted(sorted_keys, decode_keys(hit_keys))])
+            raw = np.frombuffer(joined, dtype=np.uint8).reshape(len(hit_values), self.row_bytes)
+            rows[where] = rows_from_bytes(raw, self.dtype)
+            found[where] = True
+        return rows, found
+
+    def _databases(self) -> list:
+        return [self._rows, self._pending] if self._pending_count else [self._rows]
+
+    def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._env.begin(buffers=True) as txn:
+            return self._read(txn, keys, self._databases())
+
+    def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        with self._env.begin() as txn:
+            items = txn.cursor(self._rows).iternext()
+            while chunk := list(itertools.islice(items, batch_size)):
+                keys, rows = self._decode(chunk)
+                if self._pending_count:  # newer staged values win
+                    staged, staged_found = self._read(txn, keys, [self._pending])
+                    rows[staged_found] = staged[staged_found]
+                yield keys, rows
+            if self._pending_count:
+                staged_items = txn.cursor(self._pending).iternext()
+                while chunk := list(itertools.islice(staged_items, batch_size)):
+                    keys, rows = self._decode(chunk)
+                    committed = self._read(txn, keys, [self._rows])[1]
+                    yield keys[~committed], rows[~committed]
+
+    def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = zip(*chunk)
+        raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.row_bytes)
+        return torch.from_numpy(decode_keys(keys)), rows_from_bytes(raw.copy(), self.dtype)
+
+    def __len__(self) -> int:
+        with self._env.begin() as txn:
+            committed = txn.stat(self._rows)["entries"]
+            if not self._pending_count:
+                return committed
+            staged = torch.from_numpy(decode_keys(list(txn.cursor(self._pending).iternext(values=False))))
+            return committed + int((~self._read(txn, staged, [self._rows])[1]).sum())
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _write(self, work) -> None:
+        """Run ``work(txn)`` in one write transaction, doubling the map while it is full."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    work(txn)
+                return
+            except lmdb.MapFullError:
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+
+    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        self._check_writable()
+        if keys.numel() == 0:
+            return
+        order = torch.argsort(keys)
+        items = list(zip(encode_keys(keys[order].numpy()), encode_rows(rows[order])))
+
+        def stage(txn: lmdb.Transaction) -> None:
+            txn.cursor(self._pending).putmulti(items)
+            self._pending_count = txn.stat(self._pending)["entries"]
+
+        self._write(stage)
+
+    def flush(self) -> None:
+        self._check_writable()
+        if self._pending_count:
+            def publish(txn: lmdb.Transaction) -> None:
+                staged = txn.cursor(self._pending).iternext()
+                txn.cursor(self._rows).putmulti(staged)
+                txn.drop(self._pending, delete=False)
+
+            self._write(publish)
+            self._pending_count = 0
+        self._env.sync(True)
+
+    def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,269 @@
+"""Memory-mapped cold store: rows in a flat file, found through an in-memory hash index.
+
+Files in the store directory:
+
+- ``rows.bin``: row ``i`` at byte ``i * row_bytes``; ``keys.bin``: int64 id of row ``i``.
+- ``state.json``: ``{"rows": n}``, the committed row count (rows past it are ignored).
+- ``wal.keys.bin`` / ``wal.rows.bin``: rows staged since the last flush (a write-ahead log).
+- ``wal.commit.json``: written atomically when a flush's log is durable, removed once applied.
+
+Guarantee (the same as LMDB's): after a crash or kill at any moment, reopening yields exactly the
+state of the last completed ``flush``. ``put`` only writes the log; ``flush`` syncs the log, then
+commits it by renaming ``wal.commit.json`` into place (with a CRC32 of the log), then applies it to
+``rows.bin``/``keys.bin`` and updates ``state.json``. Opening replays a committed log (replay is
+idempotent) and discards an uncommitted one. One writer at a time: a writable open takes an
+exclusive ``flock`` on ``lock``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..errors import StoreFormatError
+from ..hash_index import HashIndex
+from ..metadata import fsync_directory, write_json_atomic
+from .base import ColdStore
+from .codec import rows_as_bytes, rows_from_bytes
+
+ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
+WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
+LOCK_FILE = "lock"
+
+
+class GrowableArray:
+    """A file-backed ``np.memmap`` of ``[capacity, width]`` items that doubles when it must grow."""
+
+    def __init__(self, path: Path, width: int, dtype: np.dtype, read_only: bool) -> None:
+        self.path, self.width, self.dtype, self.read_only = path, width, np.dtype(dtype), read_only
+        if not path.exists():
+            if read_only:
+                raise StoreFormatError(f"{path} is missing")
+            path.touch()
+        self._map()
+
+    def _map(self) -> None:
+        size = self.path.stat().st_size
+        item = self.width * self.dtype.itemsize
+        self.capacity = size // item
+        self.array = (np.memmap(self.path, dtype=self.dtype, mode="r" if self.read_only else "r+",
+                                shape=(self.capacity, self.width)) if self.capacity else
+                      np.empty((0, self.width), dtype=self.dtype))
+
+    def reserve(self, count: int) -> None:
+        """Make room for ``count`` items (file grows to the next power of two of items)."""
+        if count <= self.capacity:
+            return
+        capacity = 1 << max(10, (count - 1).bit_length())
+        self.sync()
+        self.array = None
+        os.truncate(self.path, capacity * self.width * self.dtype.itemsize)
+        self._map()
+
+    def truncate(self) -> None:
+        self.array = None
+        os.truncate(self.path, 0)
+        self._map()
+
+    def sync(self) -> None:
+        if isinstance(self.array, np.memmap):
+            self.array.flush()
+
+    def bytes_of(self, count: int) -> memoryview:
+        return memoryview(np.ascontiguousarray(self.array[:count])).cast("B")
+
+
+class MmapColdStore(ColdStore):
+    """Cold store in flat memory-mapped files; see the module docstring for the crash guarantee."""
+
+    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False) -> None:
+        super().__init__(row_width, dtype, read_only)
+        self.directory = Path(directory)
+        self._lock = None
+        if not read_only:
+            self._lock = open(self.directory / LOCK_FILE, "a")
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._lock.close()
+                raise RuntimeError(f"store {directory} is already open for writing in another process") from None
+        self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only)
+        self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only)
+        self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
+        self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
+        self._count = self._read_state()
+        self._index = HashIndex(self._count)
+        self._load_index()
+        self._wal_index = HashIndex(1024)
+        self._wal_count = 0
+        self._recover()
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def _read_state(self) -> int:
+        path = self.directory / STATE_FILE
+        if not path.exists():
+            if self.read_only:
+                raise StoreFormatError(f"{path} is missing")
+            write_json_atomic(path, {"rows": 0})
+        try:
+            count = json.loads(path.read_text())["rows"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
+            raise StoreFormatError(f"{path} is damaged ({error!r}); restore it from a backup") from None
+        if not isinstance(count, int) or count < 0:
+            raise StoreFormatError(f"{path} is damaged: rows is {count!r}")
+        for array, name in ((self._rows, ROWS_FILE), (self._keys, KEYS_FILE)):
+            if array.capacity < count:
+                raise StoreFormatError(
+                    f"{self.directory / name} is truncated: it holds {array.capacity} rows but the "
+                    f"store has {count}; restore it from a backup"
+                )
+        return count
+
+    def _load_index(self) -> None:
+        keys = torch.from_numpy(np.array(self._keys.array[: self._count, 0]))
+        if keys.numel() and (bool((keys < 0).any()) or torch.unique(keys).numel() != keys.numel()):
+            raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative or repeated ids")
+        self._index.insert(keys, torch.arange(self._count))
+
+    def _recover(self) -> None:
+        commit_path = self.directory / WAL_COMMIT_FILE
+        if commit_path.exists():
+            try:
+                commit = json.loads(commit_path.read_text())
+                records, checksum = int(commit["records"]), int(commit["crc32"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as error:
+                raise StoreFormatError(f"{commit_path} is damaged ({error!r})") from None
+            if (self._wal_keys.capacity < records or self._wal_rows.capacity < records
+                    or self._wal_checksum(records) != checksum):
+                raise StoreFormatError(
+                    f"the write-ahead log of the last flush in {self.directory} is damaged "
+                    f"(checksum mismatch); the store cannot be recovered to its last flush"
+                )
+            self._wal_count = records
+            keys = torch.from_numpy(np.array(self._wal_keys.array[:records, 0]))
+            self._wal_index.insert(keys, torch.arange(records))
+            if not self.read_only:
+                self._apply_wal()
+        elif not self.read_only:
+            self._reset_wal()  # never committed: discard
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _main_rows(self) -> torch.Tensor:
+        return rows_from_bytes(self._rows.array, self.dtype)
+
+    def _wal_rows_tensor(self) -> torch.Tensor:
+        return rows_from_bytes(self._wal_rows.array, self.dtype)
+
+    def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
+        position = self._index.find(keys)
+        found = position >= 0
+        if bool(found.any()):
+            rows[found] = self._main_rows().index_select(0, position[found])
+        if self._wal_count:
+            staged = self._wal_index.find(keys)
+            in_wal = staged >= 0
+            rows[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
+            found |= in_wal
+        return rows, found
+
+    def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, self._count, batch_size):
+            stop = min(start + batch_size, self._count)
+            keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
+            rows = self._main_rows()[start:stop].clone()
+            if self._wal_count:
+                staged = self._wal_index.find(keys)
+                in_wal = staged >= 0
+                rows[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
+            yield keys, rows
+        new_keys, new_records = self._wal_only()
+        for start in range(0, new_keys.numel(), batch_size):
+            part = new_records[start:start + batch_size]
+            yield new_keys[start:start + batch_size], self._wal_rows_tensor().index_select(0, part)
+
+    def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staged keys not in the committed rows, and their log record numbers."""
+        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
+        new = self._index.find(keys) < 0
+        return keys[new], torch.arange(self._wal_count)[new]
+
+    def __len__(self) -> int:
+        return self._count + self._wal_only()[0].numel()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        self._check_writable()
+        if keys.numel() == 0:
+            return
+        record = self._wal_index.find(keys)
+        new = record < 0
+        new_count = int(new.sum())
+        record[new] = torch.arange(self._wal_count, self._wal_count + new_count)
+        self._wal_rows.reserve(self._wal_count + new_count)
+        self._wal_keys.reserve(self._wal_count + new_count)
+        wal_rows = self._wal_rows.array
+        wal_rows[record.numpy()] = rows_as_bytes(rows)
+        self._wal_keys.array[record[new].numpy(), 0] = keys[new].numpy()
+        self._wal_index.insert(keys[new], record[new])
+        self._wal_count += new_count
+
+    def _wal_checksum(self, records: int) -> int:
+        checksum = zlib.crc32(self._wal_keys.bytes_of(records))
+        return zlib.crc32(self._wal_rows.bytes_of(records), checksum)
+
+    def flush(self) -> None:
+        self._check_writable()
+        if not self._wal_count:
+            return
+        self._wal_keys.sync()
+        self._wal_rows.sync()
+        commit = {"records": self._wal_count, "crc32": self._wal_checksum(self._wal_count)}
+        write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)  # the flush is durable here
+        self._apply_wal()
+
+    def _apply_wal(self) -> None:
+        """Copy the committed log into ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
+        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
+        position = self._index.find(keys)
+        new = position < 0
+        new_count = int(new.sum())
+        position[new] = torch.arange(self._count, self._count + new_count)
+        self._rows.reserve(self._count + new_count)
+        self._keys.reserve(self._count + new_count)
+        self._rows.array[position.numpy()] = self._wal_rows.array[: self._wal_count]
+        self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
+        self._rows.sync()
+        self._keys.sync()
+        self._index.insert(keys[new], position[new])
+        self._count += new_count
+        write_json_atomic(self.directory / STATE_FILE, {"rows": self._count})
+        self._reset_wal()
+
+    def _reset_wal(self) -> None:
+        commit_path = self.directory / WAL_COMMIT_FILE
+        if commit_path.exists():
+            commit_path.unlink()
+            fsync_directory(self.directory)
+        self._wal_rows.truncate()
+        self._wal_keys.truncate()
+        self._wal_index = HashIndex(1024)
+        self._wal_count = 0
+
+    def close(self) -> None:
+        for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
+            array.array = None
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None

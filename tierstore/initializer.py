@@ -1,0 +1,52 @@
+"""Deterministic initial rows: a pure function of (id, seed, column).
+
+Every value comes from a counter-based hash (SplitMix64's finaliser) of the id, the seed and the
+column, so a row is the same whatever the cache sizes, batch order, batch composition or device.
+Weights default to ``uniform(-1/sqrt(dim), 1/sqrt(dim))``: the scale FBGEMM's table-batched
+embeddings and TorchRec use for their default initialisation (uniform in ±sqrt(1/num_embeddings)
+is torch's ``reset_parameters`` for ``nn.Linear``; for a table that grows without bound
+``num_embeddings`` is unknown, so ``dim`` sets the scale). Optimizer state starts at zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >>> bits`` for int64 tensors viewed as uint64."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser on int64 tensors (wrapping arithmetic, same bits on every device)."""
+    x = x + _GOLDEN
+    x = (x ^ _logical_shift_right(x, 30)) * _MIX1
+    x = (x ^ _logical_shift_right(x, 27)) * _MIX2
+    return x ^ _logical_shift_right(x, 31)
+
+
+def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Initial weights for ``ids`` (int64 [N]) -> ``[N, dim]`` of ``dtype`` on ``ids.device``.
+
+    Uniform in ``[-1/sqrt(dim), 1/sqrt(dim))``, drawn from 53 hashed bits per value.
+    """
+    columns = torch.arange(dim, dtype=torch.int64, device=ids.device)
+    stream = splitmix64(ids.to(torch.int64) * 0x5851F42D4C957F2D + splitmix64(torch.tensor(seed)).to(ids.device))
+    bits = splitmix64(stream[:, None] + columns[None, :] * _GOLDEN)
+    unit = _logical_shift_right(bits, 11).to(torch.float64) * 2.0**-53  # [0, 1)
+    bound = 1.0 / math.sqrt(dim)
+    return ((2.0 * unit - 1.0) * bound).to(dtype)
+
+
+def initial_rows(ids: torch.Tensor, dim: int, state_width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Initial stored rows ``[N, dim + state_width]``: initial weights, then zero optimizer state."""
+    rows = torch.zeros(ids.numel(), dim + state_width, dtype=dtype, device=ids.device)
+    rows[:, :dim] = initial_weights(ids, dim, seed, dtype)
+    return rows

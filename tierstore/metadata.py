@@ -1,0 +1,140 @@
+"""The store directory's versioned metadata file, ``tierstore.json``.
+
+It records what every reader must agree on: format version, backend, row ``dim``, ``dtype``,
+optimizer-state width and the initialisation seed. It is written once, atomically, when a store is
+created; opening validates it before any other file is touched, so a bad open changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import StoreFormatError, StoreMismatchError
+
+FORMAT_NAME = "tierstore"
+FORMAT_VERSION = 1
+METADATA_FILE = "tierstore.json"
+BACKENDS = ("lmdb", "mmap")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32 -> "float32"``; raises ``TypeError`` for dtypes a store cannot hold."""
+    for name, candidate in DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise TypeError(f"dtype must be one of {', '.join('torch.' + n for n in DTYPES)}, got {dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreMetadata:
+    """What a store is: its backend and the layout of its rows ``[weights (dim) | state]``."""
+
+    backend: str
+    dim: int
+    dtype: str
+    optimizer_state_width: int
+    seed: int
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("dim", "optimizer_state_width", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if self.dim <= 0:
+            raise ValueError(f"dim must be positive, got {self.dim}")
+        if self.optimizer_state_width < 0:
+            raise ValueError(f"optimizer_state_width must be >= 0, got {self.optimizer_state_width}")
+        if self.dtype not in DTYPES:
+            raise TypeError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def row_width(self) -> int:
+        """Values per stored row: weights then optimizer state."""
+        return self.dim + self.optimizer_state_width
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_width * self.torch_dtype.itemsize
+
+
+def read_metadata(directory: Path) -> StoreMetadata:
+    """Read and validate ``directory/tierstore.json``; ``StoreFormatError`` says what is wrong."""
+    path = Path(directory) / METADATA_FILE
+    try:
+        document: Any = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreFormatError(f"{directory} is not a tierstore store: {METADATA_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise StoreFormatError(f"{path} is damaged (not valid JSON: {error}); restore it from a backup") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        raise StoreFormatError(f"{path} is not tierstore metadata (no \"format\": \"{FORMAT_NAME}\" field)")
+    version = document.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise StoreFormatError(f"{path} is damaged: format_version is {version!r}, expected an int")
+    if version > FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{path} has format version {version}, but this tierstore reads versions up to "
+            f"{FORMAT_VERSION}; upgrade tierstore to open it"
+        )
+    fields = {field.name for field in dataclasses.fields(StoreMetadata)}
+    missing = sorted(fields - document.keys())
+    if missing:
+        raise StoreFormatError(f"{path} is damaged: missing fields {missing}")
+    try:
+        return StoreMetadata(**{name: document[name] for name in fields})
+    except (TypeError, ValueError) as error:
+        raise StoreFormatError(f"{path} is damaged: {error}") from None
+
+
+def write_metadata(directory: Path, metadata: StoreMetadata) -> None:
+    """Write ``directory/tierstore.json`` atomically (temp file, fsync, rename, fsync dir)."""
+    document = {"format": FORMAT_NAME, **dataclasses.asdict(metadata)}
+    write_json_atomic(Path(directory) / METADATA_FILE, document)
+
+
+def check_matches(metadata: StoreMetadata, requested: dict[str, Any], directory: Path) -> None:
+    """Raise ``StoreMismatchError`` naming every requested setting that differs from the store's."""
+    differences = [
+        f"{name}={value!r} (the store has {getattr(metadata, name)!r})"
+        for name, value in requested.items()
+        if value is not None and getattr(metadata, name) != value
+    ]
+    if differences:
+        raise StoreMismatchError(
+            f"store {directory} was opened with {', '.join(differences)}; pass the store's own "
+            f"settings, or leave them out (None) to use them"
+        )
+
+
+def write_json_atomic(path: Path, document: dict) -> None:
+    """Replace ``path`` with ``document`` so a crash leaves either the old or the new file."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        json.dump(document, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or file creation in ``directory`` durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
