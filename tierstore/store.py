@@ -194,8 +194,12 @@ class TieredStore:
         ids = as_ids(ids)
         unique, inverse = torch.unique(ids, return_inverse=True)
         present = self.cold.contains(unique)
-        for cache in self.caches:
-            present |= (cache.find(unique) >= 0).cpu()
+        for cache in self.caches:  # a cached row that is not fresh is in the cold store too
+            slots = cache.find(unique)
+            cached = slots >= 0
+            fresh = torch.zeros_like(cached)
+            fresh[cached] = cache.fresh[slots[cached]]
+            present |= fresh.cpu()
         return present[inverse]
 
     def iter_rows(self, batch_size: int = 65536, with_state: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,39 @@
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore.hash_index import HashIndex
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["insert", "remove", "find"]),
+              st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True)),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.integers(1, 8))
+def test_hash_index_matches_a_dict(ops, capacity):
+    index, oracle = HashIndex(capacity), {}
+    for step, (op, keys) in enumerate(ops):
+        if op == "insert":
+            keys = [k for k in keys if k not in oracle]
+            index.insert(torch.tensor(keys, dtype=torch.int64), torch.tensor([k * 10 + step for k in keys]))
+            oracle.update({k: k * 10 + step for k in keys})
+        elif op == "remove":
+            removed = index.remove(torch.tensor(keys, dtype=torch.int64))
+            assert removed.tolist() == [oracle.pop(k, -1) for k in keys]
+        found = index.find(torch.tensor(keys, dtype=torch.int64))
+        assert found.tolist() == [oracle.get(k, -1) for k in keys]
+        assert len(index) == len(oracle)
+    all_keys, all_values = index.items()
+    assert dict(zip(all_keys.tolist(), all_values.tolist())) == oracle
+
+
+def test_large_batches_with_collisions_and_growth():
+    keys = torch.randperm(1 << 20)[:50000] * 4096  # share low bits
+    index = HashIndex(16, value_dtype=torch.int32)
+    for chunk in keys.split(7000):
+        index.insert(chunk, chunk // 4096)
+    assert torch.equal(index.find(keys), keys // 4096)
+    assert bool((index.find(keys + 1) == -1).all())

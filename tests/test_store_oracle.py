@@ -1,0 +1,84 @@
+"""Random get/put/flush/reopen sequences against a plain dict, with caches of a few rows so every
+eviction, promotion and write-back path runs."""
+
+import shutil
+import tempfile
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from helpers import initial
+from tierstore import TieredStore
+
+DIM = 3
+ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
+
+
+class StoreAgainstDict(RuleBasedStateMachine):
+    backend = "lmdb"
+
+    def __init__(self):
+        super().__init__()
+        self.directory = tempfile.mkdtemp()
+        self.open()
+        self.oracle = {}
+        self.durable = {}
+
+    def open(self):
+        self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6)
+
+    @rule(keys=ids)
+    def get(self, keys):
+        got = self.store.get(keys)
+        for key, row in zip(keys, got):
+            expected = self.oracle.setdefault(key, initial(key, DIM))
+            assert torch.equal(row, expected), key
+
+    @rule(keys=ids, data=st.data())
+    def put(self, keys, data):
+        rows = torch.tensor(data.draw(st.lists(
+            st.lists(st.floats(-10, 10, width=32), min_size=DIM, max_size=DIM),
+            min_size=len(keys), max_size=len(keys))), dtype=torch.float32)
+        self.store.put(keys, rows)
+        for key, row in zip(keys, rows):
+            self.oracle[key] = row  # the last occurrence wins
+
+    @rule()
+    def flush(self):
+        self.store.flush()
+        self.durable = dict(self.oracle)
+
+    @rule()
+    def reopen(self):
+        self.store.close()  # close flushes
+        self.durable = dict(self.oracle)
+        self.open()
+
+    @rule()
+    def crash_and_reopen(self):
+        # Drop the process's view without flushing: the caches' dirty rows and staged rows vanish.
+        self.store.cold.close()
+        self.store._closed = True
+        self.oracle = dict(self.durable)
+        self.open()
+
+    @invariant()
+    def length_matches(self):
+        assert len(self.store) == len(self.oracle)
+
+    def teardown(self):
+        if not self.store._closed:
+            self.store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class MmapStoreAgainstDict(StoreAgainstDict):
+    backend = "mmap"
+
+
+TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase
+TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
+for case in (TestLmdbStoreAgainstDict, TestMmapStoreAgainstDict):
+    case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
