@@ -128,10 +128,10 @@ class TieredStore:
         if bool((slots >= 0).all()):  # hit path: no unique, no movement
             top.touch(slots)
             top.stats.hits += ids.numel()
-            return top.rows[slots, columns]
-        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        slots = self._make_resident(unique, counts)
-        return top.rows[slots[inverse.to(top.device)], columns]
+        else:
+            unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            slots = self._make_resident(unique, counts)[inverse.to(top.device)]
+        return top.read(slots)[:, columns].to(self.device)
 
     def put(self, ids: Any, rows: Any) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.

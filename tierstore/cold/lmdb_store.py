@@ -3,7 +3,7 @@
 Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
 into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
 after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped on the next writable
-open. Reads are one read transaction per batch with sorted keys and LMDB's C-level ``getmulti``.
+open. Reads are one read transaction per batch, keys sorted so the B-tree is walked in order.
 The memory map doubles whenever a write transaction finds it full, and the write is retried.
 """
 
@@ -61,18 +61,19 @@ class LmdbColdStore(ColdStore):
         sorted_keys = key_array[order]
         encoded = encode_keys(sorted_keys)
         for database in databases:
-            pairs = txn.cursor(database).getmulti(encoded)
-            if not pairs:
+            # Sorted keys walk the B-tree in order; LMDB's getmulti is slower than this C-level map.
+            values = list(map(txn.get, encoded, itertools.repeat(b""), itertools.repeat(database)))
+            sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+            hit = sizes > 0
+            if not hit.any():
                 continue
-            hit_keys, hit_values = zip(*pairs)
-            joined = b"".join(hit_values)
-            if len(joined) != len(hit_values) * self.row_bytes:
+            if bool((sizes[hit] != self.row_bytes).any()):
                 raise StoreFormatError(
                     f"LMDB rows are not {self.row_bytes} bytes each: the store is damaged or its "
                     f"metadata (dim/dtype) does not describe it"
                 )
-            where = torch.from_numpy(order[np.searchsorted(sorted_keys, decode_keys(hit_keys))])
-            raw = np.frombuffer(joined, dtype=np.uint8).reshape(len(hit_values), self.row_bytes)
+            raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(int(hit.sum()), self.row_bytes)
+            where = torch.from_numpy(order[hit])
             rows[where] = rows_from_bytes(raw, self.dtype)
             found[where] = True
         return rows, found
@@ -81,7 +82,7 @@ class LmdbColdStore(ColdStore):
         return [self._rows, self._pending] if self._pending_count else [self._rows]
 
     def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._env.begin(buffers=True) as txn:
+        with self._env.begin() as txn:
             return self._read(txn, keys, self._databases())
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,178 @@
+"""Benchmarks of the tiered store's CPU paths, each as a ratio to a baseline timed in the same run.
+
+    python bench/bench_store.py --help
+
+1. Host-cache hit path: hash-index probe + gather into a preallocated output, rows/s over
+   ``torch.index_select(out=)`` on a plain in-RAM tensor of the same rows (target >= 0.5).
+   Also shown: ``TieredStore.get`` on its hit path (probe, LFU touch, gather).
+2. Cold-store batched ``get`` of a batch's distinct uncached rows, over a plain Python loop of
+   LMDB ``txn.get`` over the same keys in arrival order, pre-encoded (targets: LMDB >= 2, mmap >= 10).
+   Both read from the page cache (the store fits in RAM here).
+3. Host-cache memory: RSS growth of a filled cache over its raw row bytes (target <= 1.25 at dim 64).
+
+Batches are 65,536 ids drawn Zipf(alpha) from ``--ids`` ids, hot ids scattered over the id space.
+Results go to stdout as a table and to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import psutil
+import torch
+
+from tierstore import TieredStore
+from tierstore.cold import LmdbColdStore, MmapColdStore
+from tierstore.cold.codec import encode_keys
+from tierstore.row_cache import RowCache, Rows
+
+
+def zipf_batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    scatter = rng.permutation(ids)
+    return [torch.from_numpy(scatter[(rng.zipf(alpha, size) - 1) % ids]) for _ in range(count)]
+
+
+def median_seconds(work, repeats: int) -> float:
+    work()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_host_hit_path(batches, dim: int, repeats: int) -> dict:
+    distinct = torch.unique(torch.cat(batches))
+    cache = RowCache("host", distinct.numel(), dim, torch.float32)
+    for part in distinct.split(1 << 18):
+        cache.admit(Rows(part, torch.randn(part.numel(), dim), torch.zeros(part.numel(), dtype=torch.bool),
+                         torch.zeros(part.numel(), dtype=torch.bool)))
+    table = cache.rows.clone()  # the baseline: a plain tensor holding the same rows
+    slot_batches = [cache.find(batch) for batch in batches]
+    out = torch.empty(batches[0].numel(), dim)
+
+    def baseline():
+        for slots in slot_batches:
+            torch.index_select(table, 0, slots, out=out)
+
+    def ours():
+        for batch in batches:
+            torch.index_select(cache.rows, 0, cache.find(batch), out=out)
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = TieredStore(directory, dim=dim, host_cache=distinct.numel())
+        for part in distinct.split(1 << 16):
+            store.get(part)
+
+        def store_get():
+            for batch in batches:
+                store.get(batch)
+
+        rows = sum(batch.numel() for batch in batches)
+        base, probe, whole = (median_seconds(f, repeats) for f in (baseline, ours, store_get))
+        store.close()
+    return {"rows_per_s_index_select": rows / base, "rows_per_s_probe_gather": rows / probe,
+            "rows_per_s_store_get": rows / whole, "ratio_probe_gather": base / probe,
+            "ratio_store_get": base / whole, "cached_rows": distinct.numel()}
+
+
+def bench_cold_get(batches, dim: int, cold_rows: int, ids: int, repeats: int) -> dict:
+    needed = torch.unique(torch.cat(batches))
+    extra = torch.from_numpy(np.random.default_rng(1).choice(ids, size=cold_rows, replace=False))
+    keys = torch.unique(torch.cat([needed, extra]))
+    # A batch's distinct (uncached) rows, in the order they first appear, as a plain loop meets them.
+    requests = [batch[np.sort(np.unique(batch.numpy(), return_index=True)[1])] for batch in batches]
+    results = {"cold_rows": keys.numel(), "rows_per_request": statistics.mean(r.numel() for r in requests)}
+    with tempfile.TemporaryDirectory() as directory:
+        stores = {"lmdb": LmdbColdStore(Path(directory), dim, torch.float32),
+                  "mmap": MmapColdStore(Path(directory), dim, torch.float32)}
+        for store in stores.values():
+            for part in keys.split(1 << 18):
+                store.put(part, torch.randn(part.numel(), dim))
+            store.flush()
+        environment, database = stores["lmdb"]._env, stores["lmdb"]._rows
+        encoded = [encode_keys(request.numpy()) for request in requests]
+
+        def plain_loop():
+            with environment.begin(db=database) as txn:
+                for request in encoded:
+                    values = [txn.get(key) for key in request]
+                    assert len(values) == len(request)
+
+        baseline = median_seconds(plain_loop, repeats)
+        rows = sum(request.numel() for request in requests)
+        results["rows_per_s_lmdb_txn_get_loop"] = rows / baseline
+        for name, store in stores.items():
+            seconds = median_seconds(lambda: [store.get(request) for request in requests], repeats)
+            results[f"rows_per_s_{name}"] = rows / seconds
+            results[f"ratio_{name}"] = baseline / seconds
+        for store in stores.values():
+            store.close()
+    return results
+
+
+def bench_host_memory(rows: int, dim: int) -> dict:
+    keys = torch.randperm(rows * 8)[:rows] * 3
+    gc.collect()
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = RowCache("host", rows, dim, torch.float32)
+    for part in keys.split(1 << 18):  # fill it, so every page is touched
+        cache.admit(Rows(part, torch.randn(part.numel(), dim), torch.zeros(part.numel(), dtype=torch.bool),
+                         torch.zeros(part.numel(), dtype=torch.bool)))
+    gc.collect()
+    grown = process.memory_info().rss - before
+    raw = rows * dim * 4
+    return {"rows": rows, "dim": dim, "raw_row_bytes": raw, "rss_growth_bytes": grown,
+            "accounted_bytes": cache.nbytes, "rss_over_raw": grown / raw}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ids", type=int, default=4_000_000, help="id space the batches draw from")
+    parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
+    parser.add_argument("--batch-size", type=int, default=65536)
+    parser.add_argument("--batches", type=int, default=8, help="batches per timed repeat")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--cold-rows", type=int, default=1_000_000, help="rows in the cold stores besides the batches'")
+    parser.add_argument("--memory-rows", type=int, default=2_000_000, help="rows of the cache whose RSS is measured")
+    parser.add_argument("--memory-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/store.json"))
+    args = parser.parse_args()
+
+    results = {"config": vars(args) | {"json": str(args.json), "torch_threads": torch.get_num_threads()}}
+    results["host_memory"] = bench_host_memory(args.memory_rows, args.memory_dim)  # first: clean RSS
+    batches = zipf_batches(args.batches, args.batch_size, args.ids, args.alpha)
+    results["host_hit_path"] = bench_host_hit_path(batches, args.dim, args.repeats)
+    results["cold_get"] = bench_cold_get(batches, args.dim, args.cold_rows, args.ids, args.repeats)
+
+    hit, cold, memory = results["host_hit_path"], results["cold_get"], results["host_memory"]
+    print(f"dim {args.dim}, batches of {args.batch_size:,} ids Zipf({args.alpha}) over {args.ids:,} ids")
+    print(f"{'measure':<44}{'baseline':>16}{'ours':>16}{'ratio':>8}{'target':>8}")
+    print(f"{'host hit path: probe + gather (rows/s)':<44}{hit['rows_per_s_index_select']:>16,.0f}"
+          f"{hit['rows_per_s_probe_gather']:>16,.0f}{hit['ratio_probe_gather']:>8.2f}{'>=0.5':>8}")
+    print(f"{'host hit path: TieredStore.get (rows/s)':<44}{hit['rows_per_s_index_select']:>16,.0f}"
+          f"{hit['rows_per_s_store_get']:>16,.0f}{hit['ratio_store_get']:>8.2f}{'':>8}")
+    for name, target in (("lmdb", ">=2"), ("mmap", ">=10")):
+        print(f"{'cold get, ' + name + ' (rows/s vs txn.get loop)':<44}{cold['rows_per_s_lmdb_txn_get_loop']:>16,.0f}"
+              f"{cold[f'rows_per_s_{name}']:>16,.0f}{cold[f'ratio_{name}']:>8.2f}{target:>8}")
+    print(f"{'host cache RSS / raw row bytes (dim ' + str(args.memory_dim) + ')':<44}{memory['raw_row_bytes']:>16,}"
+          f"{memory['rss_growth_bytes']:>16,}{memory['rss_over_raw']:>8.3f}{'<=1.25':>8}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
