@@ -17,6 +17,7 @@ Results go to stdout as a table and to ``--json``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import statistics
@@ -121,17 +122,21 @@ def bench_cold_get(batches, dim: int, cold_rows: int, ids: int, repeats: int) ->
     return results
 
 
+def live_rss() -> int:
+    """RSS after returning freed heap pages to the OS (glibc keeps them otherwise)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
 def bench_host_memory(rows: int, dim: int) -> dict:
     keys = torch.randperm(rows * 8)[:rows] * 3
-    gc.collect()
-    process = psutil.Process()
-    before = process.memory_info().rss
+    before = live_rss()
     cache = RowCache("host", rows, dim, torch.float32)
     for part in keys.split(1 << 18):  # fill it, so every page is touched
         cache.admit(Rows(part, torch.randn(part.numel(), dim), torch.zeros(part.numel(), dtype=torch.bool),
                          torch.zeros(part.numel(), dtype=torch.bool)))
-    gc.collect()
-    grown = process.memory_info().rss - before
+    grown = live_rss() - before
     raw = rows * dim * 4
     return {"rows": rows, "dim": dim, "raw_row_bytes": raw, "rss_growth_bytes": grown,
             "accounted_bytes": cache.nbytes, "rss_over_raw": grown / raw}
