@@ -42,6 +42,12 @@ def zipf_batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -
     return [torch.from_numpy(scatter[(rng.zipf(alpha, size) - 1) % ids]) for _ in range(count)]
 
 
+def clean_random_rows(keys: torch.Tensor, dim: int) -> Rows:
+    """Random rows for ``keys``, neither dirty nor fresh, to fill a cache."""
+    no = torch.zeros(keys.numel(), dtype=torch.bool)
+    return Rows(keys, torch.randn(keys.numel(), dim), no, no.clone())
+
+
 def median_seconds(work, repeats: int) -> float:
     work()  # warm-up
     times = []
@@ -56,8 +62,7 @@ def bench_host_hit_path(batches, dim: int, repeats: int) -> dict:
     distinct = torch.unique(torch.cat(batches))
     cache = RowCache("host", distinct.numel(), dim, torch.float32)
     for part in distinct.split(1 << 18):
-        cache.admit(Rows(part, torch.randn(part.numel(), dim), torch.zeros(part.numel(), dtype=torch.bool),
-                         torch.zeros(part.numel(), dtype=torch.bool)))
+        cache.admit(clean_random_rows(part, dim))
     table = cache.rows.clone()  # the baseline: a plain tensor holding the same rows
     slot_batches = [cache.find(batch) for batch in batches]
     out = torch.empty(batches[0].numel(), dim)
@@ -134,8 +139,7 @@ def bench_host_memory(rows: int, dim: int) -> dict:
     before = live_rss()
     cache = RowCache("host", rows, dim, torch.float32)
     for part in keys.split(1 << 18):  # fill it, so every page is touched
-        cache.admit(Rows(part, torch.randn(part.numel(), dim), torch.zeros(part.numel(), dtype=torch.bool),
-                         torch.zeros(part.numel(), dtype=torch.bool)))
+        cache.admit(clean_random_rows(part, dim))
     grown = live_rss() - before
     raw = rows * dim * 4
     return {"rows": rows, "dim": dim, "raw_row_bytes": raw, "rss_growth_bytes": grown,
