@@ -4,7 +4,7 @@
 
 1. Host-cache hit path: hash-index probe + gather into a preallocated output, rows/s over
    ``torch.index_select(out=)`` on a plain in-RAM tensor of the same rows (target >= 0.5).
-   Also shown: ``TieredStore.get`` on its hit path (probe, LFU touch, gather).
+   Also shown: ``TieredStore.get(ids, out=)`` on its hit path (validation, probe, LFU touch, gather).
 2. Cold-store batched ``get`` of a batch's distinct uncached rows, over a plain Python loop of
    LMDB ``txn.get`` over the same keys in arrival order, pre-encoded (targets: LMDB >= 2, mmap >= 10).
    Both read from the page cache (the store fits in RAM here).
@@ -82,7 +82,7 @@ def bench_host_hit_path(batches, dim: int, repeats: int) -> dict:
 
         def store_get():
             for batch in batches:
-                store.get(batch)
+                store.get(batch, out=out)
 
         rows = sum(batch.numel() for batch in batches)
         base, probe, whole = (median_seconds(f, repeats) for f in (baseline, ours, store_get))

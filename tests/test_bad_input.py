@@ -42,6 +42,17 @@ def test_bad_ids(store, ids, error, message):
     unchanged(store)
 
 
+@pytest.mark.parametrize("out, error, message", [
+    (torch.zeros(3, 4), ValueError, r"\[2, 4\] torch.float32 tensor on cpu"),
+    (torch.zeros(2, 4, dtype=torch.float64), ValueError, "torch.float32"),
+    (np.zeros((2, 4), dtype=np.float32), TypeError, "torch.Tensor"),
+])
+def test_bad_out_on_get(store, out, error, message):
+    with pytest.raises(error, match=message):
+        store.get([1, 2], out=out)
+    unchanged(store)
+
+
 @pytest.mark.parametrize("rows, error, message", [
     (torch.zeros(2, 5), ValueError, r"shape \[2, 4\]"),
     (torch.zeros(3, 4), ValueError, r"shape \[2, 4\]"),

@@ -37,3 +37,21 @@ def test_large_batches_with_collisions_and_growth():
         index.insert(chunk, chunk // 4096)
     assert torch.equal(index.find(keys), keys // 4096)
     assert bool((index.find(keys + 1) == -1).all())
+
+
+def test_long_probe_chains_through_full_buckets_and_tombstones():
+    index = HashIndex(4000)  # 1000 buckets
+    candidates = torch.arange(2_000_000)
+    same_home = candidates[index._home(candidates) == 17][:100]  # 100 keys, one home: a 13-bucket chain
+    assert same_home.numel() == 100
+    others = torch.unique(torch.randint(1 << 31, 1 << 40, (1500,)))
+    index.insert(same_home, same_home + 1)
+    index.insert(others, others + 1)
+    removed = same_home[::3]
+    index.remove(removed)  # tombstones inside the chain must not end it
+    kept = same_home[torch.arange(100) % 3 != 0]
+    assert torch.equal(index.find(kept), kept + 1)
+    assert torch.equal(index.find(others), others + 1)
+    assert bool((index.find(removed) == -1).all())
+    index.insert(removed[:10], removed[:10] + 7)  # re-inserted into freed slots of the chain
+    assert torch.equal(index.find(removed[:10]), removed[:10] + 7)

@@ -29,9 +29,11 @@ class StoreAgainstDict(RuleBasedStateMachine):
     def open(self):
         self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6)
 
-    @rule(keys=ids)
-    def get(self, keys):
-        got = self.store.get(keys)
+    @rule(keys=ids, into_out=st.booleans())
+    def get(self, keys, into_out):
+        out = torch.full((len(keys), DIM), float("nan")) if into_out else None
+        got = self.store.get(keys, out=out)
+        assert out is None or got is out
         for key, row in zip(keys, got):
             expected = self.oracle.setdefault(key, initial(key, DIM))
             assert torch.equal(row, expected), key

@@ -19,8 +19,12 @@ EMPTY = -1
 TOMBSTONE = -2
 BUCKET_SLOTS = 8
 MAX_LOAD = 0.5
+_CHAIN_WINDOW = 4  # buckets probed per round once a key's home bucket is full
 _HASH_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as int64
-_INT63_MASK = (1 << 63) - 1
+_LOW32 = (1 << 32) - 1
+# Byte k of this constant (little-endian) holds 7 - k, so multiplying the one-hot word 1 << 8s by it
+# puts s in the top byte: the slot number of a bucket's single marked byte, in two integer ops.
+_SLOT_OF_BYTE = 0x0001020304050607
 
 
 def buckets_for(capacity: int) -> int:
@@ -53,6 +57,8 @@ class HashIndex:
         self.values = torch.full((buckets, BUCKET_SLOTS), -1, dtype=self.value_dtype, device=self.device)
         self.live = 0
         self.tombstones = 0
+        self._scratch_rows = self.keys[:0]
+        self._scratch_marks = self.keys[:0] == 0
 
     @property
     def buckets(self) -> int:
@@ -70,33 +76,74 @@ class HashIndex:
         return self.live
 
     def _home(self, keys: torch.Tensor) -> torch.Tensor:
+        """Home bucket of each key: the top 32 bits of a Fibonacci hash scaled to ``[0, buckets)``
+        by a multiply and shift (no division). In-place steps: one allocation per call."""
         mixed = keys * _HASH_MULTIPLIER
-        mixed = mixed ^ ((mixed >> 29) & ((1 << 35) - 1))
-        return (mixed & _INT63_MASK) % self.buckets
+        mixed >>= 32
+        mixed &= _LOW32
+        mixed *= self.buckets
+        return mixed.__irshift__(32)
+
+    def _probe_scratch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused ``[count, BUCKET_SLOTS]`` buffers for a probe round's bucket rows and matches:
+        allocating 4 MiB afresh per 64K-key batch costs as much as probing it (page faults)."""
+        if self._scratch_rows.shape[0] < count:
+            self._scratch_rows = torch.empty(count, BUCKET_SLOTS, dtype=torch.int64, device=self.device)
+            self._scratch_marks = torch.empty(count, BUCKET_SLOTS, dtype=torch.bool, device=self.device)
+        return self._scratch_rows[:count], self._scratch_marks[:count]
 
     def positions(self, keys: torch.Tensor) -> torch.Tensor:
         """Flat table position of each key (int64 [N]), -1 where the key is absent."""
-        result = torch.full_like(keys, -1)
-        pending = torch.arange(keys.numel(), device=self.device)
-        bucket = self._home(keys)
-        wanted = keys
-        for _ in range(self.buckets):
+        return self._probe(keys)[0]
+
+    def _probe(self, keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``(positions [N], whether every key was found)``.
+
+        Round one probes every key's home bucket with whole-batch, mostly in-place ops and
+        usually settles the batch; later rounds follow only the keys whose home bucket was full
+        without holding them.
+        """
+        position = self._home(keys)
+        row, marks = self._probe_scratch(keys.numel())
+        torch.index_select(self.keys, 0, position, out=row)
+        word = _marked_bytes(torch.eq(row, keys[:, None], out=marks))  # one marked byte at most
+        hit = word != 0
+        position *= BUCKET_SLOTS
+        position += (word * _SLOT_OF_BYTE) >> 56  # bucket * slots + slot
+        if bool(hit.all()):
+            return position, True
+        pending = (~hit).nonzero().squeeze(1)
+        position.masked_fill_(~hit, -1)
+        pending = pending[~_any_marked(row[pending] == EMPTY)]  # a bucket with an empty slot ends the chain
+        self._follow_chains(keys, pending, self._home(keys[pending]), position)
+        return position, False
+
+    def _follow_chains(self, keys: torch.Tensor, pending: torch.Tensor, bucket: torch.Tensor,
+                       result: torch.Tensor) -> None:
+        """Probe the ``_CHAIN_WINDOW`` buckets after ``bucket`` for ``keys[pending]`` (their home
+        buckets were full without them), window after window, and fill ``result`` in place."""
+        window_offsets = torch.arange(1, _CHAIN_WINDOW + 1, device=self.device)
+        for _ in range(0, self.buckets, _CHAIN_WINDOW):
             if pending.numel() == 0:
                 break
-            row = self.keys.index_select(0, bucket)  # [P, BUCKET_SLOTS]
-            hit_row, hit_slot = (row == wanted[:, None]).nonzero(as_tuple=True)
-            result[pending[hit_row]] = bucket[hit_row] * BUCKET_SLOTS + hit_slot
-            going_on = ~(row == EMPTY).any(dim=1)  # a bucket with an empty slot ends the chain
-            going_on[hit_row] = False
-            pending, wanted = pending[going_on], wanted[going_on]
-            bucket = (bucket[going_on] + 1) % self.buckets
-        return result
+            window = (bucket[:, None] + window_offsets) % self.buckets  # [P, W]
+            rows = self.keys.index_select(0, window.view(-1)).view(pending.numel(), -1)  # [P, W * slots]
+            marks = rows == keys[pending][:, None]
+            hit = marks.any(dim=1)
+            at = marks.to(torch.uint8).argmax(dim=1)
+            found_bucket = window.gather(1, (at // BUCKET_SLOTS)[:, None]).squeeze(1)
+            result[pending[hit]] = (found_bucket * BUCKET_SLOTS + at % BUCKET_SLOTS)[hit]
+            going_on = ~hit & ~(rows == EMPTY).any(dim=1)
+            pending, bucket = pending[going_on], window[going_on, -1]
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where the key is absent."""
-        position = self.positions(keys)
-        values = self.values.view(-1)[position.clamp(min=0)].to(torch.int64)
-        return values.masked_fill_(position < 0, -1)
+        position, all_found = self._probe(keys)
+        if all_found:
+            return self.values.view(-1).index_select(0, position).to(torch.int64)
+        missing = position < 0
+        values = self.values.view(-1).index_select(0, position.masked_fill(missing, 0)).to(torch.int64)
+        return values.masked_fill_(missing, -1)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, none present yet) with ``values``; grows the table as needed."""
@@ -119,7 +166,7 @@ class HashIndex:
             # Each claimant takes its bucket's first free slot; claimants of one slot race and
             # exactly one write survives, the rest retry next round.
             claimants = pending[has_free]
-            spots = bucket[has_free] * BUCKET_SLOTS + free[has_free].to(torch.uint8).argmax(dim=1)
+            spots = bucket[has_free] * BUCKET_SLOTS + _first_marked_slot(free[has_free])
             was_tombstone = flat_keys[spots] == TOMBSTONE
             flat_keys[spots] = keys[claimants]
             won = flat_keys[spots] == keys[claimants]
@@ -153,3 +200,26 @@ class HashIndex:
         keys, values = self.items()
         self._allocate(buckets)
         self._place(keys, values.to(self.value_dtype))
+
+
+def _marked_bytes(marks: torch.Tensor) -> torch.Tensor:
+    """A ``[N, BUCKET_SLOTS]`` bool tensor read as one int64 word per row (byte s = slot s)."""
+    return marks.contiguous().view(torch.int64).squeeze(1)
+
+
+def _any_marked(marks: torch.Tensor) -> torch.Tensor:
+    """bool [N]: whether each row of ``marks [N, BUCKET_SLOTS]`` has a marked slot."""
+    return _marked_bytes(marks) != 0
+
+
+def _first_marked_slot(marks: torch.Tensor) -> torch.Tensor:
+    """First marked slot (int64 [N]) of each row of ``marks [N, BUCKET_SLOTS]`` that has one.
+
+    Word arithmetic instead of ``argmax``: isolate the lowest marked byte, then read its number
+    off ``_SLOT_OF_BYTE`` (little-endian byte order, as on every platform torch supports).
+    """
+    word = _marked_bytes(marks)
+    slot = -word
+    slot &= word  # the lowest marked byte alone
+    slot *= _SLOT_OF_BYTE
+    return slot.__irshift__(56)

@@ -108,9 +108,12 @@ class RowCache:
 
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Record ``counts`` accesses (default one each) of ``slots`` for LFU."""
-        counts = torch.ones_like(slots, dtype=torch.float32) if counts is None else counts.to(self.device, torch.float32)
-        self.score.index_add_(0, slots, counts * self._increment)
-        self._increment *= self._growth ** float(counts.sum())
+        if counts is None:
+            weights, accesses = torch.full_like(slots, self._increment, dtype=torch.float32), slots.numel()
+        else:
+            weights, accesses = counts.to(self.device, torch.float32) * self._increment, int(counts.sum())
+        self.score.index_add_(0, slots, weights)
+        self._increment *= self._growth ** accesses
         if self._increment > _RENORMALISE_AT:
             self.score /= self._increment
             self._increment = 1.0

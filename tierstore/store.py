@@ -24,7 +24,7 @@ from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, St
 from .initializer import initial_rows
 from .metadata import METADATA_FILE, StoreMetadata, check_matches, dtype_name, read_metadata, write_metadata
 from .row_cache import RowCache, Rows
-from .validation import as_ids, as_rows
+from .validation import as_ids, as_rows, check_out
 
 
 @dataclasses.dataclass
@@ -118,12 +118,18 @@ class TieredStore:
 
     # -- public API --------------------------------------------------------------------------
 
-    def get(self, ids: Any, with_state: bool = False) -> torch.Tensor:
-        """Rows of ``ids`` (int64 [N]) -> ``[N, dim]`` (``with_state``: ``[N, row_width]``) on ``device``."""
+    def get(self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of ``ids`` (int64 [N]) -> ``[N, dim]`` (``with_state``: ``[N, row_width]``) on ``device``.
+
+        ``out``: a preallocated tensor of that shape, dtype and device to gather into (saves
+        allocating and page-faulting a fresh output per batch); it is returned.
+        """
         self._check_open()
         ids = as_ids(ids)
+        width = self.row_width if with_state else self.dim
+        if out is not None:
+            check_out(out, (ids.numel(), width), self.dtype, self.device)
         top = self.caches[0]
-        columns = slice(None) if with_state else slice(0, self.dim)
         slots = top.find(ids)
         if bool((slots >= 0).all()):  # hit path: no unique, no movement
             top.touch(slots)
@@ -131,7 +137,11 @@ class TieredStore:
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             slots = self._make_resident(unique, counts)[inverse.to(top.device)]
-        return top.read(slots)[:, columns].to(self.device)
+        source = top.rows[:, :width]
+        if out is None or top.device != self.device:
+            rows = source.index_select(0, slots).to(self.device)
+            return rows if out is None else out.copy_(rows)
+        return torch.index_select(source, 0, slots, out=out)
 
     def put(self, ids: Any, rows: Any) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.

@@ -57,3 +57,13 @@ def as_rows(rows: Any, count: int, widths: tuple[int, ...], dtype: torch.dtype, 
         expected = " or ".join(f"[{count}, {w}]" for w in widths)
         raise ValueError(f"{name} must have shape {expected} (one row per id), got {tuple(rows.shape)}")
     return rows
+
+
+def check_out(out: Any, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:
+    """Raise unless ``out`` is a tensor of ``shape``, ``dtype`` and ``device`` to write results into."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    same_device = out.device.type == device.type and device.index in (None, out.device.index)
+    if tuple(out.shape) != shape or out.dtype != dtype or not same_device:
+        raise ValueError(f"out must be a {list(shape)} {dtype} tensor on {device}; "
+                         f"got {list(out.shape)} {out.dtype} on {out.device}")
