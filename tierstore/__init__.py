@@ -1,11 +1,16 @@
 """tierstore: a tiered embedding store (SSD/NVM -> DRAM -> GPU) for tables larger than memory."""
 
+from . import optim
+from .embedding import TieredEmbedding, TieredEmbeddingBag
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError, StoreMismatchError
 from .initializer import initial_rows, initial_weights
 from .store import TieredStore
 
 __all__ = [
+    "TieredEmbedding",
+    "TieredEmbeddingBag",
     "TieredStore",
+    "optim",
     "initial_rows",
     "initial_weights",
     "CacheCapacityError",

@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import torch
@@ -118,11 +118,14 @@ class TieredStore:
 
     # -- public API --------------------------------------------------------------------------
 
-    def get(self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None,
+            grow: bool = True) -> torch.Tensor:
         """Rows of ``ids`` (int64 [N]) -> ``[N, dim]`` (``with_state``: ``[N, row_width]``) on ``device``.
 
         ``out``: a preallocated tensor of that shape, dtype and device to gather into (saves
         allocating and page-faulting a fresh output per batch); it is returned.
+        ``grow=False``: ids the table does not hold get their initial row but do not join it
+        (for evaluation); a read-only store never grows.
         """
         self._check_open()
         ids = as_ids(ids)
@@ -136,6 +139,9 @@ class TieredStore:
             top.stats.hits += ids.numel()
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            if not (grow or self.read_only):
+                rows = self._get_without_growing(unique, counts, width)[inverse.to(self.device)]
+                return rows if out is None else out.copy_(rows)
             slots = self._make_resident(unique, counts)[inverse.to(top.device)]
         source = top.rows[:, :width]
         if out is None or top.device != self.device:
@@ -158,6 +164,21 @@ class TieredStore:
             0, inverse, torch.arange(ids.numel()), reduce="amax")
         slots = self._make_resident(unique, counts)
         self.caches[0].write(slots, rows[last], slice(0, rows.shape[1]))
+
+    def update_rows(self, ids: torch.Tensor, update: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the whole rows of distinct ``ids`` (int64 [U]) by ``update(rows)`` in place in the
+        top tier: ``rows`` is ``[U, row_width]`` on the top tier's device, and so is the result.
+
+        The fused optimizers' path: rows and their optimizer state are read, updated and marked
+        dirty where they live, without a round trip through the caller.
+        """
+        self._check_open()
+        if self.read_only:
+            raise ReadOnlyStoreError(f"store {self.path} was opened with read_only=True; reopen it writable to update")
+        ids = as_ids(ids)
+        slots = self._make_resident(ids, torch.ones_like(ids))
+        top = self.caches[0]
+        top.write(slots, update(top.read(slots)))
 
     def flush(self) -> None:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
@@ -269,6 +290,21 @@ class TieredStore:
             self._move_down(evicted, level=1)
         top.touch(slots, counts)
         return slots
+
+    def _get_without_growing(self, unique: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """``[U, width]`` rows of ``unique`` ids on ``device``: held ids through the tiers, the others
+        their initial rows, which are not cached (a cached row is always one the table holds)."""
+        known = self.contains(unique)
+        rows = torch.empty(unique.numel(), width, dtype=self.dtype, device=self.device)
+        if bool(known.any()):
+            slots = self._make_resident(unique[known], counts[known])
+            rows[known.to(self.device)] = self.caches[0].read(slots)[:, :width].to(self.device)
+        unknown = ~known
+        if bool(unknown.any()):
+            self.cold_stats.initialized += int(counts[unknown].sum())
+            rows[unknown.to(self.device)] = initial_rows(unique[unknown], self.dim, self.metadata.optimizer_state_width,
+                                                         self.metadata.seed, self.dtype)[:, :width].to(self.device)
+        return rows
 
     def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int) -> Rows:
         """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below."""

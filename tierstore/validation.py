@@ -67,3 +67,59 @@ def check_out(out: Any, shape: tuple[int, int], dtype: torch.dtype, device: torc
     if tuple(out.shape) != shape or out.dtype != dtype or not same_device:
         raise ValueError(f"out must be a {list(shape)} {dtype} tensor on {device}; "
                          f"got {list(out.shape)} {out.dtype} on {out.device}")
+
+
+def check_lookup_ids(input: Any, num_embeddings: int | None, name: str = "input") -> torch.Tensor:
+    """An embedding module's ids: an integer tensor of any shape, each in ``[0, num_embeddings)``
+    (``num_embeddings=None``: any non-negative int64). Returns them as int64 on CPU.
+
+    Raises ``TypeError`` (not an integer tensor), ``ValueError`` (negative), ``IndexError`` (too big).
+    """
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64 or int32 ids, got {type(input).__name__}")
+    if input.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{name} must have an integer dtype (torch.int64 or torch.int32), got {input.dtype}")
+    ids = input.to(device="cpu", dtype=torch.int64)
+    if ids.numel() and bool((ids < 0).any()):
+        raise ValueError(f"{name} holds a negative id ({int(ids.min())}); ids must be non-negative")
+    if num_embeddings is not None and ids.numel() and int(ids.max()) >= num_embeddings:
+        raise IndexError(f"{name} holds id {int(ids.max())}, out of range for num_embeddings={num_embeddings}")
+    return ids
+
+
+def check_bag_input(input: Any, offsets: Any, per_sample_weights: Any, mode: str, num_embeddings: int | None,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.EmbeddingBag.forward``'s arguments, checked as torch does and more clearly.
+
+    Returns ``(input as int64 CPU ids, offsets as int64 CPU or None)``. Errors name the argument.
+    """
+    if isinstance(input, torch.Tensor) and input.dim() not in (1, 2):
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D (fixed-length bags), got shape {tuple(input.shape)}")
+    ids = check_lookup_ids(input, num_embeddings)
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets must be None when input is 2-D (each row of input is one bag)")
+    else:
+        if offsets is None:
+            raise ValueError("offsets is required when input is 1-D: offsets[i] is where bag i starts in input")
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.is_floating_point() or offsets.dtype == torch.bool:
+            raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets!r:.80}")
+        offsets = offsets.to(device="cpu", dtype=torch.int64)
+        if offsets.numel():
+            if int(offsets[0]) != 0:
+                raise ValueError(f"offsets[0] must be 0 (the first bag starts at the start of input), got {int(offsets[0])}")
+            if bool((offsets[1:] < offsets[:-1]).any()):
+                raise ValueError("offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])")
+            if int(offsets[-1]) > ids.numel():
+                raise ValueError(f"offsets point past the end of input: last offset {int(offsets[-1])} > input length {ids.numel()}")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise ValueError(f"per_sample_weights is only supported with mode='sum' (as in torch), not mode={mode!r}")
+        if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
+            raise TypeError("per_sample_weights must be a floating-point tensor")
+        if tuple(per_sample_weights.shape) != tuple(ids.shape):
+            raise ValueError(f"per_sample_weights must have input's shape {tuple(ids.shape)}, "
+                             f"got {tuple(per_sample_weights.shape)}")
+        if per_sample_weights.dtype != dtype:
+            raise TypeError(f"per_sample_weights must have the table's dtype {dtype}, got {per_sample_weights.dtype}")
+    return ids, offsets

@@ -1,0 +1,280 @@
+"""TieredEmbeddingBag / TieredEmbedding against torch's nn.EmbeddingBag / nn.Embedding and optimizers."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tierstore import TieredEmbedding, TieredEmbeddingBag, TieredStore, initial_weights, optim
+
+NUM, DIM = 64, 8
+
+
+def oracle_bag(mode, padding_idx=None, include_last_offset=False, dtype=torch.float32):
+    """torch's table with our initial rows (torch has no sparse gradients for mode "max":
+    ``sparse_grad_of_batch`` makes one)."""
+    bag = nn.EmbeddingBag(NUM, DIM, mode=mode, sparse=mode != "max", padding_idx=padding_idx,
+                          include_last_offset=include_last_offset, dtype=dtype)
+    with torch.no_grad():
+        bag.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, dtype))
+    return bag
+
+
+def sparse_grad_of_batch(bag, ids):
+    """Replace a dense gradient by the sparse one torch's sparse backward would give: the rows
+    looked up in the batch (so lazy optimizers update exactly those)."""
+    if bag.weight.grad is not None and not bag.weight.grad.is_sparse:
+        rows = torch.unique(ids)
+        bag.weight.grad = torch.sparse_coo_tensor(rows[None], bag.weight.grad[rows], bag.weight.shape)
+
+
+def random_bags(rng, bags=6, max_length=4, include_last_offset=False):
+    """A 1-D input with offsets; some bags empty."""
+    lengths = rng.integers(0, max_length + 1, bags)
+    ids = torch.from_numpy(rng.integers(0, NUM, int(lengths.sum())))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+    if include_last_offset:
+        offsets = torch.cat([offsets, torch.tensor([ids.numel()])])
+    return ids, offsets
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_bag_forward_equals_torch(mode, padding_idx, include_last_offset):
+    rng = np.random.default_rng(0)
+    ours = TieredEmbeddingBag(NUM, DIM, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset,
+                              host_cache=16, device_cache=40)
+    torch_bag = oracle_bag(mode, padding_idx, include_last_offset)
+    for _ in range(5):
+        ids, offsets = random_bags(rng, include_last_offset=include_last_offset)
+        ids[::3] = 3  # padding entries, when padding_idx is 3
+        weights = torch.rand(ids.numel()) if mode == "sum" else None
+        torch.testing.assert_close(ours(ids, offsets, weights), torch_bag(ids, offsets, weights), rtol=0, atol=0)
+    two_d = torch.from_numpy(rng.integers(0, NUM, (5, 3)))
+    two_d_weights = torch.rand(5, 3) if mode == "sum" else None
+    torch.testing.assert_close(ours(two_d, None, two_d_weights), torch_bag(two_d, None, two_d_weights), rtol=0, atol=0)
+    ours.close()
+
+
+def test_empty_input_and_all_empty_bags():
+    ours, torch_bag = TieredEmbeddingBag(NUM, DIM, mode="mean", host_cache=16), oracle_bag("mean")
+    ids, offsets = torch.empty(0, dtype=torch.int64), torch.tensor([0, 0, 0])
+    torch.testing.assert_close(ours(ids, offsets), torch_bag(ids, offsets))
+    ours.close()
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5])
+def test_embedding_forward_equals_torch(padding_idx):
+    ours = TieredEmbedding(NUM, DIM, padding_idx=padding_idx, host_cache=16, device_cache=40)
+    torch_table = nn.Embedding(NUM, DIM, padding_idx=padding_idx)
+    with torch.no_grad():
+        torch_table.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, torch.float32))
+        if padding_idx is not None:
+            torch_table.weight[padding_idx] = 0
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, NUM, (3, 4, 2)))
+    ids[0, 0] = 5
+    torch.testing.assert_close(ours(ids), torch_table(ids), rtol=0, atol=0)
+    ours.close()
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: optim.SGD(lr=0.1), lambda params: torch.optim.SGD(params, lr=0.1)),
+    "adagrad": (lambda: optim.Adagrad(lr=0.1), lambda params: torch.optim.Adagrad(params, lr=0.1)),
+    "adam": (lambda: optim.Adam(lr=0.05), lambda params: torch.optim.SparseAdam(params, lr=0.05)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, store_path):
+    ours_optimizer, torch_optimizer = OPTIMIZERS[name]
+    ours = TieredEmbeddingBag(NUM, DIM, mode=mode, path=store_path, backend=backend, host_cache=12,
+                              device_cache=24, optimizer=ours_optimizer())
+    torch_bag = oracle_bag(mode)
+    reference_optimizer = torch_optimizer(torch_bag.parameters())
+    rng = np.random.default_rng(7)
+    moved = []
+    for _ in range(50):
+        ids, offsets = random_bags(rng)
+        weights = torch.rand(ids.numel()) if mode == "sum" else None
+        target = torch.from_numpy(rng.standard_normal((offsets.numel(), DIM)).astype(np.float32))
+        before = ours.store.stats()
+        (ours(ids, offsets, weights) * target).sum().backward()
+        after = ours.store.stats()
+        moved.append((after["host"]["rows_in"] > before["host"]["rows_in"],
+                       after["cold"]["rows_read"] > before["cold"]["rows_read"]))
+        reference_optimizer.zero_grad()
+        (torch_bag(ids, offsets, weights) * target).sum().backward()
+        sparse_grad_of_batch(torch_bag, ids)
+        reference_optimizer.step()
+    assert sum(host and cold for host, cold in moved) >= 40  # rows moved through all three tiers nearly every step
+    ours.close()
+    with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
+        torch.testing.assert_close(reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_training_matches_torch(store_path):
+    ours = TieredEmbedding(NUM, DIM, padding_idx=2, path=store_path, host_cache=12, device_cache=24,
+                           optimizer=optim.Adagrad(lr=0.1))
+    torch_table = nn.Embedding(NUM, DIM, padding_idx=2, sparse=True)
+    with torch.no_grad():
+        torch_table.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, torch.float32))
+        torch_table.weight[2] = 0
+    reference_optimizer = torch.optim.Adagrad(torch_table.parameters(), lr=0.1)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        ids = torch.from_numpy(rng.integers(0, NUM, (4, 5)))
+        target = torch.from_numpy(rng.standard_normal((4, 5, DIM)).astype(np.float32))
+        (ours(ids) * target).sum().backward()
+        reference_optimizer.zero_grad()
+        (torch_table(ids) * target).sum().backward()
+        reference_optimizer.step()
+    ours.close()
+    expected = torch_table.weight.detach().clone()
+    with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
+        got = reopened.get(torch.arange(NUM))
+    got[2] = 0  # the padding row: never looked up by us, zero in torch
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def rowwise_adagrad_reference(weights, momentum, grad, lr, eps):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD update, in numpy float64."""
+    momentum = momentum + (grad**2).mean(axis=1)
+    return weights - (lr / (np.sqrt(momentum) + eps))[:, None] * grad, momentum
+
+
+def test_rowwise_adagrad_matches_published_update(store_path):
+    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24,
+                              optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8))
+    weights = initial_weights(torch.arange(NUM), DIM, 0, torch.float32).double().numpy()
+    momentum = np.zeros(NUM)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        ids, offsets = random_bags(rng)
+        target = rng.standard_normal((offsets.numel(), DIM)).astype(np.float32)
+        (ours(ids, offsets) * torch.from_numpy(target)).sum().backward()
+        bag_of = np.searchsorted(offsets.numpy(), np.arange(ids.numel()), side="right") - 1
+        grad = np.zeros((NUM, DIM))
+        np.add.at(grad, ids.numpy(), target[bag_of])
+        touched = np.unique(ids.numpy())
+        weights[touched], momentum[touched] = rowwise_adagrad_reference(
+            weights[touched], momentum[touched], grad[touched], 0.1, 1e-8)
+    ours.close()
+    with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
+        rows = reopened.get(torch.arange(NUM), with_state=True).double()
+    np.testing.assert_allclose(rows[:, :DIM].numpy(), weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rows[:, DIM].numpy(), momentum, rtol=1e-5, atol=1e-7)
+
+
+def test_per_sample_weights_gradients_match_torch():
+    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", host_cache=40, dtype=torch.float64)
+    ours.eval()  # rows stay put, so the function of per_sample_weights is fixed
+    ids, offsets = random_bags(np.random.default_rng(2), bags=5)
+    weights = torch.rand(ids.numel(), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w: ours(ids, offsets, w), (weights,))
+    torch_bag = oracle_bag("sum", dtype=torch.float64)
+    (ours(ids, offsets, weights) ** 2).sum().backward()
+    ours_grad, weights.grad = weights.grad.clone(), None
+    (torch_bag(ids, offsets, weights) ** 2).sum().backward()
+    torch.testing.assert_close(ours_grad, weights.grad)
+    ours.close()
+
+
+def test_unbounded_table_grows_with_any_int64_id():
+    ours = TieredEmbeddingBag(None, DIM, mode="sum", host_cache=16)
+    huge = torch.tensor([2**62, 7, 2**40 + 1])
+    out = ours(huge, torch.tensor([0]))
+    torch.testing.assert_close(out[0], initial_weights(huge, DIM, 0, torch.float32).sum(0))
+    assert len(ours.store) == 3
+    ours.close()
+
+
+@pytest.mark.parametrize("missing", ["init", "zero", "error"])
+def test_eval_and_no_grad_lookups_do_not_grow_the_table(missing):
+    ours = TieredEmbeddingBag(None, DIM, mode="sum", host_cache=16, missing=missing)
+    ours(torch.tensor([1, 2]), torch.tensor([0]))  # training: 1 and 2 join
+    ours.eval()
+    unseen = torch.tensor([1, 99])
+    if missing == "error":
+        with pytest.raises(KeyError, match="99"):
+            ours(unseen, torch.tensor([0]))
+    else:
+        out = ours(unseen, torch.tensor([0, 1]))
+        expected_99 = initial_weights(torch.tensor([99]), DIM, 0, torch.float32)[0] if missing == "init" else torch.zeros(DIM)
+        torch.testing.assert_close(out[1], expected_99)
+    ours.train()
+    with torch.no_grad():
+        ours(torch.tensor([123]), torch.tensor([0])) if missing != "error" else None
+    assert len(ours.store) == 2 and 99 not in ours.store and 123 not in ours.store
+    ours.close()
+
+
+def test_state_dict_resumes_the_same_store_and_copies_into_another(tmp_path):
+    first = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam())
+    for step in range(3):
+        first(torch.tensor([step, 10 + step, 30]), torch.tensor([0])).sum().backward()
+    state = first.state_dict()
+    assert state["_extra_state"]["step"] == 3
+    ids = torch.tensor([0, 1, 2, 10, 11, 12, 30])
+    expected = first.store.get(ids, with_state=True)
+    first.close()  # as when a checkpoint is loaded in a new process (LMDB opens a store once per process)
+    second = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "b", host_cache=8, optimizer=optim.Adam())
+    second.load_state_dict(state)
+    assert second.step == 3
+    torch.testing.assert_close(second.store.get(ids, with_state=True), expected)
+    assert len(second.store) == 7
+    resumed = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam())
+    resumed.load_state_dict(state)  # the same store: only the step count is restored
+    assert resumed.step == 3 and len(resumed.store) == 7
+    wrong = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "c", host_cache=8, optimizer=optim.SGD())
+    with pytest.raises(ValueError, match="optimizer"):
+        wrong.load_state_dict(state)
+    for module in (second, resumed, wrong):
+        module.close()
+
+
+def test_module_has_no_parameters_and_follows_to_and_train_eval():
+    ours = TieredEmbeddingBag(None, DIM, host_cache=8)
+    assert list(ours.parameters()) == []
+    assert ours.to("cpu") is ours and ours.eval().training is False
+    ours.close()
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: m(torch.tensor([1, -2]), torch.tensor([0])), ValueError, "input.*negative"),
+    (lambda m: m(torch.tensor([1, NUM]), torch.tensor([0])), IndexError, "input.*num_embeddings"),
+    (lambda m: m(torch.tensor([1.0, 2.0]), torch.tensor([0])), TypeError, "input.*integer"),
+    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])), ValueError, "offsets.*non-decreasing"),
+    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([1, 2])), ValueError, r"offsets\[0\]"),
+    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 4])), ValueError, "offsets point past"),
+    (lambda m: m(torch.tensor([1, 2, 3]), None), ValueError, "offsets is required"),
+    (lambda m: m(torch.tensor([[1, 2]]), torch.tensor([0])), ValueError, "offsets must be None"),
+    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(2)), ValueError, "per_sample_weights.*shape"),
+    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(3, dtype=torch.float64)), TypeError,
+     "per_sample_weights.*dtype"),
+])
+def test_bad_bag_input_names_the_argument(call, error, message):
+    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", host_cache=16)
+    with pytest.raises(error, match=message):
+        call(ours)
+    assert len(ours.store) == 0  # nothing was looked up
+    ours.close()
+
+
+def test_per_sample_weights_need_sum_mode():
+    ours = TieredEmbeddingBag(NUM, DIM, mode="mean", host_cache=16)
+    with pytest.raises(ValueError, match="per_sample_weights.*mode='sum'"):
+        ours(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2))
+    ours.close()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"num_embeddings": 0}, ValueError), ({"embedding_dim": -1}, ValueError), ({"mode": "median"}, ValueError),
+    ({"padding_idx": NUM}, ValueError), ({"missing": "drop"}, ValueError), ({"optimizer": "sgd"}, TypeError),
+    ({"max_norm": 1.0}, NotImplementedError),
+])
+def test_bad_constructor_arguments(kwargs, error):
+    arguments = {"num_embeddings": NUM, "embedding_dim": DIM} | kwargs
+    with pytest.raises(error, match=next(iter(kwargs))):
+        TieredEmbeddingBag(**arguments, host_cache=8)

@@ -1,0 +1,238 @@
+"""Drop-in ``nn.EmbeddingBag`` / ``nn.Embedding`` replacements backed by a ``TieredStore``.
+
+A forward gathers the batch's distinct ids from the store into a small local weight
+``[U (+1 padding row), dim]`` and runs torch's own ``F.embedding_bag`` / ``F.embedding`` on it, so
+outputs (and gradients w.r.t. ``per_sample_weights``) are torch's. In training, a hook on that
+local weight receives its gradient — already reduced to one row per distinct id — during
+``backward`` and applies the fused optimizer to those rows and their state in the top cache
+tier. The modules expose **no** ``nn.Parameter``: build the dense optimizer from the rest of
+the model, and do not expect ``optimizer.step()`` to touch the embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .budget import Budget
+from .optim import SGD, SparseOptimizer
+from .store import TieredStore
+from .validation import check_bag_input, check_lookup_ids
+
+_MISSING = ("init", "zero", "error")
+_STATE_FORMAT = "tierstore-table/1"
+
+
+class _TieredTable(nn.Module):
+    """What both modules share: the store, the optimizer, local weights and the update hook."""
+
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
+                 path: str | Path | None, backend: str | None, host_cache: Budget, device_cache: Budget,
+                 seed: int, optimizer: SparseOptimizer | None, missing: str, dtype: torch.dtype | None,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0):
+            raise ValueError(f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}")
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if missing not in _MISSING:
+            raise ValueError(f"missing must be one of {_MISSING}, got {missing!r}")
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        if not isinstance(self.optimizer, SparseOptimizer):
+            raise TypeError(f"optimizer must be a tierstore.optim optimizer such as tierstore.optim.SGD(lr=0.01), "
+                            f"got {type(optimizer).__name__}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
+        self.missing = missing
+        device = torch.device(device if device is not None else "cpu")
+        self.store = TieredStore(path, dim=embedding_dim, dtype=dtype or torch.float32, backend=backend,
+                                 host_cache=host_cache, device_cache=device_cache, device=device,
+                                 optimizer_state_width=self.optimizer.state_width(embedding_dim), seed=seed)
+        self.step = 0
+        # An empty buffer that follows .to(device): where outputs go.
+        self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def _local_weight(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """``(weight [U (+1), dim], local index of each id, local padding row or None)``.
+
+        ``ids``: int64, any shape, validated. Padding entries map to an extra zero row that gets
+        no update; every other id maps to its distinct row.
+        """
+        flat = ids.reshape(-1)
+        padding = flat == self.padding_idx if self.padding_idx is not None else None
+        looked_up = flat if padding is None else flat[~padding]
+        unique, inverse = torch.unique(looked_up, return_inverse=True)
+        weight = self._rows(unique)
+        local_padding = None
+        local = inverse
+        if padding is not None:
+            local_padding = unique.numel()
+            local = torch.full_like(flat, local_padding)
+            local[~padding] = inverse
+            weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
+        device = self._output_device.device
+        weight = weight.to(device)
+        if self.training and torch.is_grad_enabled():
+            weight.requires_grad_(True)
+            weight.register_hook(lambda grad: self._apply_gradient(unique, grad[:unique.numel()]))
+        return weight, local.reshape(ids.shape).to(device), local_padding
+
+    def _rows(self, unique: torch.Tensor) -> torch.Tensor:
+        growing = self.training and torch.is_grad_enabled()
+        rows = self.store.get(unique, grow=growing)
+        if growing or self.missing == "init" or unique.numel() == 0:
+            return rows
+        known = self.store.contains(unique).to(rows.device)
+        if self.missing == "error" and not bool(known.all()):
+            absent = unique[~known.cpu()]
+            raise KeyError(f"input holds {absent.numel()} id(s) the table has never seen (first: {int(absent[0])}) "
+                           f"and missing='error'; use missing='init' or 'zero' to look them up anyway")
+        rows[~known] = 0
+        return rows
+
+    def _apply_gradient(self, unique: torch.Tensor, grad: torch.Tensor) -> None:
+        """Fused optimizer step on the rows of ``unique`` (int64 [U]) with ``grad [U, dim]``."""
+        if unique.numel() == 0:
+            return
+        self.step += 1
+        step = self.step
+
+        def update(rows: torch.Tensor) -> torch.Tensor:
+            return self.optimizer.update(rows, grad.to(rows.device, rows.dtype), step)
+
+        self.store.update_rows(unique, update)
+
+    # -- store life cycle and state ------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Make every update so far durable in the store (atomic; see ``TieredStore.flush``)."""
+        self.store.flush()
+
+    def close(self) -> None:
+        """Flush and close the store (a temporary store is deleted)."""
+        self.store.close()
+
+    def get_extra_state(self) -> dict:
+        """The table's part of ``state_dict()``: the store's location and layout, the optimizer
+        and its step count — not the rows, which stay in the store (flushed first). Reloading
+        into a module on the same store resumes it; into a module on another store copies the
+        rows over, streaming. A temporary store is deleted on ``close()``: give ``path=`` to keep one."""
+        if not self.store.read_only:
+            self.store.flush()
+        return {"format": _STATE_FORMAT, "path": str(self.store.path.resolve()), "dim": self.embedding_dim,
+                "dtype": str(self.store.dtype), "optimizer": type(self.optimizer).__name__,
+                "optimizer_state_width": self.store.metadata.optimizer_state_width, "step": self.step}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"not a tierstore table state (expected format {_STATE_FORMAT!r}): {state!r}")
+        mine = self.get_extra_state()
+        for key in ("dim", "dtype", "optimizer", "optimizer_state_width"):
+            if state[key] != mine[key]:
+                raise ValueError(f"state_dict {key} is {state[key]!r} but this module's is {mine[key]!r}")
+        if Path(state["path"]) != Path(mine["path"]):
+            with TieredStore(state["path"], read_only=True, host_cache=1) as source:
+                for ids, rows in source.iter_rows(with_state=True):
+                    self.store.put(ids, rows)
+            self.store.flush()
+        self.step = int(state["step"])
+
+    def extra_repr(self) -> str:
+        bound = "unbounded" if self.num_embeddings is None else self.num_embeddings
+        return (f"{bound}, {self.embedding_dim}, optimizer={self.optimizer}, store={str(self.store.path)!r}, "
+                f"backend={self.store.metadata.backend!r}")
+
+
+class TieredEmbeddingBag(_TieredTable):
+    """``nn.EmbeddingBag`` whose table lives in a ``TieredStore`` and grows on demand.
+
+    Args (as ``nn.EmbeddingBag``): ``num_embeddings`` (``None``: any non-negative int64 id; an
+    int bounds ids), ``embedding_dim``, ``mode`` ("sum", "mean", "max"), ``padding_idx``,
+    ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device).
+    ``max_norm``, ``scale_grad_by_freq`` are not supported; ``sparse`` is accepted and ignored
+    (updates are always sparse). Store args: ``path`` (``None``: a temporary store), ``backend``,
+    ``host_cache``, ``device_cache``, ``seed``; ``optimizer`` (default ``optim.SGD(lr=0.01)``),
+    applied during ``backward``; ``missing``: what eval / ``no_grad`` lookups of ids the table
+    has never seen give — "init" (their initial row), "zero" or "error" (``KeyError``); they
+    never join the table then.
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` -> ``[B, embedding_dim]`` as torch.
+    """
+
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                 sparse: bool = False, include_last_offset: bool = False, padding_idx: int | None = None,
+                 *, path: str | Path | None = None, backend: str | None = None, host_cache: Budget = "256MiB",
+                 device_cache: Budget = None, seed: int = 0, optimizer: SparseOptimizer | None = None,
+                 missing: str = "init", dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        _refuse_unsupported(max_norm, scale_grad_by_freq)
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
+                         seed, optimizer, missing, dtype, device)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        input, offsets = check_bag_input(input, offsets, per_sample_weights, self.mode, self.num_embeddings,
+                                         self.store.dtype)
+        weight, local, local_padding = self._local_weight(input)
+        if offsets is not None:
+            offsets = offsets.to(local.device)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(local.device)
+        return F.embedding_bag(local, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=local_padding)
+
+
+class TieredEmbedding(_TieredTable):
+    """``nn.Embedding`` whose table lives in a ``TieredStore`` and grows on demand.
+
+    Arguments as ``TieredEmbeddingBag`` (no ``mode``, ``include_last_offset``).
+    ``forward(input)``: int ids of any shape -> ``[*input.shape, embedding_dim]``.
+    """
+
+    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, *, path: str | Path | None = None, backend: str | None = None,
+                 host_cache: Budget = "256MiB", device_cache: Budget = None, seed: int = 0,
+                 optimizer: SparseOptimizer | None = None, missing: str = "init",
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        _refuse_unsupported(max_norm, scale_grad_by_freq)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
+                         seed, optimizer, missing, dtype, device)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input = check_lookup_ids(input, self.num_embeddings, "input")
+        weight, local, local_padding = self._local_weight(input)
+        return F.embedding(local, weight, padding_idx=local_padding)
+
+
+def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:
+    if max_norm is not None:
+        raise NotImplementedError("max_norm is not supported by tiered tables (it rewrites rows during forward)")
+    if scale_grad_by_freq:
+        raise NotImplementedError("scale_grad_by_freq is not supported by tiered tables")
+
+
+def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) -> int | None:
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+        raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
+    if num_embeddings is None:
+        if padding_idx < 0:
+            raise ValueError(f"padding_idx must be non-negative for an unbounded table, got {padding_idx}")
+        return padding_idx
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+    return padding_idx % num_embeddings
