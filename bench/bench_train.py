@@ -1,0 +1,138 @@
+"""Training-step throughput of a tiered table vs in-memory baselines timed in the same run.
+
+    python bench/bench_train.py --help
+
+One step = forward + backward + optimizer on a batch of ``--batch-size`` samples x 26 ids drawn
+Zipf(alpha) from ``--ids`` ids (one table, bags of 26, mode "sum"), dim ``--dim``:
+- ours: ``TieredEmbeddingBag`` with the host cache holding ``--host-share`` of the rows and every
+  row first written to the cold store (mmap backend), fused optimizer;
+- ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim`` with the whole table in RAM;
+- FBGEMM's CPU table-batched embedding with the fused optimizer, when ``fbgemm_gpu`` is
+  installed (``pip install fbgemm-gpu-cpu==1.8.0`` works with torch 2.13); the column says
+  "not installed" otherwise.
+Reported: samples/s and the ratio ours / baseline, for SGD and Adagrad. JSON to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tierstore import TieredEmbeddingBag, initial_weights, optim
+
+FEATURES = 26
+
+
+def batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng(seed)
+    scatter = rng.permutation(ids)
+    offsets = torch.arange(0, size * FEATURES, FEATURES)
+    return [(torch.from_numpy(scatter[(rng.zipf(alpha, size * FEATURES) - 1) % ids]), offsets) for _ in range(count)]
+
+
+def samples_per_second(step, work: list, repeats: int) -> float:
+    step(*work[0])  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for batch in work:
+            step(*batch)
+        times.append(time.perf_counter() - start)
+    return len(work) * work[0][1].numel() / statistics.median(times)
+
+
+def torch_baseline(ids: int, dim: int, optimizer: str):
+    table = nn.EmbeddingBag(ids, dim, mode="sum", sparse=True)
+    dense_optimizer = (torch.optim.SGD(table.parameters(), lr=0.01) if optimizer == "sgd"
+                       else torch.optim.Adagrad(table.parameters(), lr=0.01))
+
+    def step(input, offsets):
+        dense_optimizer.zero_grad()
+        table(input, offsets).sum().backward()
+        dense_optimizer.step()
+    return step
+
+
+def fbgemm_baseline(ids: int, dim: int, optimizer: str):
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    except ImportError:
+        return None
+    kind = EmbOptimType.EXACT_SGD if optimizer == "sgd" else EmbOptimType.EXACT_ADAGRAD
+    table = SplitTableBatchedEmbeddingBagsCodegen([(ids, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                                  optimizer=kind, learning_rate=0.01)
+
+    def step(input, offsets):
+        table(input, torch.cat([offsets, torch.tensor([input.numel()])])).sum().backward()
+    return step
+
+
+def tiered(ids: int, dim: int, optimizer: str, host_share: float, directory: Path):
+    kind = optim.SGD(lr=0.01) if optimizer == "sgd" else optim.Adagrad(lr=0.01)
+    table = TieredEmbeddingBag(None, dim, mode="sum", path=directory / optimizer, backend="mmap",
+                               host_cache=int(ids * host_share), optimizer=kind)
+    width = dim + kind.state_width(dim)
+    for part in tqdm(torch.arange(ids).split(1 << 18), desc=f"writing {ids:,} rows to the cold store", leave=False):
+        rows = torch.zeros(part.numel(), width)
+        rows[:, :dim] = initial_weights(part, dim, 0, torch.float32)
+        table.store.cold.put(part, rows)
+    table.store.cold.flush()
+
+    def step(input, offsets):
+        table(input, offsets).sum().backward()
+    return table, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ids", type=int, default=4_000_000)
+    parser.add_argument("--alpha", type=float, default=1.05)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4096, help="samples per step (26 ids each)")
+    parser.add_argument("--host-share", type=float, default=0.10, help="share of the rows the host cache holds")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adagrad"], choices=["sgd", "adagrad"])
+    parser.add_argument("--json", type=Path, default=Path("bench/results/train.json"))
+    args = parser.parse_args()
+
+    work = batches(args.steps, args.batch_size, args.ids, args.alpha)
+    results = {"config": vars(args) | {"json": str(args.json), "torch_threads": torch.get_num_threads()}}
+    print(f"{args.batch_size:,} samples x {FEATURES} ids Zipf({args.alpha}) over {args.ids:,} ids, dim {args.dim}, "
+          f"host cache {args.host_share:.0%} of the rows")
+    print(f"{'optimizer':<10}{'ours':>14}{'nn.EmbeddingBag':>17}{'ratio':>8}{'FBGEMM':>14}{'ratio':>8}  (samples/s)")
+    with tempfile.TemporaryDirectory() as directory:
+        for name in args.optimizers:
+            table, ours_step = tiered(args.ids, args.dim, name, args.host_share, Path(directory))
+            for _ in range(3):  # fill the host cache with the hot rows before timing
+                for batch in work:
+                    ours_step(*batch)
+            ours = samples_per_second(ours_step, work, args.repeats)
+            table.close()
+            baseline = samples_per_second(torch_baseline(args.ids, args.dim, name), work, args.repeats)
+            fbgemm_step = fbgemm_baseline(args.ids, args.dim, name)
+            fbgemm = samples_per_second(fbgemm_step, work, args.repeats) if fbgemm_step else None
+            results[name] = {"samples_per_s_ours": ours, "samples_per_s_nn_embedding_bag": baseline,
+                             "ratio_nn_embedding_bag": ours / baseline, "samples_per_s_fbgemm": fbgemm,
+                             "ratio_fbgemm": ours / fbgemm if fbgemm else None}
+            fbgemm_text = (f"{fbgemm:>14,.0f}{ours / fbgemm:>8.2f}" if fbgemm else f"{'not installed':>14}{'':>8}")
+            print(f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}{fbgemm_text}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Train a small DLRM whose 26 embedding tables are tiered, on a synthetic Criteo-like stream.
+
+    python tools/train_dlrm.py --help
+
+Each sample has 13 dense features and 26 categorical ids, each id drawn Zipf(alpha) from its own
+id space (hot ids scattered over it), as in Criteo's click logs. Labels come from a hidden
+logistic model of the dense features and of a fixed per-id effect, so the loss can fall.
+Model: bottom MLP (13 -> dim), one ``TieredEmbeddingBag`` per feature, pairwise dot
+interaction, top MLP -> click logit. The tables train through their fused sparse optimizer
+during ``backward``; ``torch.optim.Adam`` trains the MLPs. The end prints, per tier and summed
+over tables: share of lookups served, rows moved in, evictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+import tierstore
+from tierstore import optim
+from tierstore.initializer import splitmix64
+
+DENSE_FEATURES, SPARSE_FEATURES = 13, 26
+OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad, "adam": optim.Adam}
+
+
+class CriteoLikeStream:
+    """Batches ``(dense [B, 13], ids [26, B], labels [B])`` from a fixed hidden model."""
+
+    def __init__(self, ids_per_feature: int, alpha: float, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.ids_per_feature = ids_per_feature
+        self.alpha = alpha
+        self.scatter = [self.rng.permutation(ids_per_feature) for _ in range(SPARSE_FEATURES)]
+        self.dense_weights = self.rng.standard_normal(DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dense = np.log1p(self.rng.lognormal(0.0, 1.0, (size, DENSE_FEATURES))).astype(np.float32)
+        ranks = (self.rng.zipf(self.alpha, (SPARSE_FEATURES, size)) - 1) % self.ids_per_feature
+        ids = torch.from_numpy(np.stack([scatter[rank] for scatter, rank in zip(self.scatter, ranks)]))
+        id_effect = (splitmix64(ids) & 1).to(torch.float32).mul(2).sub(1).mean(dim=0)  # ±1 per id
+        logit = torch.from_numpy(dense @ self.dense_weights - 1.0).float() + 2.0 * id_effect
+        labels = torch.bernoulli(torch.sigmoid(logit), generator=None)
+        return torch.from_numpy(dense), ids, labels
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, tiered tables, dot interaction, top MLP (Naumov et al., 2019)."""
+
+    def __init__(self, tables: list[tierstore.TieredEmbeddingBag], dim: int) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(tables)
+        self.bottom = mlp([DENSE_FEATURES, 64, dim])
+        pairs = (SPARSE_FEATURES + 1) * SPARSE_FEATURES // 2
+        self.top = mlp([dim + pairs, 128, 64, 1])
+        self.pair_rows, self.pair_cols = torch.triu_indices(SPARSE_FEATURES + 1, SPARSE_FEATURES + 1, offset=1)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``dense [B, 13]``, ``ids [26, B]`` (one id per feature per sample) -> logits ``[B]``."""
+        bottom = self.bottom(dense)
+        one_per_bag = torch.arange(ids.shape[1])
+        embedded = [table(feature_ids, one_per_bag) for table, feature_ids in zip(self.tables, ids)]
+        vectors = torch.stack([bottom, *embedded], dim=1)  # [B, 27, dim]
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
+
+
+def tier_summary(tables: list[tierstore.TieredEmbeddingBag]) -> list[tuple[str, float, int, int]]:
+    """``(tier, share of lookups served, rows moved in, evictions)`` summed over tables."""
+    totals: dict[str, list[int]] = {}
+    for table in tables:
+        for tier, counters in table.store.stats().items():
+            served = counters["hits"] + counters.get("initialized", 0)
+            moved = counters.get("rows_in", counters.get("rows_read", 0))
+            row = totals.setdefault(tier, [0, 0, 0])
+            row[0] += served
+            row[1] += moved
+            row[2] += counters.get("evictions", 0)
+    lookups = sum(row[0] for row in totals.values()) or 1
+    return [(tier, served / lookups, moved, evicted) for tier, (served, moved, evicted) in totals.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--ids-per-feature", type=int, default=1_000_000, help="id space of each categorical feature")
+    parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--device-cache", default="20000", help="rows (or bytes, e.g. 8MiB) of each table's top tier")
+    parser.add_argument("--host-cache", default="60000", help="rows (or bytes) of each table's host tier")
+    parser.add_argument("--backend", choices=["lmdb", "mmap"], default="mmap")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    parser.add_argument("--lr", type=float, default=0.05, help="the tables' learning rate")
+    parser.add_argument("--path", type=Path, help="directory for the tables' stores (default: a temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    root = args.path or Path(tempfile.mkdtemp(prefix="tierstore-dlrm-"))
+    budget = lambda text: int(text) if text.isdigit() else text  # noqa: E731 (rows or a byte string)
+    tables = [tierstore.TieredEmbeddingBag(None, args.dim, mode="sum", path=root / f"feature{index:02d}",
+                                           backend=args.backend, host_cache=budget(args.host_cache),
+                                           device_cache=budget(args.device_cache), seed=index,
+                                           optimizer=OPTIMIZERS[args.optimizer](lr=args.lr))
+              for index in range(SPARSE_FEATURES)]
+    model = DLRM(tables, args.dim)
+    dense_optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # the MLPs only: tables have no Parameters
+    loss_function = nn.BCEWithLogitsLoss()
+    stream = CriteoLikeStream(args.ids_per_feature, args.alpha, args.seed)
+
+    start, recent = time.perf_counter(), []
+    progress = tqdm(range(args.steps), desc="training", unit="step")
+    for _ in progress:
+        dense, ids, labels = stream.batch(args.batch_size)
+        loss = loss_function(model(dense, ids), labels)
+        dense_optimizer.zero_grad()
+        loss.backward()  # also updates the tables' rows
+        dense_optimizer.step()
+        recent = (recent + [loss.item()])[-50:]
+        progress.set_postfix(loss=f"{np.mean(recent):.4f}")
+    seconds = time.perf_counter() - start
+    for table in tables:
+        table.flush()
+
+    samples = args.steps * args.batch_size
+    print(f"{samples:,} samples in {seconds:.1f} s ({samples / seconds:,.0f} samples/s); "
+          f"loss over the last 50 steps {np.mean(recent):.4f}; tables in {root}")
+    print(f"{'tier':<8}{'lookups served':>16}{'rows moved in':>16}{'evictions':>12}")
+    for tier, share, moved, evicted in tier_summary(tables):
+        print(f"{tier:<8}{share:>16.1%}{moved:>16,}{evicted:>12,}")
+    for table in tables:
+        table.close()
+
+
+if __name__ == "__main__":
+    main()
