@@ -139,7 +139,7 @@ class TieredStore:
             top.stats.hits += ids.numel()
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            if not (grow or self.read_only):
+            if not grow or self.read_only:
                 rows = self._get_without_growing(unique, counts, width)[inverse.to(self.device)]
                 return rows if out is None else out.copy_(rows)
             slots = self._make_resident(unique, counts)[inverse.to(top.device)]
@@ -293,7 +293,8 @@ class TieredStore:
 
     def _get_without_growing(self, unique: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
         """``[U, width]`` rows of ``unique`` ids on ``device``: held ids through the tiers, the others
-        their initial rows, which are not cached (a cached row is always one the table holds)."""
+        their initial rows, which are not cached (a cached row is always one the table holds).
+        Every lookup of a read-only store, and of ``get(grow=False)``, that misses the top tier."""
         known = self.contains(unique)
         rows = torch.empty(unique.numel(), width, dtype=self.dtype, device=self.device)
         if bool(known.any()):
@@ -324,8 +325,7 @@ class TieredStore:
         if bool(new.any()):
             rows[new] = initial_rows(keys[new], self.dim, self.metadata.optimizer_state_width,
                                      self.metadata.seed, self.dtype)
-        new_and_kept = new & (not self.read_only)
-        return Rows(keys, rows, new_and_kept, new_and_kept.clone())
+        return Rows(keys, rows, new, new.clone())
 
     def _move_down(self, evicted: Rows, level: int) -> None:
         """Hand rows evicted from tier ``level - 1`` to tier ``level`` (or the cold store)."""
