@@ -77,11 +77,7 @@ def check_lookup_ids(input: Any, num_embeddings: int | None, name: str = "input"
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int64 or int32 ids, got {type(input).__name__}")
-    if input.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"{name} must have an integer dtype (torch.int64 or torch.int32), got {input.dtype}")
-    ids = input.to(device="cpu", dtype=torch.int64)
-    if ids.numel() and bool((ids < 0).any()):
-        raise ValueError(f"{name} holds a negative id ({int(ids.min())}); ids must be non-negative")
+    ids = as_ids(input.reshape(-1), name).reshape(input.shape)
     if num_embeddings is not None and ids.numel() and int(ids.max()) >= num_embeddings:
         raise IndexError(f"{name} holds id {int(ids.max())}, out of range for num_embeddings={num_embeddings}")
     return ids
