@@ -73,3 +73,32 @@ def test_lmdb_map_grows_instead_of_failing(tmp_path):
     got, found = store.get(keys)
     assert bool(found.all()) and torch.equal(got, rows)
     store.close()
+
+
+def test_lmdb_parallel_read_returns_the_rows_in_the_callers_order(tmp_path):
+    """A disk-bound read splits the sorted keys over threads, one transaction each; committed
+    and staged rows (staged win) must come back exactly as one thread reads them."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randperm(100_000, generator=generator)[:6000]
+    rows = torch.randn(6000, 3, generator=generator)
+    newest = {}
+    store = LmdbColdStore(tmp_path, 3, torch.float32)
+    store.put(keys[:4000], rows[:4000])
+    store.flush()
+    store.put(keys[3000:], rows[3000:] + 1)  # staged, newer for 1000 committed keys
+    newest.update(zip(keys[:4000].tolist(), rows[:4000]))
+    newest.update(zip(keys[3000:].tolist(), rows[3000:] + 1))
+    request = torch.cat([keys[torch.randperm(6000, generator=generator)], torch.tensor([100_001])])
+    expected = torch.stack([newest[key] for key in request[:-1].tolist()])
+
+    got, found = store.get(request)
+    assert store.parallel_reads >= 1  # the first large read assumes the disk
+    assert found.tolist() == [True] * 6000 + [False]
+    assert torch.equal(got[:-1], expected)
+    for _ in range(3):  # reads that prove fast (page cache) go back to one thread
+        assert torch.equal(store.get(request)[0][:-1], expected)
+    store.close()
+    serial = LmdbColdStore(tmp_path, 3, torch.float32, read_threads=1)
+    got, found = serial.get(request)
+    assert serial.parallel_reads == 0 and int(found.sum()) == 4000  # staged rows were never flushed
+    serial.close()

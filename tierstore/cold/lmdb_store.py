@@ -3,13 +3,22 @@
 Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
 into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
 after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped on the next writable
-open. Reads are one read transaction per batch, keys sorted so the B-tree is walked in order.
-The memory map doubles whenever a write transaction finds it full, and the write is retried.
+open. Reads sort the keys so the B-tree is walked in order. A read that waits on the disk (the
+store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
+each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page
+faults overlap and the SSD's queue stays busy. A read served from the page cache stays on one
+thread, where the GIL would make threads slower. Which regime holds is measured, not guessed:
+a moving average of the seconds per key of recent reads decides. The transactions of one
+parallel read can differ only if another process commits meanwhile; this process never writes
+during a read. The memory map doubles whenever a write transaction finds it full, and the write
+is retried.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -23,13 +32,16 @@ from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
+READ_THREADS = 16  # concurrent page faults: an SSD serves many at once (3.4x over one at a time here)
+MIN_KEYS_PER_THREAD = 512
+DISK_BOUND_SECONDS_PER_KEY = 5e-6  # page-cache hits cost ~1 us per key, SSD reads ~50 us
 
 
 class LmdbColdStore(ColdStore):
     """Cold store in an LMDB environment at ``directory/lmdb``."""
 
     def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
-                 map_size: int = INITIAL_MAP_SIZE) -> None:
+                 map_size: int = INITIAL_MAP_SIZE, read_threads: int = READ_THREADS) -> None:
         super().__init__(row_width, dtype, read_only)
         path = Path(directory) / DIRECTORY
         if read_only and not (path / "data.mdb").exists():
@@ -47,11 +59,49 @@ class LmdbColdStore(ColdStore):
             with self._env.begin(write=True) as txn:
                 txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
         self._pending_count = 0
+        self._read_threads = read_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._seconds_per_key = float("inf")  # assume the disk until a read shows otherwise
+        self.parallel_reads = 0
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _read(self, txn: lmdb.Transaction, keys: torch.Tensor, databases: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins)."""
+    def _values(self, encoded: list[bytes], database, txn: lmdb.Transaction | None) -> list[bytes]:
+        """The stored value of each key in ``encoded`` (sorted), ``b""`` where absent; read in
+        ``txn``, or in parallel transactions when ``txn`` is None and the reads wait on the disk."""
+        def read_range(txn: lmdb.Transaction, part: list[bytes]) -> list[bytes]:
+            return list(map(txn.get, part, itertools.repeat(b""), itertools.repeat(database)))
+
+        if txn is not None:
+            return read_range(txn, encoded)
+        threads = min(self._read_threads, len(encoded) // MIN_KEYS_PER_THREAD)
+        if threads < 2:  # too small to split, or to time fairly
+            with self._env.begin() as txn:
+                return read_range(txn, encoded)
+        start = time.perf_counter()
+        if self._seconds_per_key < DISK_BOUND_SECONDS_PER_KEY:
+            with self._env.begin() as txn:
+                values = read_range(txn, encoded)
+        else:
+            def read_own_transaction(bounds: tuple[int, int]) -> list[bytes]:
+                with self._env.begin() as txn:
+                    return read_range(txn, encoded[bounds[0]:bounds[1]])
+
+            edges = np.linspace(0, len(encoded), threads + 1).astype(int).tolist()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="lmdb-read")
+            values = list(itertools.chain.from_iterable(
+                self._pool.map(read_own_transaction, zip(edges[:-1], edges[1:]))))
+            self.parallel_reads += 1
+        per_key = (time.perf_counter() - start) / len(encoded)
+        self._seconds_per_key = per_key if self._seconds_per_key == float("inf") \
+            else 0.5 * (self._seconds_per_key + per_key)
+        return values
+
+    def _read(self, txn: lmdb.Transaction | None, keys: torch.Tensor,
+              databases: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins); read in
+        ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         if keys.numel() == 0:
@@ -61,8 +111,7 @@ class LmdbColdStore(ColdStore):
         sorted_keys = key_array[order]
         encoded = encode_keys(sorted_keys)
         for database in databases:
-            # Sorted keys walk the B-tree in order; LMDB's getmulti is slower than this C-level map.
-            values = list(map(txn.get, encoded, itertools.repeat(b""), itertools.repeat(database)))
+            values = self._values(encoded, database, txn)
             sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
             hit = sizes > 0
             if not hit.any():
@@ -82,8 +131,7 @@ class LmdbColdStore(ColdStore):
         return [self._rows, self._pending] if self._pending_count else [self._rows]
 
     def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._env.begin() as txn:
-            return self._read(txn, keys, self._databases())
+        return self._read(None, keys, self._databases())
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         with self._env.begin() as txn:
@@ -152,4 +200,6 @@ class LmdbColdStore(ColdStore):
         self._env.sync(True)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         self._env.close()
