@@ -55,3 +55,25 @@ def test_long_probe_chains_through_full_buckets_and_tombstones():
     assert bool((index.find(removed) == -1).all())
     index.insert(removed[:10], removed[:10] + 7)  # re-inserted into freed slots of the chain
     assert torch.equal(index.find(removed[:10]), removed[:10] + 7)
+
+
+def test_steady_eviction_rebuilds_the_table_rarely():
+    """A full cache removes and inserts a quarter of its keys each step: slots freed in buckets
+    that were never full are emptied, not tombstoned, so tombstones build up slowly and the
+    table is rebuilt every few dozen steps, not at every step."""
+    generator = torch.Generator().manual_seed(0)
+    index = HashIndex(40_000, value_dtype=torch.int32)
+    resident = torch.randint(1 << 40, (41_000,), generator=generator).unique()[:40_000]  # MAX_LOAD
+    index.insert(resident, torch.arange(40_000))
+    rebuilds, rebuild = [], index._rebuild
+    index._rebuild = lambda buckets: (rebuilds.append(buckets), rebuild(buckets))
+    for step in range(30):
+        order = torch.randperm(resident.numel(), generator=generator)
+        out, kept = resident[order[:10_000]], resident[order[10_000:]]
+        assert torch.equal(index.remove(out) >= 0, torch.ones(10_000, dtype=torch.bool))
+        incoming = torch.randint((step + 1) << 40, (step + 2) << 40, (10_000,), generator=generator).unique()
+        index.insert(incoming, torch.arange(incoming.numel()))
+        resident = torch.cat([kept, incoming])
+        assert bool((index.find(resident) >= 0).all()) and bool((index.find(out) == -1).all())
+    assert len(rebuilds) <= 2, rebuilds
+    assert len(index) == resident.numel()

@@ -68,8 +68,13 @@ class _TieredTable(nn.Module):
         flat = ids.reshape(-1)
         padding = flat == self.padding_idx if self.padding_idx is not None else None
         looked_up = flat if padding is None else flat[~padding]
-        unique, inverse = torch.unique(looked_up, return_inverse=True)
-        weight = self._rows(unique)
+        unique, inverse, counts = torch.unique(looked_up, return_inverse=True, return_counts=True)
+        training = self.training and torch.is_grad_enabled()
+        slots = None
+        if training:
+            weight, slots = self.store.get_distinct(unique, counts)
+        else:
+            weight = self._rows_without_growing(unique)
         local_padding = None
         local = inverse
         if padding is not None:
@@ -79,15 +84,16 @@ class _TieredTable(nn.Module):
             weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
         device = self._output_device.device
         weight = weight.to(device)
-        if self.training and torch.is_grad_enabled():
+        if training:
             weight.requires_grad_(True)
-            weight.register_hook(lambda grad: self._apply_gradient(unique, grad[:unique.numel()]))
+            weight.register_hook(lambda grad: self._apply_gradient(unique, slots, grad[:unique.numel()]))
         return weight, local.reshape(ids.shape).to(device), local_padding
 
-    def _rows(self, unique: torch.Tensor) -> torch.Tensor:
-        growing = self.training and torch.is_grad_enabled()
-        rows = self.store.get(unique, grow=growing)
-        if growing or self.missing == "init" or unique.numel() == 0:
+    def _rows_without_growing(self, unique: torch.Tensor) -> torch.Tensor:
+        """Eval / ``no_grad`` rows of ``unique``: ids the table has never seen do not join it and
+        get what ``missing`` says."""
+        rows = self.store.get(unique, grow=False)
+        if self.missing == "init" or unique.numel() == 0:
             return rows
         known = self.store.contains(unique).to(rows.device)
         if self.missing == "error" and not bool(known.all()):
@@ -97,17 +103,18 @@ class _TieredTable(nn.Module):
         rows[~known] = 0
         return rows
 
-    def _apply_gradient(self, unique: torch.Tensor, grad: torch.Tensor) -> None:
-        """Fused optimizer step on the rows of ``unique`` (int64 [U]) with ``grad [U, dim]``."""
+    def _apply_gradient(self, unique: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """Fused optimizer step on the rows of ``unique`` (int64 [U]), found at ``slots`` of the top
+        tier by the forward, with ``grad [U, dim]``."""
         if unique.numel() == 0:
             return
         self.step += 1
         step = self.step
 
-        def update(rows: torch.Tensor) -> torch.Tensor:
-            return self.optimizer.update(rows, grad.to(rows.device, rows.dtype), step)
+        def update(table: torch.Tensor, slots: torch.Tensor) -> None:
+            self.optimizer.update(table, slots, grad.to(table.device, table.dtype), step)
 
-        self.store.update_rows(unique, update)
+        self.store.update_rows(unique, update, slots)
 
     # -- store life cycle and state ------------------------------------------------------------------
 

