@@ -114,6 +114,46 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, b
         torch.testing.assert_close(reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_two_forwards_before_one_backward_update_the_rows_they_looked_up(store_path):
+    """The second forward evicts rows of the first from the tiny top tier before backward: the
+    first's update must find its rows again, not write into slots that now hold other ids.
+    (Each forward's backward is one fused optimizer step, as in FBGEMM; with SGD that equals
+    torch's single step on the summed gradient.) Lookups are counted once, not again by updates."""
+    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24,
+                              optimizer=optim.SGD(lr=0.1))
+    torch_bag = oracle_bag("sum")
+    reference_optimizer = torch.optim.SGD(torch_bag.parameters(), lr=0.1)
+    rng = np.random.default_rng(11)
+    evicted_before_backward, looked_up = 0, 0
+    for _ in range(30):
+        batches = [random_bags(rng) for _ in range(2)]
+        targets = [torch.from_numpy(rng.standard_normal((6, DIM)).astype(np.float32)) for _ in range(2)]
+        first = ours(*batches[0])
+        second = ours(*batches[1])
+        evicted_before_backward += int((ours.store.caches[0].find(torch.unique(batches[0][0])) < 0).sum())
+        looked_up += sum(ids.numel() for ids, _ in batches)
+        (first * targets[0]).sum().add((second * targets[1]).sum()).backward()
+        reference_optimizer.zero_grad()
+        sum((torch_bag(*batch) * target).sum() for batch, target in zip(batches, targets)).backward()
+        reference_optimizer.step()
+    assert evicted_before_backward > 30
+    top = ours.store.stats()["device"]
+    assert top["hits"] + top["misses"] == looked_up
+    ours.close()
+    with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
+        torch.testing.assert_close(reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_get_distinct_refuses_ids_that_are_not_sorted_and_distinct():
+    with TieredStore(dim=4, host_cache=8) as store:
+        with pytest.raises(ValueError, match="sorted distinct"):
+            store.get_distinct(torch.tensor([3, 1]))
+        with pytest.raises(ValueError, match="sorted distinct"):
+            store.get_distinct(torch.tensor([1, 1]))
+        weights, slots = store.get_distinct(torch.tensor([1, 3]))
+        assert torch.equal(weights, store.get(torch.tensor([1, 3])))
+
+
 def test_embedding_training_matches_torch(store_path):
     ours = TieredEmbedding(NUM, DIM, padding_idx=2, path=store_path, host_cache=12, device_cache=24,
                            optimizer=optim.Adagrad(lr=0.1))
