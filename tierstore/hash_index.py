@@ -110,7 +110,8 @@ class HashIndex:
         word = _marked_bytes(torch.eq(row, keys[:, None], out=marks))  # one marked byte at most
         hit = word != 0
         position *= BUCKET_SLOTS
-        position += (word * _SLOT_OF_BYTE) >> 56  # bucket * slots + slot
+        word *= _SLOT_OF_BYTE  # in place: the scratch buffer is not needed again
+        position += word.__irshift__(56)  # bucket * slots + slot
         if bool(hit.all()):
             return position, True
         pending = (~hit).nonzero().squeeze(1)
@@ -157,27 +158,26 @@ class HashIndex:
         self._place(keys, values.to(self.value_dtype))
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write absent, distinct ``keys`` into free slots (empty or tombstone), linear probing
+        over buckets. Keys sharing a bucket are ranked, and the key of rank r takes the bucket's
+        r-th free slot, so one round places every key whose bucket has room; the rest (their
+        bucket is now full) try the next bucket in the next round."""
         flat_keys, flat_values = self.keys.view(-1), self.values.view(-1)
         pending = torch.arange(keys.numel(), device=self.device)
         bucket = self._home(keys)
         while pending.numel():
-            row = self.keys.index_select(0, bucket)
-            free = row < 0  # empty or tombstone
-            has_free = free.any(dim=1)
-            # Each claimant takes its bucket's first free slot; claimants of one slot race and
-            # exactly one write survives, the rest retry next round.
-            claimants = pending[has_free]
-            spots = bucket[has_free] * BUCKET_SLOTS + _first_marked_slot(free[has_free])
-            was_tombstone = flat_keys[spots] == TOMBSTONE
-            flat_keys[spots] = keys[claimants]
-            won = flat_keys[spots] == keys[claimants]
-            flat_values[spots[won]] = values[claimants[won]]
-            self.live += int(won.sum())
-            self.tombstones -= int(was_tombstone[won].sum())
-            retry = ~has_free
-            retry[has_free] = ~won
-            bucket = torch.where(has_free, bucket, (bucket + 1) % self.buckets)[retry]
-            pending = pending[retry]
+            rank = _rank_within_groups(bucket)
+            free = self.keys.index_select(0, bucket) < 0  # [P, slots]
+            free_before = free.cumsum(dim=1)
+            placed = rank < free_before[:, -1]
+            slot = (free_before <= rank[:, None]).sum(dim=1)  # the rank-th free slot (from 0)
+            spots = (bucket * BUCKET_SLOTS + slot)[placed]
+            self.tombstones -= int((flat_keys[spots] == TOMBSTONE).sum())
+            flat_keys[spots] = keys[pending[placed]]
+            flat_values[spots] = values[pending[placed]]
+            self.live += spots.numel()
+            going_on = ~placed
+            pending, bucket = pending[going_on], (bucket[going_on] + 1) % self.buckets
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys).
@@ -211,6 +211,19 @@ class HashIndex:
         self._place(keys, values.to(self.value_dtype))
 
 
+def _rank_within_groups(groups: torch.Tensor) -> torch.Tensor:
+    """For each element of ``groups`` (int64 [N]), how many earlier elements share its value."""
+    order = torch.argsort(groups, stable=True)
+    ordered = groups[order]
+    index = torch.arange(groups.numel(), device=groups.device)
+    starts_group = torch.ones_like(ordered, dtype=torch.bool)
+    starts_group[1:] = ordered[1:] != ordered[:-1]
+    group_start = torch.where(starts_group, index, 0).cummax(dim=0).values
+    rank = torch.empty_like(index)
+    rank[order] = index - group_start
+    return rank
+
+
 def _marked_bytes(marks: torch.Tensor) -> torch.Tensor:
     """A ``[N, BUCKET_SLOTS]`` bool tensor read as one int64 word per row (byte s = slot s)."""
     return marks.contiguous().view(torch.int64).squeeze(1)
@@ -219,16 +232,3 @@ def _marked_bytes(marks: torch.Tensor) -> torch.Tensor:
 def _any_marked(marks: torch.Tensor) -> torch.Tensor:
     """bool [N]: whether each row of ``marks [N, BUCKET_SLOTS]`` has a marked slot."""
     return _marked_bytes(marks) != 0
-
-
-def _first_marked_slot(marks: torch.Tensor) -> torch.Tensor:
-    """First marked slot (int64 [N]) of each row of ``marks [N, BUCKET_SLOTS]`` that has one.
-
-    Word arithmetic instead of ``argmax``: isolate the lowest marked byte, then read its number
-    off ``_SLOT_OF_BYTE`` (little-endian byte order, as on every platform torch supports).
-    """
-    word = _marked_bytes(marks)
-    slot = -word
-    slot &= word  # the lowest marked byte alone
-    slot *= _SLOT_OF_BYTE
-    return slot.__irshift__(56)

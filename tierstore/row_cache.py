@@ -159,7 +159,8 @@ class RowCache:
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
         if count > from_free:
             victims = self._choose_victims(count - from_free, protected)
-            evicted = Rows(self.slot_keys[victims], self.rows[victims], self.dirty[victims], self.fresh[victims])  # copies
+            evicted = Rows(self.slot_keys[victims], self.rows.index_select(0, victims), self.dirty[victims],
+                           self.fresh[victims])  # copies (index_select: 2x faster than [] here)
             self.index.remove(evicted.keys)
             slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()
@@ -167,7 +168,7 @@ class RowCache:
         keys = incoming.keys.to(self.device)
         self.index.insert(keys, slots)
         self.slot_keys[slots] = keys
-        self.rows[slots] = incoming.rows.to(self.device)
+        self.rows.index_copy_(0, slots, incoming.rows.to(self.device))
         self.dirty[slots] = incoming.dirty.to(self.device)
         self.fresh[slots] = incoming.fresh.to(self.device)
         self.score[slots] = 0
