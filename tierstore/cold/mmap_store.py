@@ -167,13 +167,13 @@ class MmapColdStore(ColdStore):
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         position = self._index.find(keys)
         found = position >= 0
-        if bool(found.any()):
-            rows[found] = self._main_rows().index_select(0, position[found])
+        if self._count:  # one gather for all keys; absent keys read row 0, overwritten or unspecified
+            torch.index_select(self._main_rows(), 0, position.clamp(min=0), out=rows)
         if self._wal_count:
             staged = self._wal_index.find(keys)
-            in_wal = staged >= 0
-            rows[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
-            found |= in_wal
+            in_wal = (staged >= 0).nonzero().squeeze(1)
+            rows.index_copy_(0, in_wal, self._wal_rows_tensor().index_select(0, staged[in_wal]))
+            found[in_wal] = True
         return rows, found
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
