@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import psutil
 import torch
@@ -36,12 +35,12 @@ from tierstore import TieredStore
 from tierstore.cold import LmdbColdStore, MmapColdStore
 from tierstore.cold.codec import encode_keys
 from tierstore.row_cache import RowCache, Rows
+from tierstore.workloads import ZipfIds
 
 
 def zipf_batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> list[torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    scatter = rng.permutation(ids)
-    return [torch.from_numpy(scatter[(rng.zipf(alpha, size) - 1) % ids]) for _ in range(count)]
+    sample = ZipfIds(ids, alpha, seed)
+    return [torch.from_numpy(sample(size)) for _ in range(count)]
 
 
 def clean_random_rows(keys: torch.Tensor, dim: int) -> Rows:

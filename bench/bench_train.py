@@ -10,7 +10,10 @@ Zipf(alpha) from ``--ids`` ids (one table, bags of 26, mode "sum"), dim ``--dim`
 - FBGEMM's CPU table-batched embedding with the fused optimizer, when ``fbgemm_gpu`` is
   installed (``pip install fbgemm-gpu-cpu==1.8.0`` works with torch 2.13); the column says
   "not installed" otherwise.
-Reported: samples/s and the ratio ours / baseline, for SGD and Adagrad. JSON to ``--json``.
+Every timed step sees a fresh batch (``--warm-up`` batches first fill the cache, then each of
+``--repeats`` times ``--steps`` new ones), so the cache is never timed on batches it has seen.
+Reported: samples/s, the ratio ours / baseline, and the share of our id lookups the host cache
+served, for SGD and Adagrad. JSON to ``--json``.
 """
 
 from __future__ import annotations
@@ -22,32 +25,34 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from tierstore import TieredEmbeddingBag, initial_weights, optim
+from tierstore.workloads import ZipfIds
 
 FEATURES = 26
 
 
 def batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    rng = np.random.default_rng(seed)
-    scatter = rng.permutation(ids)
+    sample = ZipfIds(ids, alpha, seed)
     offsets = torch.arange(0, size * FEATURES, FEATURES)
-    return [(torch.from_numpy(scatter[(rng.zipf(alpha, size * FEATURES) - 1) % ids]), offsets) for _ in range(count)]
+    return [(torch.from_numpy(sample(size * FEATURES)), offsets) for _ in range(count)]
 
 
-def samples_per_second(step, work: list, repeats: int) -> float:
-    step(*work[0])  # warm-up
+def samples_per_second(step, warm_up: list, timed: list[list]) -> float:
+    """Run ``warm_up`` batches, then time each list of ``timed`` batches (fresh ones each, as a
+    training stream brings: a cache must not be timed on batches it has already seen)."""
+    for batch in warm_up:
+        step(*batch)
     times = []
-    for _ in range(repeats):
+    for work in timed:
         start = time.perf_counter()
         for batch in work:
             step(*batch)
         times.append(time.perf_counter() - start)
-    return len(work) * work[0][1].numel() / statistics.median(times)
+    return len(timed[0]) * timed[0][0][1].numel() / statistics.median(times)
 
 
 def torch_baseline(ids: int, dim: int, optimizer: str):
@@ -102,33 +107,40 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per step (26 ids each)")
     parser.add_argument("--host-share", type=float, default=0.10, help="share of the rows the host cache holds")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat (each repeat on fresh batches)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm-up", type=int, default=30, help="steps that fill the cache before timing (not timed)")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adagrad"], choices=["sgd", "adagrad"])
     parser.add_argument("--json", type=Path, default=Path("bench/results/train.json"))
     args = parser.parse_args()
 
-    work = batches(args.steps, args.batch_size, args.ids, args.alpha)
+    stream = batches(args.warm_up + args.steps * args.repeats, args.batch_size, args.ids, args.alpha)
+    warm_up, rest = stream[:args.warm_up], stream[args.warm_up:]
+    timed = [rest[args.steps * r:args.steps * (r + 1)] for r in range(args.repeats)]
     results = {"config": vars(args) | {"json": str(args.json), "torch_threads": torch.get_num_threads()}}
     print(f"{args.batch_size:,} samples x {FEATURES} ids Zipf({args.alpha}) over {args.ids:,} ids, dim {args.dim}, "
           f"host cache {args.host_share:.0%} of the rows")
-    print(f"{'optimizer':<10}{'ours':>14}{'nn.EmbeddingBag':>17}{'ratio':>8}{'FBGEMM':>14}{'ratio':>8}  (samples/s)")
+    print(f"{'optimizer':<10}{'ours':>14}{'nn.EmbeddingBag':>17}{'ratio':>8}{'FBGEMM':>14}{'ratio':>8}"
+          f"{'host hits':>10}  (samples/s; hits: share of our id lookups the host cache served)")
     with tempfile.TemporaryDirectory() as directory:
         for name in args.optimizers:
             table, ours_step = tiered(args.ids, args.dim, name, args.host_share, Path(directory))
-            for _ in range(3):  # fill the host cache with the hot rows before timing
-                for batch in work:
-                    ours_step(*batch)
-            ours = samples_per_second(ours_step, work, args.repeats)
+            for batch in warm_up:  # fill the host cache with hot rows, as a long run would
+                ours_step(*batch)
+            before = table.store.stats()["host"]
+            ours = samples_per_second(ours_step, [], timed)
+            after = table.store.stats()["host"]
+            lookups = after["hits"] + after["misses"] - before["hits"] - before["misses"]
+            hit_rate = (after["hits"] - before["hits"]) / lookups
             table.close()
-            baseline = samples_per_second(torch_baseline(args.ids, args.dim, name), work, args.repeats)
+            baseline = samples_per_second(torch_baseline(args.ids, args.dim, name), warm_up[:2], timed)
             fbgemm_step = fbgemm_baseline(args.ids, args.dim, name)
-            fbgemm = samples_per_second(fbgemm_step, work, args.repeats) if fbgemm_step else None
+            fbgemm = samples_per_second(fbgemm_step, warm_up[:2], timed) if fbgemm_step else None
             results[name] = {"samples_per_s_ours": ours, "samples_per_s_nn_embedding_bag": baseline,
                              "ratio_nn_embedding_bag": ours / baseline, "samples_per_s_fbgemm": fbgemm,
-                             "ratio_fbgemm": ours / fbgemm if fbgemm else None}
+                             "ratio_fbgemm": ours / fbgemm if fbgemm else None, "host_hit_rate": hit_rate}
             fbgemm_text = (f"{fbgemm:>14,.0f}{ours / fbgemm:>8.2f}" if fbgemm else f"{'not installed':>14}{'':>8}")
-            print(f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}{fbgemm_text}")
+            print(f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}{fbgemm_text}{hit_rate:>10.1%}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"results: {args.json}")

@@ -11,9 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 import crash_writer
 from tierstore import TieredStore

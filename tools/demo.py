@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tierstore import TieredStore
+from tierstore.workloads import ZipfIds
 
 
 def main() -> None:
@@ -28,9 +29,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
-    rng = np.random.default_rng(0)
-    ranks = (rng.zipf(args.alpha, size=args.batches * args.batch_size) - 1) % args.ids
-    ids = rng.permutation(args.ids)[ranks]  # hot ids scattered over the id space, as in real logs
+    ids = ZipfIds(args.ids, args.alpha)(args.batches * args.batch_size)  # hot ids scattered over the id space
     with tempfile.TemporaryDirectory() as directory, \
             TieredStore(directory, dim=args.dim, backend=args.backend, host_cache=args.host_cache,
                         device_cache=args.device_cache, device=args.device) as store:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 import tierstore
 from tierstore import optim
 from tierstore.initializer import splitmix64
+from tierstore.workloads import ZipfIds
 
 DENSE_FEATURES, SPARSE_FEATURES = 13, 26
 OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad, "adam": optim.Adam}
@@ -36,15 +37,12 @@ class CriteoLikeStream:
 
     def __init__(self, ids_per_feature: int, alpha: float, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
-        self.ids_per_feature = ids_per_feature
-        self.alpha = alpha
-        self.scatter = [self.rng.permutation(ids_per_feature) for _ in range(SPARSE_FEATURES)]
+        self.features = [ZipfIds(ids_per_feature, alpha, seed + 1 + feature) for feature in range(SPARSE_FEATURES)]
         self.dense_weights = self.rng.standard_normal(DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
 
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dense = np.log1p(self.rng.lognormal(0.0, 1.0, (size, DENSE_FEATURES))).astype(np.float32)
-        ranks = (self.rng.zipf(self.alpha, (SPARSE_FEATURES, size)) - 1) % self.ids_per_feature
-        ids = torch.from_numpy(np.stack([scatter[rank] for scatter, rank in zip(self.scatter, ranks)]))
+        ids = torch.from_numpy(np.stack([sample(size) for sample in self.features]))
         id_effect = (splitmix64(ids) & 1).to(torch.float32).mul(2).sub(1).mean(dim=0)  # ±1 per id
         logit = torch.from_numpy(dense @ self.dense_weights - 1.0).float() + 2.0 * id_effect
         labels = torch.bernoulli(torch.sigmoid(logit), generator=None)
