@@ -62,8 +62,7 @@ class GrowableArray:
         if count <= self.capacity:
             return
         capacity = 1 << max(10, (count - 1).bit_length())
-        self.sync()
-        self.array = None
+        self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
         os.truncate(self.path, capacity * self.width * self.dtype.itemsize)
         self._map()
 
