@@ -1,0 +1,206 @@
+// The device cache tier's kernels: an open-addressing hash table over int64 ids in device memory
+// (linear probing, one thread per key), LFU scores, row gather/scatter and the fused optimizers.
+//
+// Layout (see tierstore/cuda_cache.py): `table_keys [capacity]` int64 (EMPTY_KEY, TOMBSTONE_KEY or
+// an id) beside `table_slots [capacity]` int32 (the id's row slot); `capacity` is a power of two
+// and `mask = capacity - 1`. Rows live in `rows [slots, row_width]` float32, a row being
+// `[weights (dim) | optimizer state]`; LFU scores in `scores [slots]` float32, one per row slot.
+//
+// Every kernel is a grid-stride loop over its n items, so any grid covers any n, and the test-only
+// host shim (cuda/host_shim.h) runs the same source as plain C++ with one thread. Bodies use
+// `continue`, never `return`, for that reason. Compiled by NVRTC for the device's own architecture
+// (tierstore/kernels.py); every kernel is extern "C" so its name is stable.
+
+#ifdef TIERSTORE_HOST_SHIM
+#include "host_shim.h"
+#endif
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define EMPTY_KEY (-1LL)
+#define TOMBSTONE_KEY (-2LL)
+#define INSERTED 0
+#define ALREADY_PRESENT 1
+#define TABLE_FULL 2
+
+#define GRID_STRIDE_LOOP(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+
+// splitmix64's finaliser: spreads ids that share low bits (hashed or sequential) over the table.
+__device__ __forceinline__ u64 mix(u64 x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+// Position of `key` in the table, or -1. A probe ends at the key or at an empty position;
+// tombstones (removed keys) keep chains intact.
+__device__ __forceinline__ i64 probe(const i64* __restrict__ table_keys, i64 mask, i64 key) {
+    u64 position = mix((u64)key) & (u64)mask;
+    for (i64 probes = 0; probes <= mask; ++probes) {
+        i64 stored = table_keys[position];
+        if (stored == key) return (i64)position;
+        if (stored == EMPTY_KEY) return -1;
+        position = (position + 1) & (u64)mask;
+    }
+    return -1;
+}
+
+// out_slots[i] = row slot of keys[i], or -1 where absent. Duplicate keys simply find the same slot.
+extern "C" __global__ void cache_find(const i64* __restrict__ table_keys, const int* __restrict__ table_slots,
+                                      i64 mask, const i64* __restrict__ keys, i64 n, int* __restrict__ out_slots) {
+    GRID_STRIDE_LOOP(i, n) {
+        i64 position = probe(table_keys, mask, keys[i]);
+        out_slots[i] = position < 0 ? -1 : table_slots[position];
+    }
+}
+
+// Insert keys[i] -> slots[i]. Claims only empty positions (tombstones are reclaimed when the host
+// side rebuilds the table), with a compare-and-swap, so two threads never take one position.
+// out_status[i]: INSERTED, ALREADY_PRESENT (the key was there, or a duplicate in this batch won
+// the race; its slot is not written) or TABLE_FULL.
+extern "C" __global__ void cache_insert(i64* __restrict__ table_keys, int* __restrict__ table_slots, i64 mask,
+                                        const i64* __restrict__ keys, const int* __restrict__ slots, i64 n,
+                                        int* __restrict__ out_status) {
+    GRID_STRIDE_LOOP(i, n) {
+        i64 key = keys[i];
+        u64 position = mix((u64)key) & (u64)mask;
+        int status = TABLE_FULL;
+        for (i64 probes = 0; probes <= mask; ++probes) {
+            i64 stored = table_keys[position];
+            if (stored == EMPTY_KEY) {
+                stored = (i64)atomicCAS((u64*)&table_keys[position], (u64)EMPTY_KEY, (u64)key);
+                if (stored == EMPTY_KEY) {
+                    table_slots[position] = slots[i];
+                    status = INSERTED;
+                    break;
+                }
+            }
+            if (stored == key) {
+                status = ALREADY_PRESENT;
+                break;
+            }
+            position = (position + 1) & (u64)mask;
+        }
+        out_status[i] = status;
+    }
+}
+
+// Remove distinct keys: their positions become tombstones. out_slots[i]: the slot they held, or -1.
+extern "C" __global__ void cache_erase(i64* __restrict__ table_keys, const int* __restrict__ table_slots,
+                                       i64 mask, const i64* __restrict__ keys, i64 n, int* __restrict__ out_slots) {
+    GRID_STRIDE_LOOP(i, n) {
+        i64 position = probe(table_keys, mask, keys[i]);
+        out_slots[i] = position < 0 ? -1 : table_slots[position];
+        if (position >= 0) table_keys[position] = TOMBSTONE_KEY;
+    }
+}
+
+// LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see row_cache.py).
+extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __restrict__ slots,
+                                       const float* __restrict__ weights, i64 n) {
+    GRID_STRIDE_LOOP(i, n) {
+        atomicAdd(&scores[slots[i]], weights[i]);
+    }
+}
+
+// Eviction candidates: out[s] = scores[s], or `blocked` (+inf) for a free slot (slot_keys < 0) or one
+// the current batch needs (blocked_slots[s] != 0). The lowest `count` are the victims.
+extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
+                                               const unsigned char* __restrict__ blocked_slots, float blocked,
+                                               i64 slot_count, float* __restrict__ out) {
+    GRID_STRIDE_LOOP(s, slot_count) {
+        out[s] = (slot_keys[s] < 0 || blocked_slots[s]) ? blocked : scores[s];
+    }
+}
+
+// out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) per thread. Needs row_width
+// and columns divisible by 4 and 16-byte aligned buffers (the launcher checks).
+extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                             i64 n, i64 columns, float* __restrict__ out) {
+    const i64 vectors_per_row = columns / 4;
+    GRID_STRIDE_LOOP(v, n * vectors_per_row) {
+        i64 i = v / vectors_per_row, c = v % vectors_per_row;
+        const float4* source = (const float4*)(rows + (i64)slots[i] * row_width);
+        ((float4*)(out + i * columns))[c] = source[c];
+    }
+}
+
+// The same, one float per thread, for any widths.
+extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                        i64 n, i64 columns, float* __restrict__ out) {
+    GRID_STRIDE_LOOP(e, n * columns) {
+        i64 i = e / columns, c = e % columns;
+        out[e] = rows[(i64)slots[i] * row_width + c];
+    }
+}
+
+// rows[slots[i], :columns] = values[i, :columns] (slots distinct).
+extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                         const float* __restrict__ values, i64 n, i64 columns) {
+    GRID_STRIDE_LOOP(e, n * columns) {
+        i64 i = e / columns, c = e % columns;
+        rows[(i64)slots[i] * row_width + c] = values[e];
+    }
+}
+
+// Fused optimizers, in place on rows[slots[i]] = [w (dim) | state] with grad [n, dim], slots
+// distinct. The formulas are tierstore/optim.py's (the reference they are tested against).
+
+extern "C" __global__ void update_sgd(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                      const float* __restrict__ grad, i64 n, i64 dim, float lr) {
+    GRID_STRIDE_LOOP(e, n * dim) {
+        i64 i = e / dim, c = e % dim;
+        rows[(i64)slots[i] * row_width + c] -= lr * grad[e];
+    }
+}
+
+// s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
+extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                          const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
+    GRID_STRIDE_LOOP(e, n * dim) {
+        i64 i = e / dim, c = e % dim;
+        float* row = rows + (i64)slots[i] * row_width;
+        float g = grad[e];
+        float sum_squares = row[dim + c] + g * g;
+        row[dim + c] = sum_squares;
+        row[c] -= lr * g / (sqrtf(sum_squares) + eps);
+    }
+}
+
+// FBGEMM's exact row-wise Adagrad: m += mean(g * g); w -= lr / (sqrt(m) + eps) * g. State: m (1 value).
+// One thread per row (the mean is a reduction over the row).
+extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                                  const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
+    GRID_STRIDE_LOOP(i, n) {
+        float* row = rows + (i64)slots[i] * row_width;
+        const float* g = grad + i * dim;
+        float sum = 0.0f;
+        for (i64 c = 0; c < dim; ++c) sum += g[c] * g[c];
+        float momentum = row[dim] + sum / (float)dim;
+        row[dim] = momentum;
+        float scale = lr / (sqrtf(momentum) + eps);
+        for (i64 c = 0; c < dim; ++c) row[c] -= scale * g[c];
+    }
+}
+
+// Lazy Adam (torch.optim.SparseAdam): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// w -= step_size * m / (sqrt(v) + eps), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) from the host.
+extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                       const float* __restrict__ grad, i64 n, i64 dim, float beta1, float beta2,
+                                       float eps, float step_size) {
+    GRID_STRIDE_LOOP(e, n * dim) {
+        i64 i = e / dim, c = e % dim;
+        float* row = rows + (i64)slots[i] * row_width;
+        float g = grad[e];
+        float exp_avg = row[dim + c] * beta1 + (1.0f - beta1) * g;
+        float exp_avg_sq = row[2 * dim + c] * beta2 + (1.0f - beta2) * g * g;
+        row[dim + c] = exp_avg;
+        row[2 * dim + c] = exp_avg_sq;
+        row[c] -= step_size * exp_avg / (sqrtf(exp_avg_sq) + eps);
+    }
+}

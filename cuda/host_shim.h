@@ -1,0 +1,36 @@
+// Test-only: lets cuda/*.cu compile as plain C++ (g++) so CI without a GPU runs the kernels' logic.
+// One thread runs each kernel's whole grid-stride loop (blockIdx 0, threadIdx 0, blockDim and
+// gridDim 1); atomics map to the compiler's builtins. Kernels are called directly through ctypes.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+
+struct tierstore_dim3 {
+    unsigned int x, y, z;
+};
+static const tierstore_dim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
+static const tierstore_dim3 blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+
+struct float4 {
+    float x, y, z, w;
+};
+
+inline unsigned long long atomicCAS(unsigned long long* address, unsigned long long compare, unsigned long long value) {
+    __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return compare;  // the old value, as CUDA's atomicCAS returns
+}
+
+inline float atomicAdd(float* address, float value) {
+    float old;
+    __atomic_load(address, &old, __ATOMIC_SEQ_CST);
+    float updated = old + value;
+    while (!__atomic_compare_exchange(address, &old, &updated, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        updated = old + value;
+    }
+    return old;
+}
+

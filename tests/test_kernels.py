@@ -1,0 +1,189 @@
+"""The cuda/ kernels without a GPU: NVRTC compiles them for sm_80 and sm_90 (warnings fail), and
+their host build (cuda/host_shim.h, one thread) is checked against the torch reference."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore import kernels, optim
+from tierstore.hash_index import HashIndex
+from tierstore.kernel_hash_table import KernelHashTable
+
+from host_kernels import HostKernels, build
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    return HostKernels(build(tmp_path_factory.mktemp("kernels")))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_compiles_with_nvrtc_without_warnings(arch):
+    cubin = kernels.compile_cubin(kernels.SOURCE, arch)
+    assert cubin[:4] == b"\x7fELF"
+    for name in ("cache_find", "cache_insert", "cache_erase", "cache_touch", "cache_victim_scores",
+                 "cache_gather_vec4", "cache_gather", "cache_scatter", "update_sgd", "update_adagrad",
+                 "update_rowwise_adagrad", "update_adam"):
+        assert name.encode() in cubin, name
+
+
+def test_a_compile_error_names_the_file_and_shows_nvrtc_log(tmp_path, monkeypatch):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k(int* a) { a[0] = undefined_name; }\n')
+    monkeypatch.setattr(kernels, "source_dir", lambda: tmp_path)
+    with pytest.raises(kernels.CudaError, match=r"(?s)broken.cu: nvrtcCompileProgram for sm_80 .*undefined_name"):
+        kernels.compile_cubin("broken.cu", "sm_80")
+
+
+def test_a_warning_fails_the_compile(tmp_path, monkeypatch):
+    (tmp_path / "warns.cu").write_text('extern "C" __global__ void k(int* a) { int unused = 1; a[0] = 0; }\n')
+    monkeypatch.setattr(kernels, "source_dir", lambda: tmp_path)
+    with pytest.raises(kernels.CudaError, match=r"(?s)warns.cu.*\"unused\" was declared but never referenced"):
+        kernels.compile_cubin("warns.cu", "sm_90")
+
+
+def test_cubins_are_cached_by_source_hash_architecture_and_nvrtc_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERSTORE_KERNEL_CACHE", str(tmp_path))
+    first = kernels.cached_cubin(kernels.SOURCE, "sm_80")
+    (cached,) = tmp_path.glob("*.cubin")
+    major, minor = kernels.nvrtc_version()
+    assert "sm_80" in cached.name and f"nvrtc{major}.{minor}" in cached.name
+    monkeypatch.setattr(kernels, "compile_cubin", lambda *args: pytest.fail("recompiled despite the cache"))
+    assert kernels.cached_cubin(kernels.SOURCE, "sm_80") == first
+
+
+# -- the hash table: the kernel table and the torch HashIndex against one dict ------------------
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["insert", "remove", "find"]),
+              st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True)),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(operations, st.integers(1, 8))
+def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, ops, capacity):
+    table, reference, oracle = KernelHashTable(capacity, host, "cpu"), HashIndex(capacity), {}
+    for step, (op, keys) in enumerate(ops):
+        if op == "insert":
+            keys = [k for k in keys if k not in oracle]
+            values = torch.tensor([k * 10 + step for k in keys], dtype=torch.int64)
+            table.insert(torch.tensor(keys, dtype=torch.int64), values)
+            reference.insert(torch.tensor(keys, dtype=torch.int64), values)
+            oracle.update(zip(keys, values.tolist()))
+        elif op == "remove":
+            batch = torch.tensor(keys, dtype=torch.int64)
+            expected = [oracle.pop(k, -1) for k in keys]
+            assert table.remove(batch).tolist() == expected == reference.remove(batch).tolist()
+        lookup = torch.tensor(keys + keys[:3], dtype=torch.int64)  # repeated keys too
+        assert table.find(lookup).tolist() == [oracle.get(k, -1) for k in lookup.tolist()]
+        assert torch.equal(table.find(lookup), reference.find(lookup))
+        assert len(table) == len(oracle)
+    keys, values = table.items()
+    assert dict(zip(keys.tolist(), values.tolist())) == oracle
+
+
+def test_insert_kernel_reports_repeated_keys_and_a_full_table(host):
+    keys = torch.full((16,), -1, dtype=torch.int64)
+    values = torch.full((16,), -1, dtype=torch.int32)
+    status = torch.empty(4, dtype=torch.int32)
+    host.launch("cache_insert", 4, keys, values, 15, torch.tensor([5, 9, 5, 9]), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                4, status)
+    assert status.tolist() == [0, 0, 1, 1]  # the repeats find their key already there
+    found = torch.empty(2, dtype=torch.int32)
+    host.launch("cache_find", 2, keys, values, 15, torch.tensor([5, 9]), 2, found)
+    assert found.tolist() == [0, 1]
+    many = torch.arange(100, 120)
+    status = torch.empty(20, dtype=torch.int32)
+    host.launch("cache_insert", 20, keys, values, 15, many, torch.arange(20, dtype=torch.int32), 20, status)
+    assert status.tolist() == [0] * 14 + [2] * 6  # 16 positions, 2 taken: the last 6 find it full
+    assert int((keys >= 0).sum()) == 16
+
+
+def test_kernel_table_refuses_repeated_keys_in_one_insert(host):
+    table = KernelHashTable(8, host, "cpu")
+    with pytest.raises(ValueError, match="key 3 was already present"):
+        table.insert(torch.tensor([3, 3]), torch.tensor([0, 1]))
+
+
+def test_long_chains_survive_removals_and_the_table_rebuilds(host):
+    table, generator = KernelHashTable(64, host, "cpu"), torch.Generator().manual_seed(0)
+    resident = torch.randperm(10_000, generator=generator)[:64]
+    table.insert(resident, torch.arange(64))
+    for step in range(40):  # churn: tombstones pile up, rebuilds clear them
+        out = resident[torch.randperm(64, generator=generator)[:16]]
+        table.remove(out)
+        resident = resident[~torch.isin(resident, out)]
+        incoming = torch.arange(10_000 + 16 * step, 10_016 + 16 * step)
+        table.insert(incoming, torch.arange(16))
+        resident = torch.cat([resident, incoming])
+        assert bool((table.find(resident) >= 0).all()) and bool((table.find(out) == -1).all())
+    assert table.tombstones < table.keys.numel()
+
+
+# -- rows, scores and the fused optimizers against torch -----------------------------------------
+
+def test_gather_and_scatter_match_index_select_and_index_copy(host):
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(50, 12, generator=generator)
+    slots = torch.tensor([7, 3, 3, 49, 0], dtype=torch.int32)  # repeats are fine for a gather
+    for name, columns in (("cache_gather_vec4", 8), ("cache_gather", 5)):
+        out = torch.empty(5, columns)
+        host.launch(name, 5 * columns if name == "cache_gather" else 5 * columns // 4, rows, 12, slots, 5, columns, out)
+        assert torch.equal(out, rows[slots.long(), :columns]), name
+    values = torch.randn(3, 12, generator=generator)
+    distinct = torch.tensor([4, 40, 9], dtype=torch.int32)
+    expected = rows.clone().index_copy_(0, distinct.long(), values)
+    host.launch("cache_scatter", 3 * 12, rows, 12, distinct, values, 3, 12)
+    assert torch.equal(rows, expected)
+
+
+def test_touch_accumulates_repeated_slots_like_index_add(host):
+    scores = torch.zeros(10)
+    slots = torch.tensor([1, 4, 1, 1, 9], dtype=torch.int32)
+    weights = torch.tensor([0.5, 1.0, 2.0, 0.25, 3.0])
+    host.launch("cache_touch", 5, scores, slots, weights, 5)
+    assert torch.equal(scores, torch.zeros(10).index_add_(0, slots.long(), weights))
+
+
+def test_victim_scores_block_free_and_needed_slots(host):
+    scores = torch.tensor([5.0, 1.0, 3.0, 0.5, 2.0])
+    slot_keys = torch.tensor([10, 11, -1, 13, 14])
+    needed = torch.tensor([0, 0, 0, 1, 0], dtype=torch.uint8)
+    out = torch.empty(5)
+    host.launch("cache_victim_scores", 5, scores, slot_keys, needed, float("inf"), 5, out)
+    assert out.tolist() == [5.0, 1.0, float("inf"), float("inf"), 2.0]
+    assert torch.topk(out, 2, largest=False).indices.tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("optimizer, kernel, arguments", [
+    (optim.SGD(lr=0.1), "update_sgd", lambda step: (0.1,)),
+    (optim.Adagrad(lr=0.1, eps=1e-10), "update_adagrad", lambda step: (0.1, 1e-10)),
+    (optim.RowWiseAdagrad(lr=0.1, eps=1e-8), "update_rowwise_adagrad", lambda step: (0.1, 1e-8)),
+    (optim.Adam(lr=0.05), "update_adam",
+     lambda step: (0.9, 0.999, 1e-8, 0.05 * (1 - 0.999**step) ** 0.5 / (1 - 0.9**step))),
+])
+def test_update_kernels_match_the_torch_optimizers(host, optimizer, kernel, arguments):
+    dim, generator = 8, torch.Generator().manual_seed(2)
+    width = dim + optimizer.state_width(dim)
+    table = torch.rand(20, width, generator=generator)
+    expected = table.clone()
+    slots = torch.tensor([3, 17, 0, 9], dtype=torch.int32)
+    for step in range(1, 6):
+        grad = torch.randn(4, dim, generator=generator)
+        optimizer.update(expected, slots.long(), grad, step)
+        per_row = kernel == "update_rowwise_adagrad"
+        host.launch(kernel, 4 if per_row else 4 * dim, table, width, slots, grad, 4, dim, *arguments(step))
+    torch.testing.assert_close(table, expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(table, torch.rand(20, width, generator=torch.Generator().manual_seed(2)))
+
+
+def test_grid_stride_loops_cover_every_item_in_any_grid(host):
+    """A kernel must handle n larger than its grid: the host build runs one thread for all n."""
+    rows = torch.arange(4000 * 4, dtype=torch.float32).reshape(4000, 4)
+    slots = torch.from_numpy(np.random.default_rng(3).permutation(4000)).to(torch.int32)
+    out = torch.empty(4000, 4)
+    host.launch("cache_gather_vec4", 4000, rows, 4, slots, 4000, 4, out)
+    assert torch.equal(out, rows[slots.long()])

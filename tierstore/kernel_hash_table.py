@@ -1,0 +1,95 @@
+"""``HashIndex``'s contract (find / insert / remove / items) run by the ``cuda/`` kernels.
+
+One thread per key, linear probing over a power-of-two table of int64 keys beside int32 values
+(``cuda/embedding_cache.cu``). Inserts claim empty positions only, with a compare-and-swap;
+removed keys leave tombstones, which the table clears by rebuilding itself when live keys and
+tombstones together pass ``MAX_LOAD``, growing when live keys alone would.
+``kernels`` is a ``tierstore.kernels.KernelModule`` (GPU) or the tests' host build of the same
+sources; both expose ``launch(name, n, *args)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMPTY = -1
+MAX_LOAD = 0.5
+_STATUS = {1: "already present (or repeated in the batch)", 2: "in a full table"}
+
+
+def positions_for(capacity: int) -> int:
+    """Table size (a power of two) that keeps ``capacity`` keys at or under ``MAX_LOAD``."""
+    return 1 << max(4, (int(capacity / MAX_LOAD) - 1).bit_length())
+
+
+class KernelHashTable:
+    """Batched map ``int64 key >= 0 -> int32 value`` in ``device`` memory; keys passed to ``insert``
+    and ``remove`` must be distinct within the batch (``insert``: and absent)."""
+
+    def __init__(self, capacity: int, kernels, device: torch.device | str) -> None:
+        self.kernels = kernels
+        self.device = torch.device(device)
+        self._allocate(positions_for(capacity))
+
+    def _allocate(self, size: int) -> None:
+        self.keys = torch.full((size,), EMPTY, dtype=torch.int64, device=self.device)
+        self.values = torch.full((size,), -1, dtype=torch.int32, device=self.device)
+        self.live = 0
+        self.tombstones = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def __len__(self) -> int:
+        return self.live
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
+        keys = keys.to(self.device, torch.int64).contiguous()
+        found = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
+        self.kernels.launch("cache_find", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
+                            keys.numel(), found)
+        return found.to(torch.int64)
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``keys`` (distinct, absent) with ``values``; rebuilds or grows the table first when needed."""
+        if keys.numel() == 0:
+            return
+        if self.live + keys.numel() > MAX_LOAD * self.keys.numel():
+            self._rebuild(positions_for(2 * (self.live + keys.numel())))
+        elif self.live + self.tombstones + keys.numel() > MAX_LOAD * self.keys.numel():
+            self._rebuild(self.keys.numel())
+        self._place(keys.to(self.device, torch.int64).contiguous(), values.to(self.device, torch.int32).contiguous())
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        status = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
+        self.kernels.launch("cache_insert", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys, values,
+                            keys.numel(), status)
+        failed = status != 0
+        if bool(failed.any()):
+            first = int(failed.nonzero()[0, 0])
+            raise ValueError(f"insert: key {int(keys[first])} was {_STATUS[int(status[first])]}; "
+                             f"keys must be distinct and absent")
+        self.live += keys.numel()
+
+    def remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
+        keys = keys.to(self.device, torch.int64).contiguous()
+        former = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
+        self.kernels.launch("cache_erase", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
+                            keys.numel(), former)
+        removed = int((former >= 0).sum())
+        self.live -= removed
+        self.tombstones += removed
+        return former.to(torch.int64)
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All live ``(keys, values)`` (values as int64), in table order."""
+        live = self.keys >= 0
+        return self.keys[live], self.values[live].to(torch.int64)
+
+    def _rebuild(self, size: int) -> None:
+        keys, values = self.items()
+        self._allocate(size)
+        self._place(keys, values.to(torch.int32))

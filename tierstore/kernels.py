@@ -1,0 +1,145 @@
+"""The device cache's CUDA kernels (``cuda/*.cu``): compiled by NVRTC, cached, loaded, launched.
+
+NVRTC compiles a CUBIN for the device's own compute capability (PTX from a newer NVRTC does not
+JIT on an older driver). CUBINs are cached on disk under ``$TIERSTORE_KERNEL_CACHE`` (default
+``~/.cache/tierstore/kernels``), keyed by the source's SHA-256, the architecture and the NVRTC
+version. ``KernelModule`` loads one through the driver API into torch's context and launches
+kernels on torch's current stream with tensors' device pointers. Every CUDA result is checked;
+a failure raises ``CudaError`` naming the kernel (or file) and the call. Warnings fail the
+compile (``-Werror=all-warnings``), so a kernel that compiles here compiles clean.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+SOURCE = "embedding_cache.cu"
+THREADS_PER_BLOCK = 256
+NVRTC_OPTIONS = ("-std=c++17", "-Werror=all-warnings")
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver or NVRTC call failed."""
+
+
+def source_dir() -> Path:
+    """The kernel sources: bundled in the wheel as ``tierstore/_cuda``, or ``cuda/`` beside the
+    package in a source checkout (an editable install)."""
+    bundled = Path(__file__).parent / "_cuda"
+    return bundled if bundled.is_dir() else Path(__file__).parent.parent / "cuda"
+
+
+def _check(result, call: str, subject: str):
+    """Unpack a cuda-python ``(status, *values)`` result, raising ``CudaError`` unless it is success."""
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if int(status) != 0:
+        raise CudaError(f"{subject}: {call} failed with {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+    return _check(nvrtc.nvrtcVersion(), "nvrtcVersion", "NVRTC")
+
+
+def compile_cubin(source_name: str = SOURCE, arch: str = "sm_90") -> bytes:
+    """CUBIN of ``cuda/<source_name>`` for ``arch`` (``"sm_80"``, ``"sm_90"``...). Raises
+    ``CudaError`` with NVRTC's log on any error or warning."""
+    from cuda.bindings import nvrtc
+
+    source = (source_dir() / source_name).read_bytes()
+    program = _check(nvrtc.nvrtcCreateProgram(source, source_name.encode(), 0, [], []),
+                     "nvrtcCreateProgram", source_name)
+    try:
+        options = [f"--gpu-architecture={arch}".encode(), *(option.encode() for option in NVRTC_OPTIONS)]
+        status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+        log_size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize", source_name)
+        log = b" " * log_size
+        _check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog", source_name)
+        log_text = log.rstrip(b"\x00").decode(errors="replace").strip()
+        if int(status) != 0 or log_text:
+            raise CudaError(f"{source_name}: nvrtcCompileProgram for {arch} failed with {status!r}:\n{log_text}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize", source_name)
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN", source_name)
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIERSTORE_KERNEL_CACHE", Path.home() / ".cache" / "tierstore" / "kernels"))
+
+
+def cached_cubin(source_name: str, arch: str) -> bytes:
+    """``compile_cubin`` through the disk cache (written atomically: a rename)."""
+    major, minor = nvrtc_version()
+    digest = hashlib.sha256((source_dir() / source_name).read_bytes()).hexdigest()[:24]
+    path = cache_dir() / f"{Path(source_name).stem}-{digest}-{arch}-nvrtc{major}.{minor}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    cubin = compile_cubin(source_name, arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(cubin)
+    partial.replace(path)
+    return cubin
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class KernelModule:
+    """``cuda/<source_name>`` loaded on one CUDA device; ``launch(name, n, *args)`` runs a kernel
+    over ``n`` items (grid-stride: the grid is capped, every kernel loops)."""
+
+    def __init__(self, device: torch.device, source_name: str = SOURCE) -> None:
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self.device = torch.device(device)
+        self.source_name = source_name
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream(self.device)  # makes torch's (primary) context current
+            _check(driver.cuInit(0), "cuInit", source_name)
+            cubin = cached_cubin(source_name, device_arch(self.device))
+            self._module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData", source_name)
+        self._functions: dict = {}
+        self._max_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count * 32
+
+    def _function(self, name: str):
+        if name not in self._functions:
+            self._functions[name] = _check(self._driver.cuModuleGetFunction(self._module, name.encode()),
+                                           "cuModuleGetFunction", name)
+        return self._functions[name]
+
+    def launch(self, name: str, n: int, *args) -> None:
+        """Run kernel ``name`` over ``n`` items with ``args``: tensors (passed as device pointers,
+        which must be on this device), ints (int64) and floats (float32)."""
+        if n <= 0:
+            return
+        values, types = [], []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if arg.device != self.device:
+                    raise CudaError(f"{name}: a tensor argument is on {arg.device}, not {self.device}")
+                values.append(arg.data_ptr())
+                types.append(ctypes.c_void_p)
+            elif isinstance(arg, float):
+                values.append(arg)
+                types.append(ctypes.c_float)
+            else:
+                values.append(int(arg))
+                types.append(ctypes.c_int64)
+        blocks = min(self._max_blocks, -(-n // THREADS_PER_BLOCK))
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        _check(self._driver.cuLaunchKernel(self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream,
+                                           (tuple(values), tuple(types)), 0), "cuLaunchKernel", name)
