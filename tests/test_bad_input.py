@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore import ReadOnlyStoreError, StoreFormatError, StoreMismatchError, TieredStore
+from tierstore import ReadOnlyStoreError, StoreFormatError, StoreMismatchError, TieredStore, optim
 from tierstore.metadata import METADATA_FILE
 
 
@@ -135,7 +135,7 @@ def test_read_only_store_refuses_writes_and_stays_unchanged(store, store_path):
     with pytest.raises(ReadOnlyStoreError):
         reader.flush()
     with pytest.raises(ReadOnlyStoreError, match="read_only=True"):
-        reader.update_rows(torch.tensor([1]), lambda table, slots: table[slots].add_(1))
+        reader.apply_gradients(torch.tensor([1]), torch.ones(1, 4), optim.SGD(), 1)
     reader.get([50])  # an unseen id is readable but does not join the table
     assert 50 not in reader
     unchanged(reader)

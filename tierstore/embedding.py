@@ -54,7 +54,6 @@ class _TieredTable(nn.Module):
                                  host_cache=host_cache, device_cache=device_cache, device=device,
                                  optimizer_state_width=self.optimizer.state_width(embedding_dim), seed=seed)
         self.step = 0
-        self._update_buffer = torch.empty(0, self.store.row_width, dtype=self.store.dtype)  # reused per step
         # An empty buffer that follows .to(device): where outputs go.
         self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
 
@@ -110,14 +109,7 @@ class _TieredTable(nn.Module):
         if unique.numel() == 0:
             return
         self.step += 1
-        step = self.step
-
-        def update(table: torch.Tensor, slots: torch.Tensor) -> None:
-            if self._update_buffer.shape[0] < slots.numel() or self._update_buffer.device != table.device:
-                self._update_buffer = table.new_empty(slots.numel(), table.shape[1])
-            self.optimizer.update(table, slots, grad.to(table.device, table.dtype), step, self._update_buffer)
-
-        self.store.update_rows(unique, update, slots)
+        self.store.apply_gradients(unique, grad, self.optimizer, self.step, slots)
 
     # -- store life cycle and state ------------------------------------------------------------------
 

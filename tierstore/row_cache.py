@@ -78,7 +78,7 @@ class RowCache:
         self.name = name
         self.capacity = capacity
         self.device = torch.device(device)
-        self.index = HashIndex(capacity, self.device, value_dtype=torch.int32)
+        self.index = self._make_index(capacity)
         self.rows = torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=pin_memory)
         self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self.score = torch.zeros(capacity, dtype=torch.float32, device=self.device)
@@ -88,13 +88,23 @@ class RowCache:
         self._free_count = capacity
         self._increment = 1.0
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
+        self._update_buffer = self.rows[:0]  # reused by apply_optimizer
         self.stats = TierStats()
 
+    backend = "torch"
+
+    def _make_index(self, capacity: int):
+        return HashIndex(capacity, self.device, value_dtype=torch.int32)
+
     @staticmethod
-    def nbytes_for(capacity: int, row_width: int, dtype: torch.dtype) -> int:
+    def _index_nbytes(capacity: int) -> int:
+        return index_nbytes(capacity, torch.int32)
+
+    @classmethod
+    def nbytes_for(cls, capacity: int, row_width: int, dtype: torch.dtype) -> int:
         """Bytes a cache of ``capacity`` rows allocates (rows, index and per-slot bookkeeping)."""
         per_slot = row_width * dtype.itemsize + 8 + 4 + 1 + 1 + 8  # row, key, score, flags, free stack
-        return capacity * per_slot + index_nbytes(capacity, torch.int32)
+        return capacity * per_slot + cls._index_nbytes(capacity)
 
     @property
     def nbytes(self) -> int:
@@ -114,18 +124,36 @@ class RowCache:
             weights, accesses = torch.full_like(slots, self._increment, dtype=torch.float32), slots.numel()
         else:
             weights, accesses = counts.to(self.device, torch.float32) * self._increment, int(counts.sum())
-        self.score.index_add_(0, slots, weights)
+        self._add_scores(slots, weights)
         self._increment *= self._growth ** accesses
         if self._increment > _RENORMALISE_AT:
             self.score /= self._increment
             self._increment = 1.0
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.rows.index_select(0, slots)
+    def _add_scores(self, slots: torch.Tensor, weights: torch.Tensor) -> None:
+        self.score.index_add_(0, slots, weights)
 
-    def write(self, slots: torch.Tensor, values: torch.Tensor, columns: slice = slice(None)) -> None:
-        """Overwrite ``columns`` of rows at ``slots`` (distinct) and mark them dirty."""
-        self.rows[slots, columns] = values.to(self.device)
+    def read(self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, columns]`` copy of the first ``columns`` (default all) of rows at ``slots``
+        (into ``out`` when given: contiguous, on this device)."""
+        if out is None:
+            return self.rows[:, :columns].index_select(0, slots)
+        return torch.index_select(self.rows[:, :columns], 0, slots, out=out)
+
+    def _copy_rows(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Whole rows at ``slots`` (distinct) = ``values``; no flags change."""
+        self.rows.index_copy_(0, slots, values)
+
+    def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
+        """Overwrite the first ``columns`` (default all) of rows at ``slots`` (distinct); mark them dirty."""
+        self.rows[slots, :columns] = values.to(self.device)
+        self.dirty[slots] = True
+
+    def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """Fused ``optimizer`` step on rows at ``slots`` (distinct) with ``grad [N, dim]``; marks them dirty."""
+        if self._update_buffer.shape[0] < slots.numel():
+            self._update_buffer = self.rows.new_empty(slots.numel(), self.rows.shape[1])
+        optimizer.update(self.rows, slots, grad.to(self.device, self.rows.dtype), step, self._update_buffer)
         self.dirty[slots] = True
 
     def take(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
@@ -159,8 +187,7 @@ class RowCache:
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
         if count > from_free:
             victims = self._choose_victims(count - from_free, protected)
-            evicted = Rows(self.slot_keys[victims], self.rows.index_select(0, victims), self.dirty[victims],
-                           self.fresh[victims])  # copies (index_select: 2x faster than [] here)
+            evicted = Rows(self.slot_keys[victims], self.read(victims), self.dirty[victims], self.fresh[victims])
             self.index.remove(evicted.keys)
             slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()
@@ -168,18 +195,23 @@ class RowCache:
         keys = incoming.keys.to(self.device)
         self.index.insert(keys, slots)
         self.slot_keys[slots] = keys
-        self.rows.index_copy_(0, slots, incoming.rows.to(self.device))
+        self._copy_rows(slots, incoming.rows.to(self.device))
         self.dirty[slots] = incoming.dirty.to(self.device)
         self.fresh[slots] = incoming.fresh.to(self.device)
         self.score[slots] = 0
         self.stats.rows_in += count
         return slots, evicted
 
-    def _choose_victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
+    def _victim_scores(self, protected: torch.Tensor | None) -> torch.Tensor:
+        """Each slot's score, +inf where it cannot be a victim (free, or needed by the batch)."""
         candidates = self.score.clone()
         candidates[self.slot_keys < 0] = float("inf")  # slots being filled by this batch
         if protected is not None and protected.numel():
             candidates[protected] = float("inf")
+        return candidates
+
+    def _choose_victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
+        candidates = self._victim_scores(protected)
         available = int(torch.isfinite(candidates).sum())
         if available < count:
             raise CacheCapacityError(

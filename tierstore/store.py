@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -22,6 +22,7 @@ from .budget import Budget, rows_for_budget
 from .cold import ColdStore, open_cold_store
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .initializer import initial_rows
+from .optim import SparseOptimizer
 from .metadata import METADATA_FILE, StoreMetadata, check_matches, dtype_name, read_metadata, write_metadata
 from .row_cache import RowCache, Rows
 from .validation import as_ids, as_rows, check_out
@@ -143,11 +144,10 @@ class TieredStore:
                 rows = self._get_without_growing(unique, counts, width)[inverse.to(self.device)]
                 return rows if out is None else out.copy_(rows)
             slots = self._make_resident(unique, counts)[inverse.to(top.device)]
-        source = top.rows[:, :width]
         if out is None or top.device != self.device:
-            rows = source.index_select(0, slots).to(self.device)
+            rows = top.read(slots, width).to(self.device)
             return rows if out is None else out.copy_(rows)
-        return torch.index_select(source, 0, slots, out=out)
+        return top.read(slots, width, out=out)
 
     def put(self, ids: Any, rows: Any) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.
@@ -163,13 +163,13 @@ class TieredStore:
         last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
             0, inverse, torch.arange(ids.numel()), reduce="amax")
         slots = self._make_resident(unique, counts)
-        self.caches[0].write(slots, rows[last], slice(0, rows.shape[1]))
+        self.caches[0].write(slots, rows[last], rows.shape[1])
 
     def get_distinct(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [U, dim] on device, top-tier slots int64 [U])`` of sorted distinct ``ids``
         (as ``torch.unique`` returns them); ``counts [U]``: how often the batch holds each id (LFU).
 
-        The training path: the ids join the table, and ``slots`` can be handed to ``update_rows``
+        The training path: the ids join the table, and ``slots`` can be handed to ``apply_gradients``
         with the gradients, which then skips finding the ids again.
         """
         self._check_open()
@@ -178,16 +178,14 @@ class TieredStore:
             raise ValueError("get_distinct needs sorted distinct ids (as torch.unique returns); use get() for any ids")
         counts = torch.ones_like(ids) if counts is None else counts
         slots = self._make_resident(ids, counts)
-        weights = self.caches[0].rows[:, :self.dim].index_select(0, slots).to(self.device)
+        weights = self.caches[0].read(slots, self.dim).to(self.device)
         return weights, slots
 
-    def update_rows(self, ids: torch.Tensor, update: Callable[[torch.Tensor, torch.Tensor], None],
-                    slots: torch.Tensor | None = None) -> None:
-        """Update the whole rows of distinct ``ids`` (int64 [U]) in place in the top tier:
-        ``update(table, slots)`` modifies rows ``slots`` (int64 [U], one per id) of the tier's row
-        buffer ``table [capacity, row_width]``, which the store then marks dirty.
+    def apply_gradients(self, ids: torch.Tensor, grad: torch.Tensor, optimizer: SparseOptimizer, step: int,
+                        slots: torch.Tensor | None = None) -> None:
+        """Fused ``optimizer`` step (its ``step``-th) on the rows of distinct ``ids`` (int64 [U]) with
+        ``grad [U, dim]``: weights and optimizer state are updated in place in the top tier.
 
-        The fused optimizers' path: rows and their optimizer state are updated where they live.
         ``slots`` from ``get_distinct`` are reused while the tier still holds the ids there (no
         lookup, no LFU count); if any moved since, the ids are found (and fetched) again.
         """
@@ -200,8 +198,7 @@ class TieredStore:
             slots = self._make_resident(ids, torch.ones_like(ids))
         elif slots.shape != ids.shape or not bool((top.slot_keys[slots] == ids.to(top.device)).all()):
             slots = self._make_resident(ids, torch.zeros_like(ids))  # moved since: not a new access
-        update(top.rows, slots)
-        top.dirty[slots] = True
+        top.apply_optimizer(optimizer, slots, grad, step)
 
     def flush(self) -> None:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
@@ -259,18 +256,18 @@ class TieredStore:
     def iter_rows(self, batch_size: int = 65536, with_state: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(ids [n], rows [n, dim or row_width])`` in the table, newest values, on CPU."""
         self._check_open()
-        columns = slice(None) if with_state else slice(0, self.dim)
+        width = self.row_width if with_state else self.dim
         for keys, rows in self.cold.iter_rows(batch_size):
             for cache in self.caches:
                 slots = cache.find(keys)
                 cached = (slots >= 0).cpu()
                 rows[cached] = cache.read(slots[slots >= 0]).cpu()
-            yield keys, rows[:, columns]
+            yield keys, rows[:, :width]
         for cache in self.caches:
             fresh = cache.fresh.nonzero().squeeze(1)
             for start in range(0, fresh.numel(), batch_size):
                 part = fresh[start:start + batch_size]
-                yield cache.slot_keys[part].cpu(), cache.read(part)[:, columns].cpu()
+                yield cache.slot_keys[part].cpu(), cache.read(part, width).cpu()
 
     def stats(self) -> dict:
         """Counters per tier: lookups served (hits), misses, rows moved and bytes moved.
@@ -322,7 +319,7 @@ class TieredStore:
         rows = torch.empty(unique.numel(), width, dtype=self.dtype, device=self.device)
         if bool(known.any()):
             slots = self._make_resident(unique[known], counts[known])
-            rows[known.to(self.device)] = self.caches[0].read(slots)[:, :width].to(self.device)
+            rows[known.to(self.device)] = self.caches[0].read(slots, width).to(self.device)
         unknown = ~known
         if bool(unknown.any()):
             self.cold_stats.initialized += int(counts[unknown].sum())
