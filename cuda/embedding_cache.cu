@@ -168,7 +168,7 @@ extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_widt
         float g = grad[e];
         float sum_squares = row[dim + c] + g * g;
         row[dim + c] = sum_squares;
-        row[c] -= lr * g / (sqrtf(sum_squares) + eps);
+        row[c] -= lr * (g / (sqrtf(sum_squares) + eps));  // g / d first, as torch
     }
 }
 
@@ -190,17 +190,19 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
 
 // Lazy Adam (torch.optim.SparseAdam): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // w -= step_size * m / (sqrt(v) + eps), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) from the host.
+// 1 - b1 and 1 - b2 come from the host too (in float32, 1.0f - 0.9f is not 0.1f).
 extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                       const float* __restrict__ grad, i64 n, i64 dim, float beta1, float beta2,
-                                       float eps, float step_size) {
+                                       const float* __restrict__ grad, i64 n, i64 dim, float beta1,
+                                       float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                                       float step_size) {
     GRID_STRIDE_LOOP(e, n * dim) {
         i64 i = e / dim, c = e % dim;
         float* row = rows + (i64)slots[i] * row_width;
         float g = grad[e];
-        float exp_avg = row[dim + c] * beta1 + (1.0f - beta1) * g;
-        float exp_avg_sq = row[2 * dim + c] * beta2 + (1.0f - beta2) * g * g;
+        float exp_avg = row[dim + c] * beta1 + one_minus_beta1 * g;
+        float exp_avg_sq = row[2 * dim + c] * beta2 + one_minus_beta2 * g * g;
         row[dim + c] = exp_avg;
         row[2 * dim + c] = exp_avg_sq;
-        row[c] -= step_size * exp_avg / (sqrtf(exp_avg_sq) + eps);
+        row[c] -= step_size * (exp_avg / (sqrtf(exp_avg_sq) + eps));  // m / d first, as torch
     }
 }

@@ -1,6 +1,9 @@
 import pytest
 import torch
 
+import tierstore.store
+from host_kernels import shared_host_kernels
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -19,3 +22,14 @@ def backend(request):
 @pytest.fixture
 def store_path(tmp_path):
     return tmp_path / "store"
+
+
+@pytest.fixture(params=["torch", "cuda-kernels-on-host"])
+def device_backend(request, monkeypatch):
+    """The device tier's backend: torch ops, or the cuda/ kernels' host build (one thread, on CPU
+    tensors) standing in for the GPU; returns the ``device_cache_backend`` to ask for."""
+    if request.param == "torch":
+        return "torch"
+    kernels = shared_host_kernels()
+    monkeypatch.setattr(tierstore.store, "device_kernels", lambda device, dtype: (kernels, ""))
+    return "cuda"

@@ -4,7 +4,9 @@ through ctypes with CPU tensors, behind the same ``launch(name, n, *args)`` as `
 from __future__ import annotations
 
 import ctypes
+import functools
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,3 +46,9 @@ class HostKernels:
             else:
                 converted.append(ctypes.c_int64(int(arg)))
         getattr(self._library, name)(*converted)
+
+
+@functools.cache
+def shared_host_kernels() -> HostKernels:
+    """One host build per test process."""
+    return HostKernels(build(Path(tempfile.mkdtemp(prefix="tierstore-host-kernels-"))))

@@ -87,10 +87,11 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
-def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, store_path):
+def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, device_backend, store_path):
     ours_optimizer, torch_optimizer = OPTIMIZERS[name]
     ours = TieredEmbeddingBag(NUM, DIM, mode=mode, path=store_path, backend=backend, host_cache=12,
-                              device_cache=24, optimizer=ours_optimizer())
+                              device_cache=24, optimizer=ours_optimizer(), device_cache_backend=device_backend)
+    assert ours.store.stats()["device"]["backend"] == device_backend
     torch_bag = oracle_bag(mode)
     reference_optimizer = torch_optimizer(torch_bag.parameters())
     rng = np.random.default_rng(7)
@@ -184,9 +185,9 @@ def rowwise_adagrad_reference(weights, momentum, grad, lr, eps):
     return weights - (lr / (np.sqrt(momentum) + eps))[:, None] * grad, momentum
 
 
-def test_rowwise_adagrad_matches_published_update(store_path):
+def test_rowwise_adagrad_matches_published_update(store_path, device_backend):
     ours = TieredEmbeddingBag(NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24,
-                              optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8))
+                              optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8), device_cache_backend=device_backend)
     weights = initial_weights(torch.arange(NUM), DIM, 0, torch.float32).double().numpy()
     momentum = np.zeros(NUM)
     rng = np.random.default_rng(5)

@@ -9,7 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+import tierstore.store
 from helpers import initial
+from host_kernels import shared_host_kernels
 from tierstore import TieredStore
 
 DIM = 3
@@ -18,6 +20,7 @@ ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
 
 class StoreAgainstDict(RuleBasedStateMachine):
     backend = "lmdb"
+    device_cache_backend = "torch"
 
     def __init__(self):
         super().__init__()
@@ -27,7 +30,9 @@ class StoreAgainstDict(RuleBasedStateMachine):
         self.durable = {}
 
     def open(self):
-        self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6)
+        self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6,
+                                 device_cache_backend=self.device_cache_backend)
+        assert self.store.stats()["device"]["backend"] == self.device_cache_backend
 
     @rule(keys=ids, into_out=st.booleans())
     def get(self, keys, into_out):
@@ -80,7 +85,23 @@ class MmapStoreAgainstDict(StoreAgainstDict):
     backend = "mmap"
 
 
+class KernelDeviceTierAgainstDict(StoreAgainstDict):
+    """The device tier on the cuda/ kernels' host build (see conftest.device_backend)."""
+
+    device_cache_backend = "cuda"
+
+    def __init__(self):
+        self._real_device_kernels = tierstore.store.device_kernels
+        tierstore.store.device_kernels = lambda device, dtype: (shared_host_kernels(), "")
+        super().__init__()
+
+    def teardown(self):
+        super().teardown()
+        tierstore.store.device_kernels = self._real_device_kernels
+
+
 TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase
 TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
-for case in (TestLmdbStoreAgainstDict, TestMmapStoreAgainstDict):
+TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
+for case in (TestLmdbStoreAgainstDict, TestMmapStoreAgainstDict, TestKernelDeviceTierAgainstDict):
     case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

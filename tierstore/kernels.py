@@ -143,3 +143,23 @@ class KernelModule:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         _check(self._driver.cuLaunchKernel(self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream,
                                            (tuple(values), tuple(types)), 0), "cuLaunchKernel", name)
+
+
+_loaded: dict[torch.device, KernelModule] = {}
+
+
+def device_kernels(device: torch.device, dtype: torch.dtype) -> tuple[KernelModule | None, str]:
+    """``(the kernels loaded on device, "")``, or ``(None, why they cannot run there)``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, f"the device is {device}, not a CUDA device"
+    if dtype != torch.float32:
+        return None, f"the kernels store float32 rows, not {dtype}"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _loaded:
+        try:
+            _loaded[device] = KernelModule(device)
+        except (ImportError, RuntimeError, OSError) as error:  # no driver, no NVRTC, CudaError
+            return None, f"{type(error).__name__}: {error}"
+    return _loaded[device], ""

@@ -53,6 +53,11 @@ class SparseOptimizer(abc.ABC):
     def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Apply ``grad [U, dim]`` to ``rows [U, dim + state_width]`` in place."""
 
+    @abc.abstractmethod
+    def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
+        """The ``cuda/`` kernel doing ``update_rows``: ``(name, float arguments after dim, one thread
+        per row rather than per element)``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SGD(SparseOptimizer):
@@ -65,6 +70,9 @@ class SGD(SparseOptimizer):
 
     def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         rows[:, :grad.shape[1]].sub_(grad, alpha=self.lr)
+
+    def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
+        return "update_sgd", (float(self.lr),), False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,9 @@ class Adagrad(SparseOptimizer):
         lr = self.lr / (1 + (step - 1) * self.lr_decay)
         rows[:, :dim].addcdiv_(grad, sum_squares.sqrt().add_(self.eps), value=-lr)
 
+    def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
+        return "update_adagrad", (self.lr / (1 + (step - 1) * self.lr_decay), float(self.eps)), False
+
 
 @dataclasses.dataclass(frozen=True)
 class RowWiseAdagrad(SparseOptimizer):
@@ -101,6 +112,9 @@ class RowWiseAdagrad(SparseOptimizer):
         dim = grad.shape[1]
         momentum = rows[:, dim:].add_((grad * grad).mean(dim=1, keepdim=True))
         rows[:, :dim].sub_(grad * (self.lr / (momentum.sqrt() + self.eps)))
+
+    def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
+        return "update_rowwise_adagrad", (float(self.lr), float(self.eps)), True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,5 +139,13 @@ class Adam(SparseOptimizer):
         beta1, beta2 = self.betas
         exp_avg = rows[:, dim:2 * dim].mul_(beta1).add_(grad, alpha=1 - beta1)
         exp_avg_sq = rows[:, 2 * dim:].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = self.lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
-        rows[:, :dim].addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-step_size)
+        rows[:, :dim].addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-self._step_size(step))
+
+    def _step_size(self, step: int) -> float:
+        beta1, beta2 = self.betas
+        return self.lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
+
+    def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
+        beta1, beta2 = self.betas
+        return "update_adam", (float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(self.eps),
+                               self._step_size(step)), False

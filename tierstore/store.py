@@ -22,6 +22,8 @@ from .budget import Budget, rows_for_budget
 from .cold import ColdStore, open_cold_store
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .initializer import initial_rows
+from .kernel_row_cache import KernelRowCache
+from .kernels import device_kernels
 from .optim import SparseOptimizer
 from .metadata import METADATA_FILE, StoreMetadata, check_matches, dtype_name, read_metadata, write_metadata
 from .row_cache import RowCache, Rows
@@ -53,6 +55,9 @@ class TieredStore:
         device: where the device cache lives and where ``get`` returns rows.
         read_only: open without writing; ``put``/``flush`` raise, unseen ids are not added.
         half_life: LFU ageing, in accesses per tier (default: 4x the tier's capacity).
+        device_cache_backend: "cuda" runs the device tier on the ``cuda/`` kernels (needs a CUDA
+            device, cuda-python and NVRTC; float32), "torch" on torch ops (any device), "auto" the
+            kernels where they can run, else torch. ``stats()`` names the one in use.
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -62,7 +67,8 @@ class TieredStore:
     def __init__(self, path: str | Path | None = None, dim: int | None = None, dtype: torch.dtype | None = None,
                  backend: str | None = None, host_cache: Budget = "256MiB", device_cache: Budget = None,
                  device: torch.device | str = "cpu", optimizer_state_width: int | None = None,
-                 seed: int | None = None, read_only: bool = False, half_life: float | None = None) -> None:
+                 seed: int | None = None, read_only: bool = False, half_life: float | None = None,
+                 device_cache_backend: str = "auto") -> None:
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
         self.read_only = read_only
@@ -71,7 +77,7 @@ class TieredStore:
         self.dim = self.metadata.dim
         self.dtype = self.metadata.torch_dtype
         self.row_width = self.metadata.row_width
-        self.caches = self._make_caches(host_cache, device_cache, half_life)
+        self.caches = self._make_caches(host_cache, device_cache, half_life, device_cache_backend)
         self.cold: ColdStore = open_cold_store(self.metadata.backend, self.path, self.row_width, self.dtype, read_only)
         self.cold_stats = ColdStats()
         self._closed = False
@@ -99,15 +105,18 @@ class TieredStore:
         write_metadata(self.path, metadata)
         return metadata
 
-    def _make_caches(self, host_budget: Budget, device_budget: Budget, half_life) -> list[RowCache]:
+    def _make_caches(self, host_budget: Budget, device_budget: Budget, half_life, device_backend: str) -> list[RowCache]:
         def nbytes(rows: int) -> int:
             return RowCache.nbytes_for(rows, self.row_width, self.dtype)
 
         on_cuda = self.device.type == "cuda"
         device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_cuda else None
         caches = []
+        kernels = self._device_kernels(device_backend)
         device_rows = rows_for_budget(device_budget, nbytes, device_memory)
-        if device_rows:
+        if device_rows and kernels is not None:
+            caches.append(KernelRowCache("device", device_rows, self.row_width, self.dtype, self.device, kernels, half_life))
+        elif device_rows:
             caches.append(RowCache("device", device_rows, self.row_width, self.dtype, self.device, half_life))
         host_rows = rows_for_budget(host_budget, nbytes, psutil.virtual_memory().total)
         if host_rows:
@@ -116,6 +125,17 @@ class TieredStore:
         if not caches:
             raise ValueError("at least one cache tier is needed: give host_cache or device_cache a budget above 0")
         return caches
+
+    def _device_kernels(self, requested: str):
+        """The ``cuda/`` kernels for the device tier, or None for the torch backend."""
+        if requested not in ("auto", "cuda", "torch"):
+            raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {requested!r}")
+        if requested == "torch":
+            return None
+        kernels, why_not = device_kernels(self.device, self.dtype)
+        if kernels is None and requested == "cuda":
+            raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
+        return kernels
 
     # -- public API --------------------------------------------------------------------------
 
@@ -281,7 +301,7 @@ class TieredStore:
         for cache in self.caches:
             counters = dataclasses.asdict(cache.stats)
             counters.update(capacity_rows=cache.capacity, resident_rows=len(cache), memory_bytes=cache.nbytes,
-                            bytes_in=cache.stats.rows_in * row_bytes, device=str(cache.device))
+                            bytes_in=cache.stats.rows_in * row_bytes, device=str(cache.device), backend=cache.backend)
             tiers[cache.name] = counters
         cold = dataclasses.asdict(self.cold_stats)
         cold.update(backend=self.metadata.backend, bytes_read=self.cold_stats.rows_read * row_bytes,
