@@ -184,3 +184,14 @@ def test_grid_stride_loops_cover_every_item_in_any_grid(host):
     out = torch.empty(4000, 4)
     host.launch("cache_gather_vec4", 4000, rows, 4, slots, 4000, 4, out)
     assert torch.equal(out, rows[slots.long()])
+
+
+def test_device_cache_backend_choice_is_checked_and_reported(tmp_path):
+    from tierstore import TieredStore
+    with pytest.raises(ValueError, match="device_cache_backend='cuda' cannot run here .*not a CUDA device"):
+        TieredStore(tmp_path / "a", dim=4, device_cache=8, device_cache_backend="cuda")
+    with pytest.raises(ValueError, match="'auto', 'cuda' or 'torch'"):
+        TieredStore(tmp_path / "b", dim=4, device_cache=8, device_cache_backend="triton")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before creating anything
+    with TieredStore(tmp_path / "c", dim=4, device_cache=8) as store:  # auto on a CPU device: torch
+        assert store.stats()["device"]["backend"] == "torch"

@@ -69,6 +69,12 @@ class TieredStore:
                  device: torch.device | str = "cpu", optimizer_state_width: int | None = None,
                  seed: int | None = None, read_only: bool = False, half_life: float | None = None,
                  device_cache_backend: str = "auto") -> None:
+        if device_cache_backend not in ("auto", "cuda", "torch"):
+            raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {device_cache_backend!r}")
+        if device_cache_backend == "cuda":  # refuse before creating anything
+            why_not = device_kernels(torch.device(device), dtype or torch.float32)[1]
+            if why_not:
+                raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
         self.read_only = read_only
@@ -128,8 +134,6 @@ class TieredStore:
 
     def _device_kernels(self, requested: str):
         """The ``cuda/`` kernels for the device tier, or None for the torch backend."""
-        if requested not in ("auto", "cuda", "torch"):
-            raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {requested!r}")
         if requested == "torch":
             return None
         kernels, why_not = device_kernels(self.device, self.dtype)
