@@ -34,6 +34,8 @@ import torch
 from tierstore import TieredStore
 from tierstore.cold import LmdbColdStore, MmapColdStore
 from tierstore.cold.codec import encode_keys
+from tierstore.host_kernels import host_kernels
+from tierstore.kernel_row_cache import KernelRowCache
 from tierstore.row_cache import RowCache, Rows
 from tierstore.workloads import ZipfIds
 
@@ -59,38 +61,52 @@ def median_seconds(work, repeats: int) -> float:
     return statistics.median(times)
 
 
+def host_caches(capacity: int, dim: int) -> dict:
+    """Makers of the host tier's backends that run here: "torch", and "openmp" when the kernels build."""
+    makers = {"torch": lambda: RowCache("host", capacity, dim, torch.float32)}
+    kernels, why_not = host_kernels()
+    if kernels is None:
+        print(f"host_cache_backend='openmp' is not measured: {why_not}")
+    else:
+        makers["openmp"] = lambda: KernelRowCache("host", capacity, dim, torch.float32, "cpu", kernels, "openmp")
+    return makers
+
+
 def bench_host_hit_path(batches, dim: int, repeats: int) -> dict:
     distinct = torch.unique(torch.cat(batches))
-    cache = RowCache("host", distinct.numel(), dim, torch.float32)
-    for part in distinct.split(1 << 18):
-        cache.admit(clean_random_rows(part, dim))
-    table = cache.rows.clone()  # the baseline: a plain tensor holding the same rows
-    slot_batches = [cache.find(batch) for batch in batches]
     out = torch.empty(batches[0].numel(), dim)
+    rows = sum(batch.numel() for batch in batches)
+    results = {"cached_rows": distinct.numel()}
+    for backend, make_cache in host_caches(distinct.numel(), dim).items():
+        cache = make_cache()
+        for part in distinct.split(1 << 18):
+            cache.admit(clean_random_rows(part, dim))
+        table = cache.rows.clone()  # the baseline: a plain tensor holding the same rows
+        slot_batches = [cache.find(batch) for batch in batches]
 
-    def baseline():
-        for slots in slot_batches:
-            torch.index_select(table, 0, slots, out=out)
+        def baseline():
+            for slots in slot_batches:
+                torch.index_select(table, 0, slots, out=out)
 
-    def ours():
-        for batch in batches:
-            torch.index_select(cache.rows, 0, cache.find(batch), out=out)
-
-    with tempfile.TemporaryDirectory() as directory:
-        store = TieredStore(directory, dim=dim, host_cache=distinct.numel())
-        for part in distinct.split(1 << 16):
-            store.get(part)
-
-        def store_get():
+        def ours():
             for batch in batches:
-                store.get(batch, out=out)
+                cache.read(cache.find(batch), out=out)
 
-        rows = sum(batch.numel() for batch in batches)
-        base, probe, whole = (median_seconds(f, repeats) for f in (baseline, ours, store_get))
-        store.close()
-    return {"rows_per_s_index_select": rows / base, "rows_per_s_probe_gather": rows / probe,
-            "rows_per_s_store_get": rows / whole, "ratio_probe_gather": base / probe,
-            "ratio_store_get": base / whole, "cached_rows": distinct.numel()}
+        with tempfile.TemporaryDirectory() as directory:
+            store = TieredStore(directory, dim=dim, host_cache=distinct.numel(), host_cache_backend=backend)
+            for part in distinct.split(1 << 16):
+                store.get(part)
+
+            def store_get():
+                for batch in batches:
+                    store.get(batch, out=out)
+
+            base, probe, whole = (median_seconds(f, repeats) for f in (baseline, ours, store_get))
+            store.close()
+        results[backend] = {"rows_per_s_index_select": rows / base, "rows_per_s_probe_gather": rows / probe,
+                            "rows_per_s_store_get": rows / whole, "ratio_probe_gather": base / probe,
+                            "ratio_store_get": base / whole}
+    return results
 
 
 def bench_cold_get(batches, dim: int, cold_rows: int, ids: int, repeats: int) -> dict:
@@ -169,14 +185,17 @@ def live_rss() -> int:
 
 def bench_host_memory(rows: int, dim: int) -> dict:
     keys = torch.randperm(rows * 8)[:rows] * 3
-    before = live_rss()
-    cache = RowCache("host", rows, dim, torch.float32)
-    for part in keys.split(1 << 18):  # fill it, so every page is touched
-        cache.admit(clean_random_rows(part, dim))
-    grown = live_rss() - before
     raw = rows * dim * 4
-    return {"rows": rows, "dim": dim, "raw_row_bytes": raw, "rss_growth_bytes": grown,
-            "accounted_bytes": cache.nbytes, "rss_over_raw": grown / raw}
+    results = {"rows": rows, "dim": dim, "raw_row_bytes": raw}
+    for backend, make_cache in host_caches(rows, dim).items():
+        before = live_rss()
+        cache = make_cache()
+        for part in keys.split(1 << 18):  # fill it, so every page is touched
+            cache.admit(clean_random_rows(part, dim))
+        grown = live_rss() - before
+        results[backend] = {"rss_growth_bytes": grown, "accounted_bytes": cache.nbytes, "rss_over_raw": grown / raw}
+        del cache
+    return results
 
 
 def main() -> None:
@@ -202,18 +221,25 @@ def main() -> None:
     hit, cold, memory = results["host_hit_path"], results["cold_get"], results["host_memory"]
     print(f"dim {args.dim}, batches of {args.batch_size:,} ids Zipf({args.alpha}) over {args.ids:,} ids")
     print(f"{'measure':<44}{'baseline':>16}{'ours':>16}{'ratio':>8}{'target':>8}")
-    print(f"{'host hit path: probe + gather (rows/s)':<44}{hit['rows_per_s_index_select']:>16,.0f}"
-          f"{hit['rows_per_s_probe_gather']:>16,.0f}{hit['ratio_probe_gather']:>8.2f}{'>=0.5':>8}")
-    print(f"{'host hit path: TieredStore.get (rows/s)':<44}{hit['rows_per_s_index_select']:>16,.0f}"
-          f"{hit['rows_per_s_store_get']:>16,.0f}{hit['ratio_store_get']:>8.2f}{'':>8}")
+    for backend in ("openmp", "torch"):
+        if backend not in hit:
+            continue
+        row = hit[backend]
+        print(f"{'host hit path, ' + backend + ': probe + gather':<44}{row['rows_per_s_index_select']:>16,.0f}"
+              f"{row['rows_per_s_probe_gather']:>16,.0f}{row['ratio_probe_gather']:>8.2f}{'>=0.5':>8}")
+        print(f"{'host hit path, ' + backend + ': TieredStore.get':<44}{row['rows_per_s_index_select']:>16,.0f}"
+              f"{row['rows_per_s_store_get']:>16,.0f}{row['ratio_store_get']:>8.2f}{'':>8}")
     for name, target in (("lmdb", ""), ("mmap", ">=10")):
         print(f"{'cold get, ' + name + ' (rows/s vs txn.get loop)':<44}{cold['rows_per_s_lmdb_txn_get_loop']:>16,.0f}"
               f"{cold[f'rows_per_s_{name}']:>16,.0f}{cold[f'ratio_{name}']:>8.2f}{target:>8}")
     disk = cold["lmdb_from_disk"]
     print(f"{'cold get, lmdb, page cache dropped (rows/s)':<44}{disk['rows_per_s_txn_get_loop']:>16,.0f}"
           f"{disk['rows_per_s_lmdb']:>16,.0f}{disk['ratio_lmdb']:>8.2f}{'>=2':>8}")
-    print(f"{'host cache RSS / raw row bytes (dim ' + str(args.memory_dim) + ')':<44}{memory['raw_row_bytes']:>16,}"
-          f"{memory['rss_growth_bytes']:>16,}{memory['rss_over_raw']:>8.3f}{'<=1.25':>8}")
+    for backend in ("openmp", "torch"):
+        if backend in memory:
+            print(f"{'host cache, ' + backend + ': RSS / raw rows (dim ' + str(args.memory_dim) + ')':<44}"
+                  f"{memory['raw_row_bytes']:>16,}{memory[backend]['rss_growth_bytes']:>16,}"
+                  f"{memory[backend]['rss_over_raw']:>8.3f}{'<=1.25':>8}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"results: {args.json}")

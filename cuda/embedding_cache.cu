@@ -6,9 +6,10 @@
 // and `mask = capacity - 1`. Rows live in `rows [slots, row_width]` float32, a row being
 // `[weights (dim) | optimizer state]`; LFU scores in `scores [slots]` float32, one per row slot.
 //
-// Every kernel is a grid-stride loop over its n items, so any grid covers any n, and the test-only
-// host shim (cuda/host_shim.h) runs the same source as plain C++ with one thread. Bodies use
-// `continue`, never `return`, for that reason. Compiled by NVRTC for the device's own architecture
+// Every kernel is a grid-stride loop over its n items (rows or elements), so any grid covers any n.
+// With cuda/host_shim.h the same source compiles as C++: with TIERSTORE_OPENMP as the host tier's
+// parallel CPU kernels (rows split over threads), without it as one thread running the GPU's loops
+// (the tests' build). Loop bodies use `continue`, never `return`, for that reason. Compiled by NVRTC for the device's own architecture
 // (tierstore/kernels.py); every kernel is extern "C" so its name is stable.
 
 #ifdef TIERSTORE_HOST_SHIM
@@ -24,8 +25,18 @@ typedef unsigned long long u64;
 #define ALREADY_PRESENT 1
 #define TABLE_FULL 2
 
+#ifdef TIERSTORE_OPENMP
+// CPU threads (tierstore/host_kernels.py): items split over OpenMP threads, rows copied row by row.
+#define GRID_STRIDE_LOOP(i, n) _Pragma("omp parallel for schedule(static)") for (i64 i = 0; i < (n); ++i)
+#define FOR_EACH_ROW_ELEMENT(i, c, n, columns) GRID_STRIDE_LOOP(i, n) for (i64 c = 0; c < (columns); ++c)
+#else
 #define GRID_STRIDE_LOOP(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+// GPU threads: one thread per element (coalesced); the inner one-pass loop only names i and c.
+#define FOR_EACH_ROW_ELEMENT(i, c, n, columns) \
+    GRID_STRIDE_LOOP(element, (n) * (columns)) \
+    for (i64 i = element / (columns), c = element % (columns), once = 1; once; once = 0)
+#endif
 
 // splitmix64's finaliser: spreads ids that share low bits (hashed or sequential) over the table.
 __device__ __forceinline__ u64 mix(u64 x) {
@@ -118,34 +129,49 @@ extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores,
     }
 }
 
-// out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) per thread. Needs row_width
+#ifdef TIERSTORE_OPENMP
+// CPU threads copy whole rows, with the row pointers hoisted so the copy vectorises.
+__device__ __forceinline__ void copy_row(float* __restrict__ target, const float* __restrict__ source, i64 count) {
+    for (i64 c = 0; c < count; ++c) target[c] = source[c];
+}
+#define GATHER_ROWS GRID_STRIDE_LOOP(i, n) copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns)
+#endif
+
+// out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) at a time. Needs row_width
 // and columns divisible by 4 and 16-byte aligned buffers (the launcher checks).
 extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                              i64 n, i64 columns, float* __restrict__ out) {
-    const i64 vectors_per_row = columns / 4;
-    GRID_STRIDE_LOOP(v, n * vectors_per_row) {
-        i64 i = v / vectors_per_row, c = v % vectors_per_row;
-        const float4* source = (const float4*)(rows + (i64)slots[i] * row_width);
-        ((float4*)(out + i * columns))[c] = source[c];
+#ifdef TIERSTORE_OPENMP
+    GATHER_ROWS;
+#else
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns / 4) {
+        ((float4*)(out + i * columns))[c] = ((const float4*)(rows + (i64)slots[i] * row_width))[c];
     }
+#endif
 }
 
-// The same, one float per thread, for any widths.
+// The same, one float at a time, for any widths.
 extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                         i64 n, i64 columns, float* __restrict__ out) {
-    GRID_STRIDE_LOOP(e, n * columns) {
-        i64 i = e / columns, c = e % columns;
-        out[e] = rows[(i64)slots[i] * row_width + c];
+#ifdef TIERSTORE_OPENMP
+    GATHER_ROWS;
+#else
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns) {
+        out[i * columns + c] = rows[(i64)slots[i] * row_width + c];
     }
+#endif
 }
 
 // rows[slots[i], :columns] = values[i, :columns] (slots distinct).
 extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                          const float* __restrict__ values, i64 n, i64 columns) {
-    GRID_STRIDE_LOOP(e, n * columns) {
-        i64 i = e / columns, c = e % columns;
-        rows[(i64)slots[i] * row_width + c] = values[e];
+#ifdef TIERSTORE_OPENMP
+    GRID_STRIDE_LOOP(i, n) copy_row(rows + (i64)slots[i] * row_width, values + i * columns, columns);
+#else
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns) {
+        rows[(i64)slots[i] * row_width + c] = values[i * columns + c];
     }
+#endif
 }
 
 // Fused optimizers, in place on rows[slots[i]] = [w (dim) | state] with grad [n, dim], slots
@@ -153,19 +179,17 @@ extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width
 
 extern "C" __global__ void update_sgd(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                       const float* __restrict__ grad, i64 n, i64 dim, float lr) {
-    GRID_STRIDE_LOOP(e, n * dim) {
-        i64 i = e / dim, c = e % dim;
-        rows[(i64)slots[i] * row_width + c] -= lr * grad[e];
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
+        rows[(i64)slots[i] * row_width + c] -= lr * grad[i * dim + c];
     }
 }
 
 // s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
 extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                           const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
-    GRID_STRIDE_LOOP(e, n * dim) {
-        i64 i = e / dim, c = e % dim;
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
         float* row = rows + (i64)slots[i] * row_width;
-        float g = grad[e];
+        float g = grad[i * dim + c];
         float sum_squares = row[dim + c] + g * g;
         row[dim + c] = sum_squares;
         row[c] -= lr * (g / (sqrtf(sum_squares) + eps));  // g / d first, as torch
@@ -195,10 +219,9 @@ extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, 
                                        const float* __restrict__ grad, i64 n, i64 dim, float beta1,
                                        float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                                        float step_size) {
-    GRID_STRIDE_LOOP(e, n * dim) {
-        i64 i = e / dim, c = e % dim;
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
         float* row = rows + (i64)slots[i] * row_width;
-        float g = grad[e];
+        float g = grad[i * dim + c];
         float exp_avg = row[dim + c] * beta1 + one_minus_beta1 * g;
         float exp_avg_sq = row[2 * dim + c] * beta2 + one_minus_beta2 * g * g;
         row[dim + c] = exp_avg;

@@ -87,11 +87,15 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
-def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, device_backend, store_path):
+@pytest.mark.parametrize("host_backend", ["openmp", "torch"])
+def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, device_backend, host_backend,
+                                                                   store_path):
     ours_optimizer, torch_optimizer = OPTIMIZERS[name]
     ours = TieredEmbeddingBag(NUM, DIM, mode=mode, path=store_path, backend=backend, host_cache=12,
-                              device_cache=24, optimizer=ours_optimizer(), device_cache_backend=device_backend)
-    assert ours.store.stats()["device"]["backend"] == device_backend
+                              device_cache=24, optimizer=ours_optimizer(), device_cache_backend=device_backend,
+                              host_cache_backend=host_backend)
+    stats = ours.store.stats()
+    assert (stats["device"]["backend"], stats["host"]["backend"]) == (device_backend, host_backend)
     torch_bag = oracle_bag(mode)
     reference_optimizer = torch_optimizer(torch_bag.parameters())
     rng = np.random.default_rng(7)

@@ -6,7 +6,6 @@ import torch
 
 from helpers import initial
 from tierstore import CacheCapacityError, TieredStore
-from tierstore.row_cache import RowCache
 
 
 def tier_of(store, id_):
@@ -91,7 +90,7 @@ def test_invariant6_caches_stay_within_their_byte_budgets(budget, store_path):
     for batch in torch.arange(20000).split(100):  # more rows than fit: both caches fill up
         store.get(batch)
     for cache in store.caches:
-        assert cache.nbytes == RowCache.nbytes_for(cache.capacity, 64, torch.float32)
+        assert cache.nbytes == type(cache).nbytes_for(cache.capacity, 64, torch.float32)
         assert cache.nbytes <= parse_bytes(budget)
         assert cache.nbytes > 0.9 * parse_bytes(budget)  # and the budget is used, not wasted
     store.close()

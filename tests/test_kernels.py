@@ -11,12 +11,13 @@ from tierstore import kernels, optim
 from tierstore.hash_index import HashIndex
 from tierstore.kernel_hash_table import KernelHashTable
 
-from host_kernels import shared_host_kernels
+from host_kernels import parallel_host_kernels, shared_host_kernels
 
 
-@pytest.fixture(scope="module")
-def host():
-    return shared_host_kernels()
+@pytest.fixture(scope="module", params=["one-thread-gpu-loops", "openmp"])
+def host(request):
+    """Both host builds: one thread running the GPU's loops, and the host tier's OpenMP kernels."""
+    return shared_host_kernels() if request.param == "one-thread-gpu-loops" else parallel_host_kernels()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -86,19 +87,20 @@ def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, ops, capacit
 
 
 def test_insert_kernel_reports_repeated_keys_and_a_full_table(host):
+    """Which of two racing repeats wins is up to the threads; exactly one does."""
     keys = torch.full((16,), -1, dtype=torch.int64)
     values = torch.full((16,), -1, dtype=torch.int32)
     status = torch.empty(4, dtype=torch.int32)
     host.launch("cache_insert", 4, keys, values, 15, torch.tensor([5, 9, 5, 9]), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
                 4, status)
-    assert status.tolist() == [0, 0, 1, 1]  # the repeats find their key already there
+    assert sorted(status[[0, 2]].tolist()) == [0, 1] and sorted(status[[1, 3]].tolist()) == [0, 1]
     found = torch.empty(2, dtype=torch.int32)
     host.launch("cache_find", 2, keys, values, 15, torch.tensor([5, 9]), 2, found)
-    assert found.tolist() == [0, 1]
+    assert found.tolist() == [int(status[0] != 0) * 2, 1 + int(status[1] != 0) * 2]  # the winner's value
     many = torch.arange(100, 120)
     status = torch.empty(20, dtype=torch.int32)
     host.launch("cache_insert", 20, keys, values, 15, many, torch.arange(20, dtype=torch.int32), 20, status)
-    assert status.tolist() == [0] * 14 + [2] * 6  # 16 positions, 2 taken: the last 6 find it full
+    assert sorted(status.tolist()) == [0] * 14 + [2] * 6  # 16 positions, 2 taken: 6 find the table full
     assert int((keys >= 0).sum()) == 16
 
 

@@ -21,6 +21,7 @@ ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
 class StoreAgainstDict(RuleBasedStateMachine):
     backend = "lmdb"
     device_cache_backend = "torch"
+    host_cache_backend = "openmp"
 
     def __init__(self):
         super().__init__()
@@ -31,8 +32,11 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
     def open(self):
         self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6,
-                                 device_cache_backend=self.device_cache_backend)
-        assert self.store.stats()["device"]["backend"] == self.device_cache_backend
+                                 device_cache_backend=self.device_cache_backend,
+                                 host_cache_backend=self.host_cache_backend)
+        stats = self.store.stats()
+        assert (stats["device"]["backend"], stats["host"]["backend"]) == (self.device_cache_backend,
+                                                                          self.host_cache_backend)
 
     @rule(keys=ids, into_out=st.booleans())
     def get(self, keys, into_out):
@@ -83,6 +87,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
 class MmapStoreAgainstDict(StoreAgainstDict):
     backend = "mmap"
+    host_cache_backend = "torch"
 
 
 class KernelDeviceTierAgainstDict(StoreAgainstDict):

@@ -33,7 +33,7 @@ class _TieredTable(nn.Module):
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
                  path: str | Path | None, backend: str | None, host_cache: Budget, device_cache: Budget,
                  seed: int, optimizer: SparseOptimizer | None, missing: str, dtype: torch.dtype | None,
-                 device: torch.device | str | None, device_cache_backend: str) -> None:
+                 device: torch.device | str | None, device_cache_backend: str, host_cache_backend: str) -> None:
         super().__init__()
         if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0):
             raise ValueError(f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}")
@@ -53,7 +53,7 @@ class _TieredTable(nn.Module):
         self.store = TieredStore(path, dim=embedding_dim, dtype=dtype or torch.float32, backend=backend,
                                  host_cache=host_cache, device_cache=device_cache, device=device,
                                  optimizer_state_width=self.optimizer.state_width(embedding_dim), seed=seed,
-                                 device_cache_backend=device_cache_backend)
+                                 device_cache_backend=device_cache_backend, host_cache_backend=host_cache_backend)
         self.step = 0
         # An empty buffer that follows .to(device): where outputs go.
         self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
@@ -161,7 +161,7 @@ class TieredEmbeddingBag(_TieredTable):
     ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device).
     ``max_norm``, ``scale_grad_by_freq`` are not supported; ``sparse`` is accepted and ignored
     (updates are always sparse). Store args: ``path`` (``None``: a temporary store), ``backend``,
-    ``host_cache``, ``device_cache``, ``device_cache_backend``, ``seed``; ``optimizer`` (default ``optim.SGD(lr=0.01)``),
+    ``host_cache``, ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``seed``; ``optimizer`` (default ``optim.SGD(lr=0.01)``),
     applied during ``backward``; ``missing``: what eval / ``no_grad`` lookups of ids the table
     has never seen give — "init" (their initial row), "zero" or "error" (``KeyError``); they
     never join the table then.
@@ -175,12 +175,13 @@ class TieredEmbeddingBag(_TieredTable):
                  *, path: str | Path | None = None, backend: str | None = None, host_cache: Budget = "256MiB",
                  device_cache: Budget = None, seed: int = 0, optimizer: SparseOptimizer | None = None,
                  missing: str = "init", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, device_cache_backend: str = "auto") -> None:
+                 device: torch.device | str | None = None, device_cache_backend: str = "auto",
+                 host_cache_backend: str = "auto") -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
-                         seed, optimizer, missing, dtype, device, device_cache_backend)
+                         seed, optimizer, missing, dtype, device, device_cache_backend, host_cache_backend)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -210,10 +211,10 @@ class TieredEmbedding(_TieredTable):
                  host_cache: Budget = "256MiB", device_cache: Budget = None, seed: int = 0,
                  optimizer: SparseOptimizer | None = None, missing: str = "init",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 device_cache_backend: str = "auto") -> None:
+                 device_cache_backend: str = "auto", host_cache_backend: str = "auto") -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
         super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
-                         seed, optimizer, missing, dtype, device, device_cache_backend)
+                         seed, optimizer, missing, dtype, device, device_cache_backend, host_cache_backend)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         input = check_lookup_ids(input, self.num_embeddings, "input")

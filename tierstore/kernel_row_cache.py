@@ -1,7 +1,8 @@
-"""The device tier on the ``cuda/`` kernels: ``RowCache``'s contract, bookkeeping and eviction
+"""A cache tier on the ``cuda/`` kernels: ``RowCache``'s contract, bookkeeping and eviction
 policy, with the hash table, LFU scores, victim scores, row gather/scatter and the fused
-optimizers run as kernels (``device_cache_backend="cuda"``). The torch ``RowCache`` is the
-reference it is tested against (through the kernels' host build when there is no GPU).
+optimizers run as kernels: on the GPU (``device_cache_backend="cuda"``) or compiled for the CPU
+with OpenMP (``host_cache_backend="openmp"``). The torch ``RowCache`` is the reference it is
+tested against (through the kernels' host builds when there is no GPU).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from .row_cache import RowCache
 
 
 class KernelRowCache(RowCache):
-    """A ``RowCache`` whose index and row operations are ``kernels.launch`` calls; float32 rows."""
-
-    backend = "cuda"
+    """A ``RowCache`` whose index and row operations are ``kernels.launch`` calls; float32 rows.
+    ``kernels``: a ``KernelModule`` (GPU) or ``HostKernels`` (CPU); ``backend`` names it in stats."""
 
     def __init__(self, name: str, capacity: int, row_width: int, dtype: torch.dtype, device: torch.device | str,
-                 kernels, half_life: float | None = None) -> None:
+                 kernels, backend: str, half_life: float | None = None, pin_memory: bool = False) -> None:
         if dtype != torch.float32:
-            raise ValueError(f"the cuda device cache backend stores float32 rows, not {dtype}; use device_cache_backend='torch'")
+            raise ValueError(f"the {backend} cache backend stores float32 rows, not {dtype}; use the torch backend")
         self.kernels = kernels
-        super().__init__(name, capacity, row_width, dtype, device, half_life)
+        self.backend = backend
+        super().__init__(name, capacity, row_width, dtype, device, half_life, pin_memory)
         self._blocked = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
 
     def _make_index(self, capacity: int) -> KernelHashTable:
@@ -30,7 +31,7 @@ class KernelRowCache(RowCache):
 
     @staticmethod
     def _index_nbytes(capacity: int) -> int:
-        return positions_for(capacity) * (8 + 4)
+        return positions_for(capacity) * (8 + 4) + capacity  # the table, and the victim mask
 
     @property
     def nbytes(self) -> int:

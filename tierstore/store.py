@@ -23,6 +23,7 @@ from .cold import ColdStore, open_cold_store
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .initializer import initial_rows
 from .kernel_row_cache import KernelRowCache
+from .host_kernels import host_kernels
 from .kernels import device_kernels
 from .optim import SparseOptimizer
 from .metadata import METADATA_FILE, StoreMetadata, check_matches, dtype_name, read_metadata, write_metadata
@@ -58,6 +59,8 @@ class TieredStore:
         device_cache_backend: "cuda" runs the device tier on the ``cuda/`` kernels (needs a CUDA
             device, cuda-python and NVRTC; float32), "torch" on torch ops (any device), "auto" the
             kernels where they can run, else torch. ``stats()`` names the one in use.
+        host_cache_backend: "openmp" runs the host tier on the same kernels compiled for the CPU
+            (g++, OpenMP; float32), "torch" on torch ops, "auto" the kernels where they build.
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -68,9 +71,11 @@ class TieredStore:
                  backend: str | None = None, host_cache: Budget = "256MiB", device_cache: Budget = None,
                  device: torch.device | str = "cpu", optimizer_state_width: int | None = None,
                  seed: int | None = None, read_only: bool = False, half_life: float | None = None,
-                 device_cache_backend: str = "auto") -> None:
+                 device_cache_backend: str = "auto", host_cache_backend: str = "auto") -> None:
         if device_cache_backend not in ("auto", "cuda", "torch"):
             raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {device_cache_backend!r}")
+        if host_cache_backend not in ("auto", "openmp", "torch"):
+            raise ValueError(f"host_cache_backend must be 'auto', 'openmp' or 'torch', got {host_cache_backend!r}")
         if device_cache_backend == "cuda":  # refuse before creating anything
             why_not = device_kernels(torch.device(device), dtype or torch.float32)[1]
             if why_not:
@@ -83,7 +88,7 @@ class TieredStore:
         self.dim = self.metadata.dim
         self.dtype = self.metadata.torch_dtype
         self.row_width = self.metadata.row_width
-        self.caches = self._make_caches(host_cache, device_cache, half_life, device_cache_backend)
+        self.caches = self._make_caches(host_cache, device_cache, half_life, device_cache_backend, host_cache_backend)
         self.cold: ColdStore = open_cold_store(self.metadata.backend, self.path, self.row_width, self.dtype, read_only)
         self.cold_stats = ColdStats()
         self._closed = False
@@ -111,23 +116,25 @@ class TieredStore:
         write_metadata(self.path, metadata)
         return metadata
 
-    def _make_caches(self, host_budget: Budget, device_budget: Budget, half_life, device_backend: str) -> list[RowCache]:
-        def nbytes(rows: int) -> int:
-            return RowCache.nbytes_for(rows, self.row_width, self.dtype)
-
+    def _make_caches(self, host_budget: Budget, device_budget: Budget, half_life, device_backend: str,
+                     host_backend: str) -> list[RowCache]:
         on_cuda = self.device.type == "cuda"
         device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_cuda else None
+        tiers = [("device", device_budget, self.device, device_memory, self._device_kernels(device_backend), "cuda"),
+                 ("host", host_budget, torch.device("cpu"), psutil.virtual_memory().total,
+                  self._host_kernels(host_backend), "openmp")]
         caches = []
-        kernels = self._device_kernels(device_backend)
-        device_rows = rows_for_budget(device_budget, nbytes, device_memory)
-        if device_rows and kernels is not None:
-            caches.append(KernelRowCache("device", device_rows, self.row_width, self.dtype, self.device, kernels, half_life))
-        elif device_rows:
-            caches.append(RowCache("device", device_rows, self.row_width, self.dtype, self.device, half_life))
-        host_rows = rows_for_budget(host_budget, nbytes, psutil.virtual_memory().total)
-        if host_rows:
-            caches.append(RowCache("host", host_rows, self.row_width, self.dtype, "cpu", half_life,
-                                   pin_memory=on_cuda))
+        for name, budget, device, memory, kernels, kernel_backend in tiers:
+            kind = RowCache if kernels is None else KernelRowCache
+            rows = rows_for_budget(budget, lambda count: kind.nbytes_for(count, self.row_width, self.dtype), memory)
+            if not rows:
+                continue
+            pin_memory = on_cuda and name == "host"
+            if kernels is None:
+                caches.append(RowCache(name, rows, self.row_width, self.dtype, device, half_life, pin_memory))
+            else:
+                caches.append(KernelRowCache(name, rows, self.row_width, self.dtype, device, kernels, kernel_backend,
+                                             half_life, pin_memory))
         if not caches:
             raise ValueError("at least one cache tier is needed: give host_cache or device_cache a budget above 0")
         return caches
@@ -139,6 +146,15 @@ class TieredStore:
         kernels, why_not = device_kernels(self.device, self.dtype)
         if kernels is None and requested == "cuda":
             raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
+        return kernels
+
+    def _host_kernels(self, requested: str):
+        """The ``cuda/`` kernels built for the CPU (OpenMP) for the host tier, or None for torch."""
+        if requested == "torch":
+            return None
+        kernels, why_not = host_kernels() if self.dtype == torch.float32 else (None, f"rows are {self.dtype}, not float32")
+        if kernels is None and requested == "openmp":
+            raise ValueError(f"host_cache_backend='openmp' cannot run here ({why_not}); use 'auto' or 'torch'")
         return kernels
 
     # -- public API --------------------------------------------------------------------------
