@@ -175,25 +175,66 @@ extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width
 }
 
 // Fused optimizers, in place on rows[slots[i]] = [w (dim) | state] with grad [n, dim], slots
-// distinct. The formulas are tierstore/optim.py's (the reference they are tested against).
+// distinct. The formulas are tierstore/optim.py's (the reference they are tested against). Each
+// element-wise optimizer is a functor updating column c of one row; APPLY_STEP runs it on every
+// element (GPU: one thread per element; CPU: a thread per row, through a helper whose restrict
+// pointers let the compiler keep the row in registers and vectorise).
+
+#ifdef TIERSTORE_OPENMP
+template <typename Step>
+__device__ __forceinline__ void step_row(float* __restrict__ row, const float* __restrict__ g, i64 dim, Step step) {
+    for (i64 c = 0; c < dim; ++c) step(row, g, c, dim);
+}
+#define APPLY_STEP(step) GRID_STRIDE_LOOP(i, n) step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step)
+#else
+#define APPLY_STEP(step) FOR_EACH_ROW_ELEMENT(i, c, n, dim) step(rows + (i64)slots[i] * row_width, grad + i * dim, c, dim)
+#endif
+
+// w -= lr * g.
+struct SgdStep {
+    float lr;
+    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64) const { row[c] -= lr * g[c]; }
+};
+
+// s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
+struct AdagradStep {
+    float lr, eps;
+    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64 dim) const {
+        float sum_squares = row[dim + c] + g[c] * g[c];
+        row[dim + c] = sum_squares;
+        row[c] -= lr * (g[c] / (sqrtf(sum_squares) + eps));  // g / d first, as torch
+    }
+};
+
+// Lazy Adam (torch.optim.SparseAdam): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+// w -= step_size * m / (sqrt(v) + eps), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) from the host.
+// 1 - b1 and 1 - b2 come from the host too (in float32, 1.0f - 0.9f is not 0.1f).
+struct AdamStep {
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size;
+    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64 dim) const {
+        float exp_avg = row[dim + c] * beta1 + one_minus_beta1 * g[c];
+        float exp_avg_sq = row[2 * dim + c] * beta2 + one_minus_beta2 * g[c] * g[c];
+        row[dim + c] = exp_avg;
+        row[2 * dim + c] = exp_avg_sq;
+        row[c] -= step_size * (exp_avg / (sqrtf(exp_avg_sq) + eps));  // m / d first, as torch
+    }
+};
 
 extern "C" __global__ void update_sgd(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                       const float* __restrict__ grad, i64 n, i64 dim, float lr) {
-    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
-        rows[(i64)slots[i] * row_width + c] -= lr * grad[i * dim + c];
-    }
+    APPLY_STEP((SgdStep{lr}));
 }
 
-// s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
 extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
                                           const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
-    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
-        float* row = rows + (i64)slots[i] * row_width;
-        float g = grad[i * dim + c];
-        float sum_squares = row[dim + c] + g * g;
-        row[dim + c] = sum_squares;
-        row[c] -= lr * (g / (sqrtf(sum_squares) + eps));  // g / d first, as torch
-    }
+    APPLY_STEP((AdagradStep{lr, eps}));
+}
+
+extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
+                                       const float* __restrict__ grad, i64 n, i64 dim, float beta1,
+                                       float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                                       float step_size) {
+    APPLY_STEP((AdamStep{beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size}));
 }
 
 // FBGEMM's exact row-wise Adagrad: m += mean(g * g); w -= lr / (sqrt(m) + eps) * g. State: m (1 value).
@@ -209,23 +250,5 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
         row[dim] = momentum;
         float scale = lr / (sqrtf(momentum) + eps);
         for (i64 c = 0; c < dim; ++c) row[c] -= scale * g[c];
-    }
-}
-
-// Lazy Adam (torch.optim.SparseAdam): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-// w -= step_size * m / (sqrt(v) + eps), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) from the host.
-// 1 - b1 and 1 - b2 come from the host too (in float32, 1.0f - 0.9f is not 0.1f).
-extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                       const float* __restrict__ grad, i64 n, i64 dim, float beta1,
-                                       float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                                       float step_size) {
-    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {
-        float* row = rows + (i64)slots[i] * row_width;
-        float g = grad[i * dim + c];
-        float exp_avg = row[dim + c] * beta1 + one_minus_beta1 * g;
-        float exp_avg_sq = row[2 * dim + c] * beta2 + one_minus_beta2 * g * g;
-        row[dim + c] = exp_avg;
-        row[2 * dim + c] = exp_avg_sq;
-        row[c] -= step_size * (exp_avg / (sqrtf(exp_avg_sq) + eps));  // m / d first, as torch
     }
 }
