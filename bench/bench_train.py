@@ -11,7 +11,8 @@ Zipf(alpha) from ``--ids`` ids (one table, bags of 26, mode "sum"), dim ``--dim`
   installed (``pip install fbgemm-gpu-cpu==1.8.0`` works with torch 2.13); the column says
   "not installed" otherwise.
 Every timed step sees a fresh batch (``--warm-up`` batches first fill the cache, then each of
-``--repeats`` times ``--steps`` new ones), so the cache is never timed on batches it has seen.
+``--repeats`` times ``--steps`` new ones), so the cache is never timed on batches it has seen; the
+methods take turns on each set of batches, so the machine's drift hits them alike.
 Reported: samples/s, the ratio ours / baseline, and the share of our id lookups the host cache
 served, for SGD and Adagrad. JSON to ``--json``.
 """
@@ -41,18 +42,18 @@ def batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> lis
     return [(torch.from_numpy(sample(size * FEATURES)), offsets) for _ in range(count)]
 
 
-def samples_per_second(step, warm_up: list, timed: list[list]) -> float:
-    """Run ``warm_up`` batches, then time each list of ``timed`` batches (fresh ones each, as a
-    training stream brings: a cache must not be timed on batches it has already seen)."""
-    for batch in warm_up:
-        step(*batch)
-    times = []
+def interleaved_samples_per_second(steps: dict, timed: list[list]) -> dict[str, float]:
+    """Samples/s of each warmed-up ``steps[name]``, timed in turns on each list of ``timed`` batches
+    (so the machine's drift hits every method alike; each list is fresh to the tiered table)."""
+    times = {name: [] for name in steps}
     for work in timed:
-        start = time.perf_counter()
-        for batch in work:
-            step(*batch)
-        times.append(time.perf_counter() - start)
-    return len(timed[0]) * timed[0][0][1].numel() / statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for batch in work:
+                step(*batch)
+            times[name].append(time.perf_counter() - start)
+    samples = len(timed[0]) * timed[0][0][1].numel()
+    return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
 
 
 def torch_baseline(ids: int, dim: int, optimizer: str):
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per step (26 ids each)")
     parser.add_argument("--host-share", type=float, default=0.10, help="share of the rows the host cache holds")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat (each repeat on fresh batches)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warm-up", type=int, default=30, help="steps that fill the cache before timing (not timed)")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adagrad"], choices=["sgd", "adagrad"])
     parser.add_argument("--json", type=Path, default=Path("bench/results/train.json"))
@@ -127,18 +128,24 @@ def main() -> None:
             table, ours_step = tiered(args.ids, args.dim, name, args.host_share, Path(directory))
             for batch in warm_up:  # fill the host cache with hot rows, as a long run would
                 ours_step(*batch)
+            steps = {"ours": ours_step, "nn_embedding_bag": torch_baseline(args.ids, args.dim, name)}
+            fbgemm_step = fbgemm_baseline(args.ids, args.dim, name)
+            if fbgemm_step:
+                steps["fbgemm"] = fbgemm_step
+            for step in list(steps.values())[1:]:
+                for batch in warm_up[:2]:
+                    step(*batch)
             before = table.store.stats()["host"]
-            ours = samples_per_second(ours_step, [], timed)
+            rates = interleaved_samples_per_second(steps, timed)
             after = table.store.stats()["host"]
             lookups = after["hits"] + after["misses"] - before["hits"] - before["misses"]
             hit_rate = (after["hits"] - before["hits"]) / lookups
             table.close()
-            baseline = samples_per_second(torch_baseline(args.ids, args.dim, name), warm_up[:2], timed)
-            fbgemm_step = fbgemm_baseline(args.ids, args.dim, name)
-            fbgemm = samples_per_second(fbgemm_step, warm_up[:2], timed) if fbgemm_step else None
+            ours, baseline, fbgemm = rates["ours"], rates["nn_embedding_bag"], rates.get("fbgemm")
             results[name] = {"samples_per_s_ours": ours, "samples_per_s_nn_embedding_bag": baseline,
                              "ratio_nn_embedding_bag": ours / baseline, "samples_per_s_fbgemm": fbgemm,
-                             "ratio_fbgemm": ours / fbgemm if fbgemm else None, "host_hit_rate": hit_rate}
+                             "ratio_fbgemm": ours / fbgemm if fbgemm else None, "host_hit_rate": hit_rate,
+                             "host_backend": after["backend"]}
             fbgemm_text = (f"{fbgemm:>14,.0f}{ours / fbgemm:>8.2f}" if fbgemm else f"{'not installed':>14}{'':>8}")
             print(f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}{fbgemm_text}{hit_rate:>10.1%}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
