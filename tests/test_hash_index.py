@@ -2,17 +2,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import hash_table_operations
 from tierstore.hash_index import HashIndex
 
-operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "remove", "find"]),
-              st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True)),
-    max_size=40,
-)
-
-
 @settings(max_examples=150, deadline=None)
-@given(operations, st.integers(1, 8))
+@given(hash_table_operations, st.integers(1, 8))
 def test_hash_index_matches_a_dict(ops, capacity):
     index, oracle = HashIndex(capacity), {}
     for step, (op, keys) in enumerate(ops):

@@ -11,6 +11,7 @@ from tierstore import kernels, optim
 from tierstore.hash_index import HashIndex
 from tierstore.kernel_hash_table import KernelHashTable
 
+from helpers import hash_table_operations
 from host_kernels import parallel_host_kernels, shared_host_kernels
 
 
@@ -56,15 +57,8 @@ def test_cubins_are_cached_by_source_hash_architecture_and_nvrtc_version(tmp_pat
 
 # -- the hash table: the kernel table and the torch HashIndex against one dict ------------------
 
-operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "remove", "find"]),
-              st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True)),
-    max_size=40,
-)
-
-
 @settings(max_examples=100, deadline=None)
-@given(operations, st.integers(1, 8))
+@given(hash_table_operations, st.integers(1, 8))
 def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, ops, capacity):
     table, reference, oracle = KernelHashTable(capacity, host, "cpu"), HashIndex(capacity), {}
     for step, (op, keys) in enumerate(ops):
