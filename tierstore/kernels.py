@@ -106,12 +106,15 @@ class KernelModule:
         self._driver = driver
         self.device = torch.device(device)
         self.source_name = source_name
-        torch.cuda.init()
-        with torch.cuda.device(self.device):
-            torch.cuda.current_stream(self.device)  # makes torch's (primary) context current
-            _check(driver.cuInit(0), "cuInit", source_name)
-            cubin = cached_cubin(source_name, device_arch(self.device))
-            self._module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData", source_name)
+        torch.zeros(1, device=self.device)  # torch creates the device's primary context
+        _check(driver.cuInit(0), "cuInit", source_name)
+        cu_device = _check(driver.cuDeviceGet(self.device.index or 0), "cuDeviceGet", source_name)
+        # The primary context is the one torch uses; it is made current before every call, since
+        # autograd runs backward hooks on its own threads.
+        self._context = _check(driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain", source_name)
+        _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", source_name)
+        cubin = cached_cubin(source_name, device_arch(self.device))
+        self._module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData", source_name)
         self._functions: dict = {}
         self._max_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count * 32
 
@@ -140,7 +143,8 @@ class KernelModule:
                 values.append(int(arg))
                 types.append(ctypes.c_int64)
         blocks = min(self._max_blocks, -(-n // THREADS_PER_BLOCK))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", name)
         _check(self._driver.cuLaunchKernel(self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream,
                                            (tuple(values), tuple(types)), 0), "cuLaunchKernel", name)
 
