@@ -29,9 +29,8 @@ class HostKernels:
     """One host build's kernels behind ``KernelModule``'s ``launch(name, n, *args)`` (CPU tensors;
     ``n`` sizes GPU grids and is unused here: each kernel loops over all its items)."""
 
-    def __init__(self, library: Path, parallel: bool) -> None:
+    def __init__(self, library: Path) -> None:
         self._library = ctypes.CDLL(str(library))
-        self.parallel = parallel
 
     def launch(self, name: str, n: int, *args) -> None:
         if n <= 0:
@@ -49,15 +48,16 @@ class HostKernels:
         getattr(self._library, name)(*converted)
 
 
-def build(parallel: bool, directory: Path | None = None, source_name: str = SOURCE) -> Path:
-    """Compile ``cuda/<source_name>`` for the host into ``directory`` (default: the kernel cache)."""
+def build(parallel: bool, source_name: str = SOURCE) -> Path:
+    """Compile ``cuda/<source_name>`` for the host into the kernel cache (once per source, flags
+    and compiler); returns the library's path."""
     flags = _FLAGS + (_PARALLEL_FLAGS if parallel else [])
     compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
     digest = hashlib.sha256()
     for part in (source_dir() / source_name, source_dir() / "host_shim.h"):
         digest.update(part.read_bytes())
     digest.update(" ".join(flags + [compiler]).encode())
-    library = (directory or cache_dir()) / f"{Path(source_name).stem}-{digest.hexdigest()[:24]}-host.so"
+    library = cache_dir() / f"{Path(source_name).stem}-{digest.hexdigest()[:24]}-host.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -74,6 +74,6 @@ def build(parallel: bool, directory: Path | None = None, source_name: str = SOUR
 def host_kernels(parallel: bool = True) -> tuple[HostKernels | None, str]:
     """``(the host build, "")``, or ``(None, why it cannot be built here)``."""
     try:
-        return HostKernels(build(parallel), parallel), ""
+        return HostKernels(build(parallel)), ""
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         return None, f"{type(error).__name__}: {error}"
