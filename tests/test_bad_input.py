@@ -46,6 +46,7 @@ def test_bad_ids(store, ids, error, message):
     (torch.zeros(3, 4), ValueError, r"\[2, 4\] torch.float32 tensor on cpu"),
     (torch.zeros(2, 4, dtype=torch.float64), ValueError, "torch.float32"),
     (np.zeros((2, 4), dtype=np.float32), TypeError, "torch.Tensor"),
+    (torch.zeros(4, 2).t(), ValueError, "contiguous"),
 ])
 def test_bad_out_on_get(store, out, error, message):
     with pytest.raises(error, match=message):

@@ -132,8 +132,9 @@ class KernelModule:
         values, types = [], []
         for arg in args:
             if isinstance(arg, torch.Tensor):
-                if arg.device != self.device:
-                    raise CudaError(f"{name}: a tensor argument is on {arg.device}, not {self.device}")
+                if arg.device != self.device or not arg.is_contiguous():
+                    raise CudaError(f"{name}: a tensor argument is on {arg.device} (contiguous: "
+                                    f"{arg.is_contiguous()}), not contiguous on {self.device}")
                 values.append(arg.data_ptr())
                 types.append(ctypes.c_void_p)
             elif isinstance(arg, float):

@@ -67,6 +67,8 @@ def check_out(out: Any, shape: tuple[int, int], dtype: torch.dtype, device: torc
     if tuple(out.shape) != shape or out.dtype != dtype or not same_device:
         raise ValueError(f"out must be a {list(shape)} {dtype} tensor on {device}; "
                          f"got {list(out.shape)} {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (rows are written packed); pass out.contiguous() or a fresh tensor")
 
 
 def check_lookup_ids(input: Any, num_embeddings: int | None, name: str = "input") -> torch.Tensor:
