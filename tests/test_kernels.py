@@ -191,3 +191,11 @@ def test_device_cache_backend_choice_is_checked_and_reported(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before creating anything
     with TieredStore(tmp_path / "c", dim=4, device_cache=8) as store:  # auto on a CPU device: torch
         assert store.stats()["device"]["backend"] == "torch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_backend_without_a_gpu_says_so(tmp_path):
+    from tierstore import TieredStore
+    with pytest.raises(ValueError, match="cannot run here .torch sees no CUDA device"):
+        TieredStore(tmp_path / "s", dim=4, device="cuda", device_cache=8, device_cache_backend="cuda")
+    assert not (tmp_path / "s").exists()

@@ -59,10 +59,6 @@ class KernelRowCache(RowCache):
         self.kernels.launch("cache_scatter", slots.numel() * columns, self.rows, self.rows.shape[1], _int32(slots),
                             values.to(self.device, self.rows.dtype).contiguous(), slots.numel(), columns)
 
-    def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
-        self._copy_rows(slots, values, columns)
-        self.dirty[slots] = True
-
     def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         name, arguments, per_row = optimizer.kernel(step)
         dim = grad.shape[1]

@@ -105,7 +105,6 @@ class KernelModule:
 
         self._driver = driver
         self.device = torch.device(device)
-        self.source_name = source_name
         torch.zeros(1, device=self.device)  # torch creates the device's primary context
         _check(driver.cuInit(0), "cuInit", source_name)
         cu_device = _check(driver.cuDeviceGet(self.device.index or 0), "cuDeviceGet", source_name)
@@ -160,11 +159,13 @@ def device_kernels(device: torch.device, dtype: torch.dtype) -> tuple[KernelModu
         return None, f"the device is {device}, not a CUDA device"
     if dtype != torch.float32:
         return None, f"the kernels store float32 rows, not {dtype}"
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _loaded:
-        try:
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    try:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in _loaded:
             _loaded[device] = KernelModule(device)
-        except (ImportError, RuntimeError, OSError) as error:  # no driver, no NVRTC, CudaError
-            return None, f"{type(error).__name__}: {error}"
+    except (ImportError, RuntimeError, OSError) as error:  # no GPU or driver, no NVRTC, CudaError
+        return None, f"{type(error).__name__}: {error}"
     return _loaded[device], ""

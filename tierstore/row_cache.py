@@ -140,13 +140,13 @@ class RowCache:
             return self.rows[:, :columns].index_select(0, slots)
         return torch.index_select(self.rows[:, :columns], 0, slots, out=out)
 
-    def _copy_rows(self, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Whole rows at ``slots`` (distinct) = ``values``; no flags change."""
-        self.rows.index_copy_(0, slots, values)
+    def _copy_rows(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
+        """The first ``columns`` (default all) of rows at ``slots`` (distinct) = ``values``; no flags change."""
+        self.rows[:, :columns].index_copy_(0, slots, values.to(self.device, self.rows.dtype))
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
         """Overwrite the first ``columns`` (default all) of rows at ``slots`` (distinct); mark them dirty."""
-        self.rows[slots, :columns] = values.to(self.device)
+        self._copy_rows(slots, values, columns)
         self.dirty[slots] = True
 
     def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
@@ -195,7 +195,7 @@ class RowCache:
         keys = incoming.keys.to(self.device)
         self.index.insert(keys, slots)
         self.slot_keys[slots] = keys
-        self._copy_rows(slots, incoming.rows.to(self.device))
+        self._copy_rows(slots, incoming.rows)
         self.dirty[slots] = incoming.dirty.to(self.device)
         self.fresh[slots] = incoming.fresh.to(self.device)
         self.score[slots] = 0

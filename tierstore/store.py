@@ -22,11 +22,11 @@ from .budget import Budget, rows_for_budget
 from .cold import ColdStore, open_cold_store
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from .initializer import initial_rows
-from .kernel_row_cache import KernelRowCache
 from .host_kernels import host_kernels
+from .kernel_row_cache import KernelRowCache
 from .kernels import device_kernels
-from .optim import SparseOptimizer
 from .metadata import METADATA_FILE, StoreMetadata, check_matches, dtype_name, read_metadata, write_metadata
+from .optim import SparseOptimizer
 from .row_cache import RowCache, Rows
 from .validation import as_ids, as_rows, check_out
 
@@ -72,14 +72,9 @@ class TieredStore:
                  device: torch.device | str = "cpu", optimizer_state_width: int | None = None,
                  seed: int | None = None, read_only: bool = False, half_life: float | None = None,
                  device_cache_backend: str = "auto", host_cache_backend: str = "auto") -> None:
-        if device_cache_backend not in ("auto", "cuda", "torch"):
-            raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {device_cache_backend!r}")
-        if host_cache_backend not in ("auto", "openmp", "torch"):
-            raise ValueError(f"host_cache_backend must be 'auto', 'openmp' or 'torch', got {host_cache_backend!r}")
-        if device_cache_backend == "cuda":  # refuse before creating anything
-            why_not = device_kernels(torch.device(device), dtype or torch.float32)[1]
-            if why_not:
-                raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
+        # Refuse a backend that cannot run before creating anything (a new store's dtype is known here).
+        _device_tier_kernels(device_cache_backend, torch.device(device), dtype or torch.float32)
+        _host_tier_kernels(host_cache_backend, dtype or torch.float32)
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
         self.read_only = read_only
@@ -120,9 +115,10 @@ class TieredStore:
                      host_backend: str) -> list[RowCache]:
         on_cuda = self.device.type == "cuda"
         device_memory = torch.cuda.get_device_properties(self.device).total_memory if on_cuda else None
-        tiers = [("device", device_budget, self.device, device_memory, self._device_kernels(device_backend), "cuda"),
+        tiers = [("device", device_budget, self.device, device_memory,
+                  _device_tier_kernels(device_backend, self.device, self.dtype), "cuda"),
                  ("host", host_budget, torch.device("cpu"), psutil.virtual_memory().total,
-                  self._host_kernels(host_backend), "openmp")]
+                  _host_tier_kernels(host_backend, self.dtype), "openmp")]
         caches = []
         for name, budget, device, memory, kernels, kernel_backend in tiers:
             kind = RowCache if kernels is None else KernelRowCache
@@ -138,24 +134,6 @@ class TieredStore:
         if not caches:
             raise ValueError("at least one cache tier is needed: give host_cache or device_cache a budget above 0")
         return caches
-
-    def _device_kernels(self, requested: str):
-        """The ``cuda/`` kernels for the device tier, or None for the torch backend."""
-        if requested == "torch":
-            return None
-        kernels, why_not = device_kernels(self.device, self.dtype)
-        if kernels is None and requested == "cuda":
-            raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
-        return kernels
-
-    def _host_kernels(self, requested: str):
-        """The ``cuda/`` kernels built for the CPU (OpenMP) for the host tier, or None for torch."""
-        if requested == "torch":
-            return None
-        kernels, why_not = host_kernels() if self.dtype == torch.float32 else (None, f"rows are {self.dtype}, not float32")
-        if kernels is None and requested == "openmp":
-            raise ValueError(f"host_cache_backend='openmp' cannot run here ({why_not}); use 'auto' or 'torch'")
-        return kernels
 
     # -- public API --------------------------------------------------------------------------
 
@@ -409,3 +387,29 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"store {self.path} is closed")
+
+
+def _device_tier_kernels(requested: str, device: torch.device, dtype: torch.dtype):
+    """The ``cuda/`` kernels for the device tier, or None for its torch backend; raises when
+    ``requested`` is not a backend, or is "cuda" and the kernels cannot run."""
+    if requested not in ("auto", "cuda", "torch"):
+        raise ValueError(f"device_cache_backend must be 'auto', 'cuda' or 'torch', got {requested!r}")
+    if requested == "torch":
+        return None
+    kernels, why_not = device_kernels(device, dtype)
+    if kernels is None and requested == "cuda":
+        raise ValueError(f"device_cache_backend='cuda' cannot run here ({why_not}); use 'auto' or 'torch'")
+    return kernels
+
+
+def _host_tier_kernels(requested: str, dtype: torch.dtype):
+    """The ``cuda/`` kernels built for the CPU (OpenMP) for the host tier, or None for torch ops;
+    raises when ``requested`` is not a backend, or is "openmp" and the kernels cannot run."""
+    if requested not in ("auto", "openmp", "torch"):
+        raise ValueError(f"host_cache_backend must be 'auto', 'openmp' or 'torch', got {requested!r}")
+    if requested == "torch":
+        return None
+    kernels, why_not = host_kernels() if dtype == torch.float32 else (None, f"rows are {dtype}, not float32")
+    if kernels is None and requested == "openmp":
+        raise ValueError(f"host_cache_backend='openmp' cannot run here ({why_not}); use 'auto' or 'torch'")
+    return kernels
