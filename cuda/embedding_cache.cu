@@ -1,8 +1,8 @@
 // The device cache tier's kernels: an open-addressing hash table over int64 ids in device memory
 // (linear probing, one thread per key), LFU scores, row gather/scatter and the fused optimizers.
 //
-// Layout (see tierstore/cuda_cache.py): `table_keys [capacity]` int64 (EMPTY_KEY, TOMBSTONE_KEY or
-// an id) beside `table_slots [capacity]` int32 (the id's row slot); `capacity` is a power of two
+// Layout (see tierstore/kernel_hash_table.py): `table_keys [capacity]` int64 (EMPTY_KEY, TOMBSTONE_KEY
+// or an id) beside `table_values [capacity]` (the id's row slot, int32, or row number, int64); `capacity` is a power of two
 // and `mask = capacity - 1`. Rows live in `rows [slots, row_width]` float32, a row being
 // `[weights (dim) | optimizer state]`; LFU scores in `scores [slots]` float32, one per row slot.
 //
@@ -61,22 +61,28 @@ __device__ __forceinline__ i64 probe(const i64* __restrict__ table_keys, i64 mas
     return -1;
 }
 
-// out_slots[i] = row slot of keys[i], or -1 where absent. Duplicate keys simply find the same slot.
-extern "C" __global__ void cache_find(const i64* __restrict__ table_keys, const int* __restrict__ table_slots,
-                                      i64 mask, const i64* __restrict__ keys, i64 n, int* __restrict__ out_slots) {
+// The table's operations are templates over its value type: int (`cache_*`: a cache tier's row
+// slots) and i64 (`index_*`: the cold store's row numbers, which pass 2^31 in big files).
+
+// out_values[i] = value of keys[i], or -1 where absent. Duplicate keys simply find the same value.
+template <typename Value>
+__device__ __forceinline__ void table_find(const i64* __restrict__ table_keys, const Value* __restrict__ table_values,
+                                           i64 mask, const i64* __restrict__ keys, i64 n,
+                                           Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
         i64 position = probe(table_keys, mask, keys[i]);
-        out_slots[i] = position < 0 ? -1 : table_slots[position];
+        out_values[i] = position < 0 ? (Value)-1 : table_values[position];
     }
 }
 
-// Insert keys[i] -> slots[i]. Claims only empty positions (tombstones are reclaimed when the host
+// Insert keys[i] -> values[i]. Claims only empty positions (tombstones are reclaimed when the host
 // side rebuilds the table), with a compare-and-swap, so two threads never take one position.
 // out_status[i]: INSERTED, ALREADY_PRESENT (the key was there, or a duplicate in this batch won
-// the race; its slot is not written) or TABLE_FULL.
-extern "C" __global__ void cache_insert(i64* __restrict__ table_keys, int* __restrict__ table_slots, i64 mask,
-                                        const i64* __restrict__ keys, const int* __restrict__ slots, i64 n,
-                                        int* __restrict__ out_status) {
+// the race; its value is not written) or TABLE_FULL.
+template <typename Value>
+__device__ __forceinline__ void table_insert(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
+                                             const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,
+                                             int* __restrict__ out_status) {
     GRID_STRIDE_LOOP(i, n) {
         i64 key = keys[i];
         u64 position = mix((u64)key) & (u64)mask;
@@ -86,7 +92,7 @@ extern "C" __global__ void cache_insert(i64* __restrict__ table_keys, int* __res
             if (stored == EMPTY_KEY) {
                 stored = (i64)atomicCAS((u64*)&table_keys[position], (u64)EMPTY_KEY, (u64)key);
                 if (stored == EMPTY_KEY) {
-                    table_slots[position] = slots[i];
+                    table_values[position] = values[i];
                     status = INSERTED;
                     break;
                 }
@@ -101,15 +107,38 @@ extern "C" __global__ void cache_insert(i64* __restrict__ table_keys, int* __res
     }
 }
 
-// Remove distinct keys: their positions become tombstones. out_slots[i]: the slot they held, or -1.
-extern "C" __global__ void cache_erase(i64* __restrict__ table_keys, const int* __restrict__ table_slots,
-                                       i64 mask, const i64* __restrict__ keys, i64 n, int* __restrict__ out_slots) {
+// Remove distinct keys: their positions become tombstones. out_values[i]: the value they held, or -1.
+template <typename Value>
+__device__ __forceinline__ void table_erase(i64* __restrict__ table_keys, const Value* __restrict__ table_values,
+                                            i64 mask, const i64* __restrict__ keys, i64 n,
+                                            Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
         i64 position = probe(table_keys, mask, keys[i]);
-        out_slots[i] = position < 0 ? -1 : table_slots[position];
+        out_values[i] = position < 0 ? (Value)-1 : table_values[position];
         if (position >= 0) table_keys[position] = TOMBSTONE_KEY;
     }
 }
+
+#define HASH_TABLE_KERNELS(prefix, Value)                                                                        \
+    extern "C" __global__ void prefix##_find(const i64* __restrict__ table_keys,                                  \
+                                             const Value* __restrict__ table_values, i64 mask,                    \
+                                             const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) { \
+        table_find(table_keys, table_values, mask, keys, n, out_values);                                          \
+    }                                                                                                             \
+    extern "C" __global__ void prefix##_insert(i64* __restrict__ table_keys, Value* __restrict__ table_values,    \
+                                               i64 mask, const i64* __restrict__ keys,                            \
+                                               const Value* __restrict__ values, i64 n,                           \
+                                               int* __restrict__ out_status) {                                    \
+        table_insert(table_keys, table_values, mask, keys, values, n, out_status);                                \
+    }                                                                                                             \
+    extern "C" __global__ void prefix##_erase(i64* __restrict__ table_keys, const Value* __restrict__ table_values, \
+                                              i64 mask, const i64* __restrict__ keys, i64 n,                      \
+                                              Value* __restrict__ out_values) {                                   \
+        table_erase(table_keys, table_values, mask, keys, n, out_values);                                         \
+    }
+
+HASH_TABLE_KERNELS(cache, int)
+HASH_TABLE_KERNELS(index, i64)
 
 // LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see row_cache.py).
 extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __restrict__ slots,

@@ -1,13 +1,27 @@
-"""The cold-store contract, run against both backends."""
+"""The cold-store contract, run against both backends (mmap with both kinds of key index)."""
+
+import errno
+import os
+import subprocess
 
 import pytest
 import torch
 
+from host_kernels import parallel_host_kernels
 from tierstore.cold import LmdbColdStore, open_cold_store
+
+
+@pytest.fixture(params=["lmdb", "mmap", "mmap-kernel-index"])
+def backend(request):
+    """The cold store to test; "mmap" indexes its keys with torch ``HashIndex``es,
+    "mmap-kernel-index" with ``KernelHashTable``s on the kernels' OpenMP host build."""
+    return request.param
 
 
 def open_store(backend, path, read_only=False):
     path.mkdir(exist_ok=True)
+    if backend == "mmap-kernel-index":
+        return open_cold_store("mmap", path, 3, torch.float32, read_only, index_kernels=parallel_host_kernels())
     return open_cold_store(backend, path, 3, torch.float32, read_only)
 
 
@@ -102,3 +116,51 @@ def test_lmdb_parallel_read_returns_the_rows_in_the_callers_order(tmp_path):
     got, found = serial.get(request)
     assert serial.parallel_reads == 0 and int(found.sum()) == 4000  # staged rows were never flushed
     serial.close()
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 2 MiB tmpfs (needs the right to mount; skipped, saying so, without it)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs here: {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_full_disk_fails_a_put_with_oserror_and_the_store_keeps_its_last_flush(tiny_filesystem):
+    """Staged rows are written with pwrite, so a full disk is an ENOSPC error, not a SIGBUS."""
+    store = open_cold_store("mmap", tiny_filesystem, 64, torch.float32, False, index_kernels=parallel_host_kernels())
+    store.put(torch.arange(100), torch.ones(100, 64))
+    store.flush()
+    with pytest.raises(OSError, match="No space left"):
+        for part in range(1, 100):  # 256 KiB a put: the disk fills within a few
+            store.put(torch.arange(part * 1000, (part + 1) * 1000), torch.full((1000, 64), float(part)))
+    store.close()
+    store = open_cold_store("mmap", tiny_filesystem, 64, torch.float32, False)
+    rows, found = store.get(torch.arange(100))
+    assert len(store) == 100 and bool(found.all()) and bool((rows == 1).all())
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["mmap", "mmap-kernel-index"])
+def test_a_failed_log_write_loses_nothing_flushed(backend, tmp_path, monkeypatch):
+    """Any failing write (a full disk, an I/O error) in ``put``: the error reaches the caller, and
+    the reopened store holds the last flush."""
+    store = open_store(backend, tmp_path)
+    store.put(torch.tensor([1, 2]), torch.ones(2, 3))
+    store.flush()
+
+    def full_disk(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.put(torch.tensor([2, 3]), torch.full((2, 3), 7.0))
+    monkeypatch.undo()
+    store.close()
+    store = open_store(backend, tmp_path)
+    rows, found = store.get(torch.tensor([1, 2, 3]))
+    assert found.tolist() == [True, True, False] and bool((rows[:2] == 1).all())
+    store.close()

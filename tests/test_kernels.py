@@ -57,14 +57,17 @@ def test_cubins_are_cached_by_source_hash_architecture_and_nvrtc_version(tmp_pat
 
 # -- the hash table: the kernel table and the torch HashIndex against one dict ------------------
 
+@pytest.mark.parametrize("value_dtype", [torch.int32, torch.int64])
 @settings(max_examples=100, deadline=None)
 @given(hash_table_operations, st.integers(1, 8))
-def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, ops, capacity):
-    table, reference, oracle = KernelHashTable(capacity, host, "cpu"), HashIndex(capacity), {}
+def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, value_dtype, ops, capacity):
+    """int32 values (cache slots) and int64 values past 2^32 (row numbers of huge files)."""
+    table, reference, oracle = KernelHashTable(capacity, host, "cpu", value_dtype), HashIndex(capacity), {}
+    value_base = 0 if value_dtype == torch.int32 else 5 << 32
     for step, (op, keys) in enumerate(ops):
         if op == "insert":
             keys = [k for k in keys if k not in oracle]
-            values = torch.tensor([k * 10 + step for k in keys], dtype=torch.int64)
+            values = torch.tensor([value_base + k * 10 + step for k in keys], dtype=torch.int64)
             table.insert(torch.tensor(keys, dtype=torch.int64), values)
             reference.insert(torch.tensor(keys, dtype=torch.int64), values)
             oracle.update(zip(keys, values.tolist()))

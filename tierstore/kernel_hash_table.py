@@ -1,7 +1,8 @@
 """``HashIndex``'s contract (find / insert / remove / items) run by the ``cuda/`` kernels.
 
 One thread per key, linear probing over a power-of-two table of int64 keys beside int32 values
-(``cuda/embedding_cache.cu``). Inserts claim empty positions only, with a compare-and-swap;
+(cache slots: the ``cache_*`` kernels) or int64 values (row numbers: ``index_*``), in
+``cuda/embedding_cache.cu``. Inserts claim empty positions only, with a compare-and-swap;
 removed keys leave tombstones, which the table clears by rebuilding itself when live keys and
 tombstones together pass ``MAX_LOAD``, growing when live keys alone would.
 ``kernels`` is a ``tierstore.kernels.KernelModule`` (GPU) or the tests' host build of the same
@@ -17,23 +18,32 @@ MAX_LOAD = 0.5
 _STATUS = {1: "already present (or repeated in the batch)", 2: "in a full table"}
 
 
+_KERNEL_PREFIX = {torch.int32: "cache", torch.int64: "index"}
+
+
 def positions_for(capacity: int) -> int:
     """Table size (a power of two) that keeps ``capacity`` keys at or under ``MAX_LOAD``."""
     return 1 << max(4, (int(capacity / MAX_LOAD) - 1).bit_length())
 
 
 class KernelHashTable:
-    """Batched map ``int64 key >= 0 -> int32 value`` in ``device`` memory; keys passed to ``insert``
-    and ``remove`` must be distinct within the batch (``insert``: and absent)."""
+    """Batched map ``int64 key >= 0 -> value`` (``value_dtype`` int32 or int64) in ``device`` memory;
+    keys passed to ``insert`` and ``remove`` must be distinct within the batch (``insert``: and absent).
+    ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed."""
 
-    def __init__(self, capacity: int, kernels, device: torch.device | str) -> None:
+    def __init__(self, capacity: int, kernels, device: torch.device | str = "cpu",
+                 value_dtype: torch.dtype = torch.int32) -> None:
+        if value_dtype not in _KERNEL_PREFIX:
+            raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
         self.device = torch.device(device)
+        self.value_dtype = value_dtype
+        self._kernel = {operation: f"{_KERNEL_PREFIX[value_dtype]}_{operation}" for operation in ("find", "insert", "erase")}
         self._allocate(positions_for(capacity))
 
     def _allocate(self, size: int) -> None:
         self.keys = torch.full((size,), EMPTY, dtype=torch.int64, device=self.device)
-        self.values = torch.full((size,), -1, dtype=torch.int32, device=self.device)
+        self.values = torch.full((size,), -1, dtype=self.value_dtype, device=self.device)
         self.live = 0
         self.tombstones = 0
 
@@ -47,8 +57,8 @@ class KernelHashTable:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
         keys = keys.to(self.device, torch.int64).contiguous()
-        found = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
-        self.kernels.launch("cache_find", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
+        found = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
+        self.kernels.launch(self._kernel["find"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
                             keys.numel(), found)
         return found.to(torch.int64)
 
@@ -60,11 +70,11 @@ class KernelHashTable:
             self._rebuild(positions_for(2 * (self.live + keys.numel())))
         elif self.live + self.tombstones + keys.numel() > MAX_LOAD * self.keys.numel():
             self._rebuild(self.keys.numel())
-        self._place(keys.to(self.device, torch.int64).contiguous(), values.to(self.device, torch.int32).contiguous())
+        self._place(keys.to(self.device, torch.int64).contiguous(), values.to(self.device, self.value_dtype).contiguous())
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         status = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
-        self.kernels.launch("cache_insert", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys, values,
+        self.kernels.launch(self._kernel["insert"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys, values,
                             keys.numel(), status)
         failed = status != 0
         if bool(failed.any()):
@@ -76,8 +86,8 @@ class KernelHashTable:
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
         keys = keys.to(self.device, torch.int64).contiguous()
-        former = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
-        self.kernels.launch("cache_erase", keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
+        former = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
+        self.kernels.launch(self._kernel["erase"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
                             keys.numel(), former)
         removed = int((former >= 0).sum())
         self.live -= removed
@@ -92,4 +102,4 @@ class KernelHashTable:
     def _rebuild(self, size: int) -> None:
         keys, values = self.items()
         self._allocate(size)
-        self._place(keys, values.to(torch.int32))
+        self._place(keys, values.to(self.value_dtype))

@@ -61,6 +61,7 @@ class TieredStore:
             kernels where they can run, else torch. ``stats()`` names the one in use.
         host_cache_backend: "openmp" runs the host tier on the same kernels compiled for the CPU
             (g++, OpenMP; float32), "torch" on torch ops, "auto" the kernels where they build.
+            The mmap cold store's key indexes follow it (kernel hash tables unless "torch").
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -84,7 +85,9 @@ class TieredStore:
         self.dtype = self.metadata.torch_dtype
         self.row_width = self.metadata.row_width
         self.caches = self._make_caches(host_cache, device_cache, half_life, device_cache_backend, host_cache_backend)
-        self.cold: ColdStore = open_cold_store(self.metadata.backend, self.path, self.row_width, self.dtype, read_only)
+        index_kernels = None if host_cache_backend == "torch" else host_kernels()[0]
+        self.cold: ColdStore = open_cold_store(self.metadata.backend, self.path, self.row_width, self.dtype, read_only,
+                                               index_kernels)
         self.cold_stats = ColdStats()
         self._closed = False
 

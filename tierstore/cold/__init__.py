@@ -5,10 +5,14 @@ from .lmdb_store import LmdbColdStore
 from .mmap_store import MmapColdStore
 
 
-def open_cold_store(backend: str, directory, row_width: int, dtype, read_only: bool) -> ColdStore:
-    """Open (or create) the cold store of ``backend`` ("lmdb" or "mmap") in ``directory``."""
-    backends = {"lmdb": LmdbColdStore, "mmap": MmapColdStore}
-    return backends[backend](directory, row_width, dtype, read_only=read_only)
+def open_cold_store(backend: str, directory, row_width: int, dtype, read_only: bool, index_kernels=None) -> ColdStore:
+    """Open (or create) the cold store of ``backend`` ("lmdb" or "mmap") in ``directory``.
+    ``index_kernels``: see ``MmapColdStore`` (LMDB keeps its own index)."""
+    if backend == "mmap":
+        return MmapColdStore(directory, row_width, dtype, read_only=read_only, index_kernels=index_kernels)
+    if backend == "lmdb":
+        return LmdbColdStore(directory, row_width, dtype, read_only=read_only)
+    raise ValueError(f"unknown cold store backend {backend!r}; use 'lmdb' or 'mmap'")
 
 
 __all__ = ["ColdStore", "LmdbColdStore", "MmapColdStore", "open_cold_store"]

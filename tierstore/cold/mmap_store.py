@@ -29,6 +29,7 @@ import torch
 
 from ..errors import StoreFormatError
 from ..hash_index import HashIndex
+from ..kernel_hash_table import KernelHashTable
 from ..metadata import fsync_directory, write_json_atomic
 from .base import ColdStore
 from .codec import rows_as_bytes, rows_from_bytes
@@ -75,16 +76,35 @@ class GrowableArray:
         if isinstance(self.array, np.memmap):
             self.array.flush()
 
+    def write(self, start: int, items: np.ndarray) -> None:
+        """Store ``items [n, width]`` at items ``start..start+n`` (reserved) with ``pwrite``: faster
+        than storing through the map into pages never touched, and a full disk raises ``OSError``
+        here instead of killing the process with SIGBUS on a mapped write."""
+        if items.size == 0:
+            return
+        data = memoryview(np.ascontiguousarray(items, dtype=self.dtype)).cast("B")
+        offset = start * self.width * self.dtype.itemsize
+        with open(self.path, "r+b", buffering=0) as file:
+            while len(data):
+                written = os.pwrite(file.fileno(), data, offset)
+                data, offset = data[written:], offset + written
+
     def bytes_of(self, count: int) -> memoryview:
         return memoryview(np.ascontiguousarray(self.array[:count])).cast("B")
 
 
 class MmapColdStore(ColdStore):
-    """Cold store in flat memory-mapped files; see the module docstring for the crash guarantee."""
+    """Cold store in flat memory-mapped files; see the module docstring for the crash guarantee.
 
-    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False) -> None:
+    ``index_kernels``: the kernels' host build (``tierstore.host_kernels``) for the in-memory key
+    indexes of the rows and the log (``KernelHashTable``); ``None``: torch ``HashIndex``es.
+    """
+
+    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
+                 index_kernels=None) -> None:
         super().__init__(row_width, dtype, read_only)
         self.directory = Path(directory)
+        self._index_kernels = index_kernels
         self._lock = None
         if not read_only:
             self._lock = open(self.directory / LOCK_FILE, "a")
@@ -98,13 +118,19 @@ class MmapColdStore(ColdStore):
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
-        self._index = HashIndex(self._count)
+        self._index = self._make_index(self._count)
         self._load_index()
-        self._wal_index = HashIndex(1024)
+        self._wal_index = self._make_index(1024)
         self._wal_count = 0
         self._recover()
 
     # -- opening ----------------------------------------------------------------------------
+
+    def _make_index(self, capacity: int) -> HashIndex | KernelHashTable:
+        """A map ``key -> row number`` (int64) holding ``capacity`` keys before it grows."""
+        if self._index_kernels is None:
+            return HashIndex(capacity)
+        return KernelHashTable(capacity, self._index_kernels, value_dtype=torch.int64)
 
     def _read_state(self) -> int:
         path = self.directory / STATE_FILE
@@ -206,16 +232,18 @@ class MmapColdStore(ColdStore):
         if keys.numel() == 0:
             return
         record = self._wal_index.find(keys)
-        new = record < 0
-        new_count = int(new.sum())
-        record[new] = torch.arange(self._wal_count, self._wal_count + new_count)
-        self._wal_rows.reserve(self._wal_count + new_count)
-        self._wal_keys.reserve(self._wal_count + new_count)
-        wal_rows = self._wal_rows.array
-        wal_rows[record.numpy()] = rows_as_bytes(rows)
-        self._wal_keys.array[record[new].numpy(), 0] = keys[new].numpy()
-        self._wal_index.insert(keys[new], record[new])
-        self._wal_count += new_count
+        staged = record >= 0  # staged since the last flush: rewritten in place
+        new = (~staged).nonzero().squeeze(1)  # appended to the log, in this order
+        start = self._wal_count
+        self._wal_rows.reserve(start + new.numel())
+        self._wal_keys.reserve(start + new.numel())
+        if bool(staged.any()):
+            self._wal_rows.array[record[staged].numpy()] = rows_as_bytes(rows[staged])
+        new_rows = rows if new.numel() == keys.numel() else rows[new]
+        self._wal_rows.write(start, rows_as_bytes(new_rows))
+        self._wal_keys.write(start, keys[new].numpy()[:, None])
+        self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
+        self._wal_count += new.numel()
 
     def _wal_checksum(self, records: int) -> int:
         checksum = zlib.crc32(self._wal_keys.bytes_of(records))
@@ -256,7 +284,7 @@ class MmapColdStore(ColdStore):
             fsync_directory(self.directory)
         self._wal_rows.truncate()
         self._wal_keys.truncate()
-        self._wal_index = HashIndex(1024)
+        self._wal_index = self._make_index(1024)
         self._wal_count = 0
 
     def close(self) -> None:
