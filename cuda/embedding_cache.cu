@@ -281,3 +281,40 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
         for (i64 c = 0; c < dim; ++c) row[c] -= scale * g[c];
     }
 }
+
+// Backward of a pooled lookup (embedding bag, or plain embedding: one entry per bag) for the
+// weight: grad_weight[r, :] = sum over the entries j that read row r of scale[j] * grad_out[bag[j], :].
+// The entries of row r are order[starts[r]] .. order[starts[r + 1] - 1] (entries sorted by row),
+// so each row is summed by one thread (GPU: one per element) without atomics. scale[j]: the
+// per-sample weight, 1 / bag length for mode "mean", or 1. grad_out [bags, dim], grad_weight [rows, dim].
+#ifdef TIERSTORE_OPENMP
+__device__ __forceinline__ void sum_entries(float* __restrict__ target, const float* __restrict__ grad_out,
+                                            const i64* __restrict__ entries, i64 count, const i64* __restrict__ bag,
+                                            const float* __restrict__ scale, i64 dim) {
+    for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
+    for (i64 e = 0; e < count; ++e) {
+        const float* __restrict__ source = grad_out + bag[entries[e]] * dim;
+        float weight = scale[entries[e]];
+        for (i64 c = 0; c < dim; ++c) target[c] += weight * source[c];
+    }
+}
+#endif
+
+extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_out, const i64* __restrict__ order,
+                                               const i64* __restrict__ starts, const i64* __restrict__ bag,
+                                               const float* __restrict__ scale, i64 rows, i64 dim,
+                                               float* __restrict__ grad_weight) {
+#ifdef TIERSTORE_OPENMP
+    // Rows differ in entry count by orders of magnitude (skewed ids): threads take rows in chunks as they go.
+#pragma omp parallel for schedule(dynamic, 256)
+    for (i64 r = 0; r < rows; ++r) {
+        sum_entries(grad_weight + r * dim, grad_out, order + starts[r], starts[r + 1] - starts[r], bag, scale, dim);
+    }
+#else
+    FOR_EACH_ROW_ELEMENT(r, c, rows, dim) {
+        float sum = 0.0f;
+        for (i64 e = starts[r]; e < starts[r + 1]; ++e) sum += scale[order[e]] * grad_out[bag[order[e]] * dim + c];
+        grad_weight[r * dim + c] = sum;
+    }
+#endif
+}

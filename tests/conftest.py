@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import tierstore.store
-from host_kernels import shared_host_kernels
+from host_kernels import parallel_host_kernels, shared_host_kernels
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,3 +33,10 @@ def device_backend(request, monkeypatch):
     kernels = shared_host_kernels()
     monkeypatch.setattr(tierstore.store, "device_kernels", lambda device, dtype: (kernels, ""))
     return "cuda"
+
+
+@pytest.fixture(scope="module", params=["one-thread-gpu-loops", "openmp"])
+def host(request):
+    """Both host builds of the cuda/ kernels: one thread running the GPU's loops, and the host
+    tier's OpenMP kernels."""
+    return shared_host_kernels() if request.param == "one-thread-gpu-loops" else parallel_host_kernels()

@@ -307,6 +307,15 @@ def test_bad_bag_input_names_the_argument(call, error, message):
     ours.close()
 
 
+def test_include_last_offset_needs_the_last_offset_at_the_end_of_input():
+    """torch's forward leaves entries past the last offset out, but its backward gives them gradient."""
+    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", host_cache=16, include_last_offset=True)
+    with pytest.raises(ValueError, match="last offset .* must equal the input length 3"):
+        ours(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    assert len(ours.store) == 0
+    ours.close()
+
+
 def test_per_sample_weights_need_sum_mode():
     ours = TieredEmbeddingBag(NUM, DIM, mode="mean", host_cache=16)
     with pytest.raises(ValueError, match="per_sample_weights.*mode='sum'"):

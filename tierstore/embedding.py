@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import pooled_lookup
 from .budget import Budget
+from .kernel_row_cache import KernelRowCache
 from .optim import SGD, SparseOptimizer
 from .store import TieredStore
 from .validation import check_bag_input, check_lookup_ids
@@ -89,6 +90,14 @@ class _TieredTable(nn.Module):
             weight.requires_grad_(True)
             weight.register_hook(lambda grad: self._apply_gradient(unique, slots, grad[:unique.numel()]))
         return weight, local.reshape(ids.shape).to(device), local_padding
+
+    def _gradient_kernels(self, weight: torch.Tensor):
+        """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
+        (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""
+        top = self.store.caches[0]
+        if not weight.requires_grad or not isinstance(top, KernelRowCache) or top.device != weight.device:
+            return None
+        return top.kernels
 
     def _rows_without_growing(self, unique: torch.Tensor) -> torch.Tensor:
         """Eval / ``no_grad`` rows of ``unique``: ids the table has never seen do not join it and
@@ -188,14 +197,14 @@ class TieredEmbeddingBag(_TieredTable):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         input, offsets = check_bag_input(input, offsets, per_sample_weights, self.mode, self.num_embeddings,
-                                         self.store.dtype)
+                                         self.store.dtype, self.include_last_offset)
         weight, local, local_padding = self._local_weight(input)
         if offsets is not None:
             offsets = offsets.to(local.device)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(local.device)
-        return F.embedding_bag(local, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=local_padding)
+        return pooled_lookup.embedding_bag(local, weight, offsets, self.mode, per_sample_weights,
+                                           self.include_last_offset, local_padding, self._gradient_kernels(weight))
 
 
 class TieredEmbedding(_TieredTable):
@@ -219,7 +228,7 @@ class TieredEmbedding(_TieredTable):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         input = check_lookup_ids(input, self.num_embeddings, "input")
         weight, local, local_padding = self._local_weight(input)
-        return F.embedding(local, weight, padding_idx=local_padding)
+        return pooled_lookup.embedding(local, weight, local_padding, self._gradient_kernels(weight))
 
 
 def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:

@@ -86,7 +86,7 @@ def check_lookup_ids(input: Any, num_embeddings: int | None, name: str = "input"
 
 
 def check_bag_input(input: Any, offsets: Any, per_sample_weights: Any, mode: str, num_embeddings: int | None,
-                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    dtype: torch.dtype, include_last_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``nn.EmbeddingBag.forward``'s arguments, checked as torch does and more clearly.
 
     Returns ``(input as int64 CPU ids, offsets as int64 CPU or None)``. Errors name the argument.
@@ -110,6 +110,10 @@ def check_bag_input(input: Any, offsets: Any, per_sample_weights: Any, mode: str
                 raise ValueError("offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])")
             if int(offsets[-1]) > ids.numel():
                 raise ValueError(f"offsets point past the end of input: last offset {int(offsets[-1])} > input length {ids.numel()}")
+        if include_last_offset and (offsets.numel() == 0 or int(offsets[-1]) != ids.numel()):
+            last = int(offsets[-1]) if offsets.numel() else None
+            raise ValueError(f"with include_last_offset=True the last offset ends the last bag and must equal the "
+                             f"input length {ids.numel()} (as torch documents), got {last}")
     if per_sample_weights is not None:
         if mode != "sum":
             raise ValueError(f"per_sample_weights is only supported with mode='sum' (as in torch), not mode={mode!r}")

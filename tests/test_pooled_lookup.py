@@ -1,0 +1,74 @@
+"""The kernel-summed weight gradient of pooled lookups against torch's own autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from tierstore import pooled_lookup
+
+
+@st.composite
+def bags(draw):
+    """``(local [N], offsets, rows)``: 1-D input cut into bags (some empty) over ``rows`` rows."""
+    rows = draw(st.integers(1, 12))
+    local = draw(st.lists(st.integers(0, rows - 1), min_size=0, max_size=40))
+    cuts = sorted(draw(st.lists(st.integers(0, len(local)), min_size=1, max_size=8)))
+    return torch.tensor(local, dtype=torch.int64), torch.tensor([0] + cuts[1:], dtype=torch.int64), rows
+
+
+def gradients(function, weight, *args):
+    weight = weight.clone().requires_grad_(True)
+    output = function(weight, *args)
+    output.backward(torch.linspace(-1, 1, output.numel()).reshape(output.shape))
+    return output.detach(), weight.grad
+
+
+@settings(max_examples=60, deadline=None)
+@given(bags(), st.sampled_from(["sum", "mean"]), st.booleans(), st.booleans(), st.booleans())
+def test_bag_weight_gradient_matches_torch(host, data, mode, include_last_offset, padding, weighted):
+    local, offsets, rows = data
+    if include_last_offset:  # the last offset ends the last bag, at the end of input (as torch documents)
+        offsets = torch.cat([offsets, offsets.new_tensor([local.numel()])])
+    padding_idx = 0 if padding else None
+    weights = torch.rand(local.numel()) if weighted and mode == "sum" else None
+    weight = torch.randn(rows, 5)
+
+    def ours(w):
+        return pooled_lookup.embedding_bag(local, w, offsets, mode, weights, include_last_offset, padding_idx, host)
+
+    def reference(w):
+        return F.embedding_bag(local, w, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=include_last_offset, padding_idx=padding_idx)
+    output, grad = gradients(ours, weight)
+    expected_output, expected_grad = gradients(reference, weight)
+    assert torch.equal(output, expected_output)
+    if padding_idx is not None:  # torch leaves the padding row's gradient 0; ours is never used
+        grad[padding_idx] = 0
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_two_dimensional_bags_match_torch(host, mode):
+    local, weight = torch.randint(0, 7, (6, 4)), torch.randn(7, 3)
+    output, grad = gradients(lambda w: pooled_lookup.embedding_bag(local, w, None, mode, None, False, None, host), weight)
+    expected_output, expected_grad = gradients(lambda w: F.embedding_bag(local, w, mode=mode), weight)
+    assert torch.equal(output, expected_output)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_embedding_matches_torch_in_any_shape(host):
+    local, weight = torch.randint(0, 9, (3, 4, 2)), torch.randn(9, 6)
+    output, grad = gradients(lambda w: pooled_lookup.embedding(local, w, None, host), weight)
+    expected_output, expected_grad = gradients(lambda w: F.embedding(local, w), weight)
+    assert torch.equal(output, expected_output) and output.shape == (3, 4, 2, 6)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_per_sample_weights_that_need_a_gradient_get_torchs_backward(host):
+    local, offsets, weight = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 2]), torch.randn(3, 4)
+    weights = torch.rand(4, requires_grad=True)
+    pooled_lookup.embedding_bag(local, weight, offsets, "sum", weights, False, None, host).sum().backward()
+    expected = torch.rand(4).copy_(weights.detach()).requires_grad_(True)
+    F.embedding_bag(local, weight, offsets, mode="sum", per_sample_weights=expected).sum().backward()
+    torch.testing.assert_close(weights.grad, expected.grad)
