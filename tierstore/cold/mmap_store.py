@@ -118,6 +118,7 @@ class MmapColdStore(ColdStore):
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
+        self._appended = False  # rows written by append_new since the last flush
         self._index = self._make_index(self._count)
         self._load_index()
         self._wal_index = self._make_index(1024)
@@ -245,12 +246,36 @@ class MmapColdStore(ColdStore):
         self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
         self._wal_count += new.numel()
 
+    def append_new(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows of ``keys`` (distinct) the store does not hold straight into ``rows.bin`` and
+        ``keys.bin`` past the committed rows, skipping the log (half the bytes written: the bulk
+        path of ``tierstore import``). ``flush`` commits them by recording the new row count; a
+        crash before that leaves them past the committed count, where reopening ignores them."""
+        self._check_writable()
+        if self._wal_count:
+            raise RuntimeError("append_new needs an empty write-ahead log; flush first")
+        if keys.numel() and bool((self._index.find(keys) >= 0).any()):
+            raise ValueError("append_new: some keys are in the store already; use put to overwrite rows")
+        start, count = self._count, keys.numel()
+        self._rows.reserve(start + count)
+        self._keys.reserve(start + count)
+        self._rows.write(start, rows_as_bytes(rows))
+        self._keys.write(start, keys.numpy()[:, None])
+        self._index.insert(keys, torch.arange(start, start + count))
+        self._count += count
+        self._appended = True
+
     def _wal_checksum(self, records: int) -> int:
         checksum = zlib.crc32(self._wal_keys.bytes_of(records))
         return zlib.crc32(self._wal_rows.bytes_of(records), checksum)
 
     def flush(self) -> None:
         self._check_writable()
+        if self._appended:
+            self._rows.sync()
+            self._keys.sync()
+            write_json_atomic(self.directory / STATE_FILE, {"rows": self._count})
+            self._appended = False
         if not self._wal_count:
             return
         self._wal_keys.sync()

@@ -1,0 +1,210 @@
+"""The ``tierstore`` command line, through its entry point (in process) and as a console script."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from tierstore import TieredStore
+from tierstore.cli import main
+from tierstore.errors import StoreFormatError
+
+
+def run(*args):
+    return main([str(arg) for arg in args])
+
+
+def stored_rows(path, ids, with_state=False):
+    with TieredStore(path, read_only=True, host_cache=1024) as store:
+        return store.get(torch.as_tensor(ids), with_state=with_state)
+
+
+@pytest.fixture
+def dense(tmp_path):
+    rows = np.random.default_rng(0).standard_normal((700, 6)).astype(np.float32)
+    np.save(tmp_path / "dense.npy", rows)
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+@pytest.mark.parametrize("suffix", [".npy", ".pt", ".safetensors"])
+def test_dense_round_trip_is_bit_exact(tmp_path, dense, backend, suffix):
+    assert run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend, "--chunk-rows", 128) == 0
+    assert torch.equal(stored_rows(tmp_path / "a", range(700)), torch.from_numpy(dense))
+    assert run("export", tmp_path / "a", tmp_path / f"out{suffix}", "--chunk-rows", 100) == 0
+    assert run("import", tmp_path / f"out{suffix}", tmp_path / "b", "--backend", backend) == 0
+    assert run("export", tmp_path / "b", tmp_path / "back.npy") == 0
+    assert np.load(tmp_path / "back.npy").tobytes() == dense.tobytes()
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".pt", ".safetensors"])
+def test_sparse_round_trip_keeps_ids_and_optimizer_state(tmp_path, suffix):
+    rng = np.random.default_rng(1)
+    ids = rng.choice(10**12, 300, replace=False).astype(np.int64)
+    rows = rng.standard_normal((300, 4)).astype(np.float16)
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "rows.npy", rows)
+    assert run("import", tmp_path / "rows.npy", tmp_path / "a", "--ids", tmp_path / "ids.npy", "--optimizer", "adam") == 0
+    whole = stored_rows(tmp_path / "a", ids, with_state=True)
+    assert whole.shape == (300, 12) and bool((whole[:, 4:] == 0).all())  # Adam's m and v start at 0
+    assert torch.equal(whole[:, :4], torch.from_numpy(rows))
+    with TieredStore(tmp_path / "a", host_cache=1024) as store:  # give the state values to export
+        store.put(torch.from_numpy(ids[:5]), torch.arange(60, dtype=torch.float16).reshape(5, 12))
+    extra = ["--ids", tmp_path / "out_ids.npy"] if suffix == ".npy" else []
+    assert run("export", tmp_path / "a", tmp_path / f"out{suffix}", "--with-state", *extra) == 0
+    reimport = ["--ids", tmp_path / "out_ids.npy"] if suffix == ".npy" else []
+    assert run("import", tmp_path / f"out{suffix}", tmp_path / "b", *reimport) == 0  # state as weights now
+    assert torch.equal(stored_rows(tmp_path / "b", ids), stored_rows(tmp_path / "a", ids, with_state=True))
+
+
+def test_safetensors_export_reads_back_with_the_safetensors_library(tmp_path, dense):
+    run("import", tmp_path / "dense.npy", tmp_path / "a")
+    run("export", tmp_path / "a", tmp_path / "out.safetensors")
+    with safe_open(str(tmp_path / "out.safetensors"), framework="np") as file:
+        assert list(file.keys()) == ["weight"] and np.array_equal(file.get_tensor("weight"), dense)
+
+
+def test_checkpoint_import_picks_the_embedding_weight_or_asks_for_a_key(tmp_path, capsys):
+    weight = torch.randn(50, 3)
+    torch.save({"emb.weight": weight, "mlp.weight": torch.randn(4, 4), "bias": torch.ones(4)}, tmp_path / "model.pt")
+    assert run("import", tmp_path / "model.pt", tmp_path / "a") == 2
+    assert "choose the table with --key, one of: emb.weight, mlp.weight" in capsys.readouterr().err
+    assert run("import", tmp_path / "model.pt", tmp_path / "a", "--key", "emb.weight") == 0
+    assert torch.equal(stored_rows(tmp_path / "a", range(50)), weight)
+    torch.save(torch.nn.EmbeddingBag(20, 5).state_dict(), tmp_path / "bag.pt")
+    assert run("import", tmp_path / "bag.pt", tmp_path / "b") == 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: None, "no such file"),
+    (lambda d: (d / "src.csv").write_text("1,2"), "unknown format '.csv'"),
+    (lambda d: np.save(d / "src.npy", np.ones(5, np.float32)), "rows must be a 2-D float array"),
+    (lambda d: np.save(d / "src.npy", np.ones((5, 2), np.int64)), "rows must be a 2-D float array"),
+    (lambda d: (d / "src.npy").write_bytes(b"not numpy"), "not a readable .npy file"),
+    (lambda d: (d / "src.pt").write_bytes(b"not torch"), "not a readable PyTorch checkpoint"),
+    (lambda d: (d / "src.safetensors").write_bytes(b"\x00" * 16), "not a readable safetensors file"),
+])
+def test_bad_sources_fail_with_one_line_and_exit_2(tmp_path, capsys, make, message):
+    make(tmp_path)
+    source = next(iter(sorted(tmp_path.glob("src.*"))), tmp_path / "src.npy")
+    assert run("import", source, tmp_path / "store") == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.arange(4), "4 ids for 5 rows"), (np.array([0, 1, 2, 3, -4]), "non-negative"),
+    (np.array([0, 1, 2, 2, 3]), "ids repeat"), (np.ones(5, np.float32), "1-D integer array"),
+])
+def test_bad_ids_files_are_refused(tmp_path, capsys, ids, message):
+    np.save(tmp_path / "rows.npy", np.ones((5, 2), np.float32))
+    np.save(tmp_path / "ids.npy", ids)
+    assert run("import", tmp_path / "rows.npy", tmp_path / "store", "--ids", tmp_path / "ids.npy") == 2
+    assert message in capsys.readouterr().err
+
+
+def test_import_refuses_an_existing_store_and_changes_nothing(tmp_path, dense, capsys):
+    run("import", tmp_path / "dense.npy", tmp_path / "a")
+    before = stored_rows(tmp_path / "a", range(700))
+    np.save(tmp_path / "other.npy", np.zeros((3, 6), np.float32))
+    assert run("import", tmp_path / "other.npy", tmp_path / "a") == 2
+    assert "exists" in capsys.readouterr().err
+    assert torch.equal(stored_rows(tmp_path / "a", range(700)), before)
+
+
+def test_import_killed_midway_leaves_no_store(tmp_path):
+    rows = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(400_000, 64))
+    rows[:] = 1.0
+    rows.flush()
+    importer = subprocess.Popen([sys.executable, "-m", "tierstore", "import", str(tmp_path / "big.npy"),
+                                 str(tmp_path / "store"), "--chunk-rows", "2000"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    building = []
+    while not building and time.monotonic() < deadline:  # kill once the store is being built
+        building = [p for p in tmp_path.glob(".store.importing-*") if (p / "rows.bin").exists()]
+        time.sleep(0.01)
+    assert building, "the import never started building"
+    time.sleep(0.2)
+    importer.send_signal(signal.SIGKILL)
+    importer.wait()
+    assert importer.returncode == -signal.SIGKILL, "the import finished before it was killed; make it bigger"
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(StoreFormatError, match="not a tierstore store"):
+        TieredStore(building[0], read_only=True)
+
+
+def test_inspect_reports_the_layout_as_a_table_and_as_json(tmp_path, dense, capsys):
+    run("import", tmp_path / "dense.npy", tmp_path / "a", "--optimizer", "rowwise-adagrad")
+    capsys.readouterr()
+    assert run("inspect", tmp_path / "a", "--json") == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["rows"] == 700 and facts["dim"] == 6 and facts["dtype"] == "float32"
+    assert facts["optimizer"] == "RowWiseAdagrad" and facts["optimizer_state_width"] == 1
+    assert facts["format_version"] == 1 and facts["row_bytes"] == 28 and facts["size_on_disk_bytes"] >= 700 * 28
+    assert facts["last_flush_utc"].startswith("20")
+    assert run("inspect", tmp_path / "a") == 0
+    table = capsys.readouterr().out
+    assert "rows" in table and "700" in table and "RowWiseAdagrad" in table
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_verify_passes_a_sound_store(tmp_path, dense, backend, capsys):
+    run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend)
+    assert run("verify", tmp_path / "a") == 0
+    assert "sound" in capsys.readouterr().out
+
+
+def _nan_row(store):
+    with open(store / "rows.bin", "r+b") as file:
+        file.seek(5 * 24)
+        file.write(np.full(6, np.nan, np.float32).tobytes())
+
+
+def _truncated_rows(store):
+    os.truncate(store / "rows.bin", 100)
+
+
+def _bad_metadata(store):
+    (store / "tierstore.json").write_text("{ not json")
+
+
+def _wrong_length_lmdb_value(store):
+    env = lmdb.open(str(store / "lmdb"), max_dbs=2)
+    with env.begin(write=True) as txn:
+        txn.put((7).to_bytes(8, "big"), b"short", db=env.open_db(b"rows", txn=txn))
+    env.close()
+
+
+@pytest.mark.parametrize("backend, damage, message", [
+    ("mmap", _nan_row, "non-finite values (first id: 5)"),
+    ("mmap", _truncated_rows, "truncated"),
+    ("mmap", _bad_metadata, "tierstore.json"),
+    ("lmdb", _wrong_length_lmdb_value, "5-byte value"),
+])
+def test_verify_finds_a_damaged_store_and_exits_1(tmp_path, dense, capsys, backend, damage, message):
+    run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend)
+    damage(tmp_path / "a")
+    capsys.readouterr()
+    assert run("verify", tmp_path / "a") == 1
+    assert message in capsys.readouterr().out
+
+
+def test_every_command_has_help_through_the_console_script():
+    for command in ([], ["import"], ["export"], ["inspect"], ["verify"]):
+        result = subprocess.run(["tierstore", *command, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "usage: tierstore" in result.stdout
+
+
+def test_unknown_store_and_usage_errors_exit_2():
+    result = subprocess.run(["tierstore", "inspect", "/nonexistent/store"], capture_output=True, text=True)
+    assert result.returncode == 2 and "no such store directory" in result.stderr and "Traceback" not in result.stderr
+    assert subprocess.run(["tierstore", "frobnicate"], capture_output=True).returncode == 2

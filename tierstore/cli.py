@@ -1,0 +1,132 @@
+"""The ``tierstore`` command line: import, export, inspect, verify and bench.
+
+Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input (a one-line error, no
+traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import StoreFormatError, StoreMismatchError
+from .inspection import inspect_store, verify_store
+from .table_files import SUFFIXES, TableFileError, open_table
+from .transfer import OPTIMIZERS, export_table, import_table
+
+EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class CommandError(Exception):
+    """Bad input found by a command: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("tierstore: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (CommandError, TableFileError, StoreFormatError, StoreMismatchError, FileExistsError,
+            FileNotFoundError, ValueError, OSError) as error:
+        print(f"tierstore {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description="Tiered embedding store tools.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    formats = ", ".join(SUFFIXES)
+    command = commands.add_parser("import", help="build a new store from a table file",
+                                  description=f"Build a new store at STORE from the table in SRC ({formats}; "
+                                  "format from the suffix), streaming, atomically (an interrupted import "
+                                  "leaves no store at STORE).")
+    command.add_argument("source", metavar="SRC", type=Path)
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.add_argument("--ids", type=Path, help="an .npy of int64 ids, one per row of SRC (a sparse id set); "
+                         "without it row i is id i (or SRC's tensor 'ids', if it has one)")
+    command.add_argument("--key", help="the tensor holding the rows in a .pt/.safetensors file "
+                         "(default: its only 2-D float tensor, or the one named 'weight' or '*.weight')")
+    command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
+    command.add_argument("--optimizer", choices=list(OPTIMIZERS), default="none",
+                         help="room for this optimizer's per-row state, zeroed (as each starts)")
+    command.add_argument("--seed", type=int, default=0, help="initial rows of ids added later")
+    command.add_argument("--chunk-rows", type=int, default=1 << 16)
+    command.set_defaults(run=_import)
+
+    command = commands.add_parser("export", help="write a store's rows to a table file",
+                                  description=f"Write every row of STORE to DST ({formats}), streaming. A store whose "
+                                  "ids are 0..N-1 is written dense (row i = id i); any other with its ids.")
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.add_argument("destination", metavar="DST", type=Path)
+    command.add_argument("--ids", type=Path, help="for .npy: where to write the ids (needed for a sparse store)")
+    command.add_argument("--with-state", action="store_true", help="whole rows: weights, then optimizer state")
+    command.add_argument("--chunk-rows", type=int, default=1 << 16)
+    command.set_defaults(run=_export)
+
+    command = commands.add_parser("inspect", help="a store's layout, size and last flush",
+                                  description="Show a store's rows, dim, dtype, optimizer, format version, "
+                                  "size on disk, bytes per row and last flush time.")
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.add_argument("--json", action="store_true", help="print JSON (for scripts)")
+    command.set_defaults(run=_inspect)
+
+    command = commands.add_parser("verify", help="check a store; exit 1 on any problem",
+                                  description="Check a store's metadata and structure and that every row "
+                                  "decodes to finite values. Exit 0 if sound, 1 if not.")
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.set_defaults(run=_verify)
+    return parser
+
+
+def _import(args) -> int:
+    source = open_table(args.source, key=args.key, ids_path=args.ids)
+    metadata = import_table(source, args.store, backend=args.backend, optimizer=args.optimizer, seed=args.seed,
+                            chunk_rows=args.chunk_rows)
+    print(f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
+          f"({metadata.backend})")
+    return 0
+
+
+def _export(args) -> int:
+    _check_store(args.store)
+    count = export_table(args.store, args.destination, ids_path=args.ids, with_state=args.with_state,
+                         chunk_rows=args.chunk_rows)
+    print(f"exported {count:,} rows to {args.destination}")
+    return 0
+
+
+def _inspect(args) -> int:
+    _check_store(args.store)
+    facts = inspect_store(args.store)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    width = max(map(len, facts))
+    for name, value in facts.items():
+        shown = f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else value
+        print(f"{name.replace('_', ' '):<{width}}  {shown}")
+    return 0
+
+
+def _verify(args) -> int:
+    _check_store(args.store)
+    problems = verify_store(args.store)
+    for problem in problems:
+        print(f"problem: {problem}")
+    print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
+    return EXIT_PROBLEMS if problems else 0
+
+
+def _check_store(path: Path) -> None:
+    if not path.exists():
+        raise CommandError(f"{path}: no such store directory")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
