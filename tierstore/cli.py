@@ -11,9 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from .cache_bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .errors import StoreFormatError, StoreMismatchError
 from .inspection import inspect_store, verify_store
 from .table_files import SUFFIXES, TableFileError, open_table
+from .traces import TraceError, load_trace
 from .transfer import OPTIMIZERS, export_table, import_table
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierstore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (CommandError, TableFileError, StoreFormatError, StoreMismatchError, FileExistsError,
+    except (CommandError, TableFileError, TraceError, StoreFormatError, StoreMismatchError, FileExistsError,
             FileNotFoundError, ValueError, OSError) as error:
         print(f"tierstore {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -81,6 +83,32 @@ def _parser() -> argparse.ArgumentParser:
                                   "decodes to finite values. Exit 0 if sound, 1 if not.")
     command.add_argument("store", metavar="STORE", type=Path)
     command.set_defaults(run=_verify)
+
+    command = commands.add_parser(
+        "bench", help="replay an id trace through a store at several cache sizes",
+        description="Replay an id trace through a store whose host cache takes each of --sizes, and report per "
+        "size: hit rate, rows and bytes moved, evictions, lookups/s and per-batch latency p50/p99, beside the "
+        "hit rates of LRU, FIFO and Belady's MIN (optimal) caches of the same size on the same trace. "
+        "Writes a JSON of every figure and a PNG of the hit-rate curve (needs matplotlib: pip install "
+        "'tierstore[plot]').")
+    command.add_argument("trace", metavar="TRACE", help="zipf:alpha=1.05,n=10000000[,length=N,seed=S] | "
+                         "uniform:n=N | drift:n=N,hot=H,period=P | a .npy of ids | a CSV/TSV file (with --columns) "
+                         "| a Criteo Kaggle TSV (with --criteo)")
+    command.add_argument("--columns", help="comma-separated id columns of a CSV/TSV (names from its header, or "
+                         "0-based indices); several fuse into one key space with per-column offsets")
+    command.add_argument("--criteo", action="store_true", help="the trace is Criteo Kaggle TSV: use its 26 "
+                         "categorical columns, skip empty fields")
+    command.add_argument("--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)")
+    command.add_argument("--sizes", default="1%,5%,10%", help="host cache sizes: shares of the trace's distinct "
+                         "ids (5%%), row counts (20000) or bytes (64MiB); default 1%%,5%%,10%%")
+    command.add_argument("--policy", default="lru,fifo,belady", help="reference policies to compare with ours "
+                         "(LFU): any of lru, fifo, belady")
+    command.add_argument("--batch-size", type=int, default=4096, help="ids per lookup batch")
+    command.add_argument("--dim", type=int, default=16, help="row width of the store (sets bytes moved)")
+    command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
+    command.add_argument("--out", type=Path, default=Path("tierstore-bench"),
+                         help="prefix of the outputs: OUT.json and OUT.png")
+    command.set_defaults(run=_bench)
     return parser
 
 
@@ -121,6 +149,27 @@ def _verify(args) -> int:
         print(f"problem: {problem}")
     print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return EXIT_PROBLEMS if problems else 0
+
+
+def _bench(args) -> int:
+    policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
+    unknown = set(policies) - set(REFERENCE_POLICIES)
+    if unknown:
+        raise CommandError(f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}")
+    if args.batch_size < 1 or args.dim < 1:
+        raise CommandError("--batch-size and --dim must be positive")
+    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
+    trace = load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
+    sizes = [s for s in args.sizes.split(",") if s.strip()]
+    report = run_bench(trace, sizes, policies, args.batch_size, args.dim, args.backend)
+    print(format_table(report, policies))
+    json_path, png_path = args.out.with_name(args.out.name + ".json"), args.out.with_name(args.out.name + ".png")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2))
+    plotted = plot_curve(report, policies, png_path)
+    print(f"figures: {json_path}" + (f", curve: {png_path}" if plotted else
+                                     " (no curve: matplotlib is not installed; pip install 'tierstore[plot]')"))
+    return 0
 
 
 def _check_store(path: Path) -> None:

@@ -1,0 +1,118 @@
+"""``tierstore bench``: traces, the reference policies (Belady's MIN against brute force) and the command."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tierstore.cache_policies import belady_hits, next_uses, policy_hits
+from tierstore.cli import main
+from tierstore.traces import load_trace
+
+
+def most_hits_by_brute_force(keys, capacity):
+    """The most hits of any demand-paging cache: try every victim at every miss."""
+    def best(position, resident):
+        if position == len(keys):
+            return 0
+        key = keys[position]
+        if key in resident:
+            return 1 + best(position + 1, resident)
+        if len(resident) < capacity:
+            return best(position + 1, resident | {key})
+        return max(best(position + 1, (resident - {victim}) | {key}) for victim in resident)
+    return best(0, frozenset())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=11), st.integers(1, 4))
+def test_belady_min_gets_the_most_hits_any_cache_can(keys, capacity):
+    assert belady_hits(np.array(keys, dtype=np.int64), capacity) == most_hits_by_brute_force(keys, capacity)
+
+
+@given(st.lists(st.integers(0, 6), max_size=30))
+def test_next_uses_point_at_the_next_access_of_the_same_key(keys):
+    following = next_uses(np.array(keys, dtype=np.int64))
+    for position, key in enumerate(keys):
+        later = [p for p in range(position + 1, len(keys)) if keys[p] == key]
+        assert following[position] == (later[0] if later else np.iinfo(np.int64).max)
+
+
+def test_lru_and_fifo_differ_as_they_should():
+    keys = np.array([1, 2, 1, 3, 1, 4, 1])  # 1 stays hot: LRU keeps it, FIFO evicts it
+    assert policy_hits(keys, 2, "lru") == 3
+    assert policy_hits(keys, 2, "fifo") == 2
+    assert policy_hits(keys, 2, "belady") == 3
+
+
+def test_synthetic_traces_follow_their_specs():
+    zipf = load_trace("zipf:alpha=1.2,n=1000,length=20000,seed=3")
+    assert zipf.keys.size == 20000 and zipf.keys.max() < 1000
+    counts = np.sort(np.bincount(zipf.keys, minlength=1000))[::-1]
+    weights = np.arange(1, 1001) ** -1.2  # rank r has probability ~ r^-alpha
+    assert counts[:10].sum() / 20000 == pytest.approx(weights[:10].sum() / weights.sum(), abs=0.02)
+    uniform = load_trace("uniform:n=50,length=5000")
+    assert set(np.unique(uniform.keys)) == set(range(50))
+    drift = load_trace("drift:n=100000,hot=100,period=1000,length=5000")
+    windows = [set(drift.keys[i:i + 1000]) for i in range(0, 5000, 1000)]
+    assert all(not (a & b) for a, b in zip(windows, windows[1:]))  # each period, fresh hot ids
+
+
+def test_csv_columns_fuse_with_offsets_and_categorical_values(tmp_path):
+    (tmp_path / "t.csv").write_text("user,item,kind\n5,10,pv\n7,10,buy\n5,,pv\n")
+    trace = load_trace(str(tmp_path / "t.csv"), columns=["user", "item", "kind"])
+    # users 0..7 -> keys 0..7, items 0..10 -> 8..18, kinds pv=0, buy=1 -> 19, 20; the empty item is skipped
+    assert trace.keys.tolist() == [5, 18, 19, 7, 18, 20, 5, 19]
+    assert trace.columns == [("user", 0, 8), ("item", 8, 19), ("kind", 19, 21)]
+    assert load_trace(str(tmp_path / "t.csv"), columns=["1"]).keys.tolist() == [10, 10]
+
+
+def test_criteo_layout_uses_the_hex_categorical_columns(tmp_path):
+    line = ["1"] + [str(i) for i in range(13)] + ["a"] + [""] * 24 + ["ff"]
+    (tmp_path / "day.txt").write_text("\t".join(line) + "\n")
+    trace = load_trace(str(tmp_path / "day.txt"), criteo=True)
+    assert trace.keys.tolist() == [10, 11 + 255]  # C1 = 0xa; C26 = 0xff after C1's span 0..10
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nothere.csv", "--columns", "a"], "no such trace file"),
+    (["{csv}", "--columns", "rating"], "unknown column 'rating'"),
+    (["{csv}"], "choose the id columns with --columns"),
+    (["{empty}", "--columns", "0"], "the trace is empty"),
+    (["{csv}", "--criteo"], "the Criteo layout has 40 tab-separated fields"),
+    (["zipf:alpha=1.05"], "n required"),
+    (["zipf:n=abc"], "must be name=number"),
+    (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
+    (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
+])
+def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    (tmp_path / "t.csv").write_text("user,item\n1,2\n3,4\n")
+    (tmp_path / "e.csv").write_text("")
+    args = [a.format(csv=tmp_path / "t.csv", empty=tmp_path / "e.csv") for a in args]
+    assert main(["bench", *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bench_reports_every_figure_and_draws_the_curve(tmp_path, capsys):
+    keys = load_trace("zipf:alpha=1.05,n=20000,length=60000,seed=1").keys
+    np.save(tmp_path / "trace.npy", keys)
+    assert main(["bench", str(tmp_path / "trace.npy"), "--sizes", "2%,10%,3000", "--batch-size", "1024",
+                 "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "Belady MIN" in table and "p99 ms" in table
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [entry["rows"] for entry in report["sizes"]][2] == 3000
+    for entry in report["sizes"]:
+        ours = entry["tierstore_lfu"]
+        host = ours["tiers"]["host"]
+        assert ours["hit_rate"] == pytest.approx(1 - host["rows_in"] / report["accesses"])
+        assert ours["lookup_hit_rate"] <= ours["hit_rate"]
+        assert entry["lru"]["hit_rate"] <= entry["belady"]["hit_rate"] and entry["fifo"]["hit_rate"] <= entry["belady"]["hit_rate"]
+        assert ours["hit_rate"] <= entry["belady"]["hit_rate"]  # MIN is the ceiling, ours too
+        assert ours["hit_rate"] > entry["fifo"]["hit_rate"]  # LFU beats FIFO on a static Zipf
+        assert host["evictions"] > 0 and ours["batch_latency_ms_p99"] >= ours["batch_latency_ms_p50"] > 0
+    rates = [entry["belady"]["hit_rate"] for entry in report["sizes"]]
+    assert rates[0] < rates[1]  # a bigger cache hits more
