@@ -126,18 +126,18 @@ def test_import_killed_midway_leaves_no_store(tmp_path):
     rows[:] = 1.0
     rows.flush()
     importer = subprocess.Popen([sys.executable, "-m", "tierstore", "import", str(tmp_path / "big.npy"),
-                                 str(tmp_path / "store"), "--chunk-rows", "2000"], stderr=subprocess.PIPE)
+                                 str(tmp_path / "store"), "--chunk-rows", "500"], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     building = []
     while not building and time.monotonic() < deadline:  # kill once the store is being built
-        building = [p for p in tmp_path.glob(".store.importing-*") if (p / "rows.bin").exists()]
+        building = [p for p in tmp_path.glob(".store.importing-*")
+                    if (p / "rows.bin").exists() and (p / "rows.bin").stat().st_size > 0]  # rows being written
         time.sleep(0.01)
     assert building, "the import never started building"
-    time.sleep(0.2)
-    importer.send_signal(signal.SIGKILL)
+    importer.send_signal(signal.SIGKILL)  # 800 chunks of 500 rows: far from done
     importer.wait()
     assert importer.returncode == -signal.SIGKILL, "the import finished before it was killed; make it bigger"
-    assert not (tmp_path / "store").exists()
+    assert not (tmp_path / "store").exists(), "the import completed before the kill; make it bigger"
     with pytest.raises(StoreFormatError, match="not a tierstore store"):
         TieredStore(building[0], read_only=True)
 

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from . import optim
 from .cold import LmdbColdStore, MmapColdStore
+from .host_kernels import host_kernels
 from .metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
 from .store import TieredStore
 from .table_files import TableFileError, TableSource, TableWriter
@@ -48,13 +49,15 @@ def import_table(source: TableSource, store_path: Path, backend: str = "mmap", o
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     try:
-        cold = (MmapColdStore(building, metadata.row_width, dtype) if backend == "mmap"
+        cold = (MmapColdStore(building, metadata.row_width, dtype, index_kernels=host_kernels()[0]) if backend == "mmap"
                 else LmdbColdStore(building, metadata.row_width, dtype))
         with tqdm(total=len(source), unit="rows", unit_scale=True, desc=f"importing {source.path.name}",
                   disable=not progress) as bar:
             for ids, rows in source.chunks(chunk_rows):
-                stored = torch.zeros(rows.shape[0], metadata.row_width, dtype=dtype)
-                stored[:, :dim] = rows
+                stored = rows
+                if metadata.optimizer_state_width:
+                    stored = torch.zeros(rows.shape[0], metadata.row_width, dtype=dtype)
+                    stored[:, :dim] = rows
                 if backend == "mmap":
                     cold.append_new(ids, stored)
                 else:
