@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from tierstore.cache_policies import belady_hits, next_uses, policy_hits
 from tierstore.cli import main
-from tierstore.traces import load_trace
+from tierstore.traces import load_trace, split_columns
 
 
 def most_hits_by_brute_force(keys, capacity):
@@ -116,3 +116,18 @@ def test_bench_reports_every_figure_and_draws_the_curve(tmp_path, capsys):
         assert host["evictions"] > 0 and ours["batch_latency_ms_p99"] >= ours["batch_latency_ms_p50"] > 0
     rates = [entry["belady"]["hit_rate"] for entry in report["sizes"]]
     assert rates[0] < rates[1]  # a bigger cache hits more
+
+
+def test_separate_tables_give_each_column_back_its_own_ids(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    lines = [f"{u},{i}" for u, i in zip(rng.zipf(1.5, 3000) % 500, rng.zipf(1.3, 3000) % 900)]
+    (tmp_path / "t.csv").write_text("user,item\n" + "\n".join(lines) + "\n")
+    fused = load_trace(str(tmp_path / "t.csv"), columns=["user", "item"])
+    users, items = split_columns(fused)
+    assert np.array_equal(items.keys, load_trace(str(tmp_path / "t.csv"), columns=["item"]).keys)
+    assert np.array_equal(users.keys, load_trace(str(tmp_path / "t.csv"), columns=["user"]).keys)
+    assert main(["bench", str(tmp_path / "t.csv"), "--columns", "user,item", "--separate", "--sizes", "10%",
+                 "--batch-size", "256", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [table["distinct_ids"] for table in report["tables"]] == [np.unique(users.keys).size, np.unique(items.keys).size]
+    assert (tmp_path / "out-0.png").exists() and (tmp_path / "out-1.png").exists()

@@ -15,7 +15,7 @@ from .cache_bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .errors import StoreFormatError, StoreMismatchError
 from .inspection import inspect_store, verify_store
 from .table_files import SUFFIXES, TableFileError, open_table
-from .traces import TraceError, load_trace
+from .traces import TraceError, load_trace, split_columns
 from .transfer import OPTIMIZERS, export_table, import_table
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                          "| a Criteo Kaggle TSV (with --criteo)")
     command.add_argument("--columns", help="comma-separated id columns of a CSV/TSV (names from its header, or "
                          "0-based indices); several fuse into one key space with per-column offsets")
+    command.add_argument("--separate", action="store_true", help="each column its own table, with its own "
+                         "cache of each size (default: one table, columns fused with per-column key offsets)")
     command.add_argument("--criteo", action="store_true", help="the trace is Criteo Kaggle TSV: use its 26 "
                          "categorical columns, skip empty fields")
     command.add_argument("--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)")
@@ -161,14 +163,19 @@ def _bench(args) -> int:
     columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
     trace = load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
     sizes = [s for s in args.sizes.split(",") if s.strip()]
-    report = run_bench(trace, sizes, policies, args.batch_size, args.dim, args.backend)
-    print(format_table(report, policies))
-    json_path, png_path = args.out.with_name(args.out.name + ".json"), args.out.with_name(args.out.name + ".png")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2))
-    plotted = plot_curve(report, policies, png_path)
-    print(f"figures: {json_path}" + (f", curve: {png_path}" if plotted else
-                                     " (no curve: matplotlib is not installed; pip install 'tierstore[plot]')"))
+    tables = split_columns(trace) if args.separate else [trace]
+    reports = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for number, table in enumerate(tables):
+        report = run_bench(table, sizes, policies, args.batch_size, args.dim, args.backend)
+        print(format_table(report, policies))
+        png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
+        plotted = plot_curve(report, policies, png)
+        print(f"curve: {png}" if plotted else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')")
+        reports.append(report)
+    json_path = args.out.with_name(args.out.name + ".json")
+    json_path.write_text(json.dumps({"tables": reports} if args.separate else reports[0], indent=2))
+    print(f"figures: {json_path}")
     return 0
 
 

@@ -35,7 +35,7 @@ class TableFileError(ValueError):
 class TableSource:
     """A table to read: ``rows`` (a tensor or array, memory-mapped) and ``ids`` (or None: 0..N-1)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor  # or a safetensors tensor read by slices
     ids: torch.Tensor | None
     path: Path
 
@@ -47,7 +47,7 @@ class TableSource:
         for start in range(0, len(self), size):
             stop = min(start + size, len(self))
             ids = torch.arange(start, stop) if self.ids is None else self.ids[start:stop].to(torch.int64)
-            yield ids, self.rows[start:stop].clone()  # the only copy: one chunk in RAM
+            yield ids, self.rows[start:stop].clone()  # one chunk in RAM at a time
 
 
 def open_table(path: Path, key: str | None = None, ids_path: Path | None = None) -> TableSource:
@@ -103,14 +103,43 @@ def _load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return {name: value for name, value in loaded.items() if isinstance(value, torch.Tensor)}
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path) -> dict:
+    """Tensors of a safetensors file: 1-D ones (ids) read whole, the others as ``_SafetensorsRows``."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as file:
-            return {name: file.get_tensor(name) for name in file.keys()}  # mmap-backed views
-    except (SafetensorError, OSError) as error:
+        file = safe_open(str(path), framework="pt")
+        tensors = {}
+        for name in file.keys():
+            lazy = _SafetensorsRows(file, name)
+            tensors[name] = lazy[:] if lazy.dim() == 1 else lazy
+        return tensors
+    except (SafetensorError, OSError, KeyError) as error:
         raise TableFileError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+class _SafetensorsRows:
+    """A tensor of a safetensors file read a slice at a time (the file is memory-mapped), so a table
+    larger than RAM streams; offers what ``open_table`` and ``TableSource.chunks`` use."""
+
+    _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+    def __init__(self, file, name: str) -> None:
+        self._file = file  # keeps the mapping open
+        self._slice = file.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        self.dtype = self._DTYPES[self._slice.get_dtype()]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
 
 
 def _named_table(path: Path, tensors: dict[str, torch.Tensor], key: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:

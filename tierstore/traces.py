@@ -13,7 +13,8 @@ by name (with a header line) or 0-based index; the Criteo Kaggle TSV layout (``c
 label, 13 integer and 26 hexadecimal categorical columns, the categorical ones used, empty fields
 skipped). Values that are not integers (``pv``, hex strings) are mapped to ids in order of first
 appearance (hex is parsed). Several columns fuse into one key space with per-column offsets: key =
-value + offset of its column, each column's offset past the previous column's largest key.
+value + offset of its column, each column's offset past the previous column's largest key;
+``split_columns`` gives each column back as its own table.
 """
 
 from __future__ import annotations
@@ -180,3 +181,12 @@ def _fuse(path: Path, names: list[str], columns: list[np.ndarray]) -> Trace:
         start += width
     keys = stacked + np.array(offsets, dtype=np.int64)
     return Trace(keys[stacked >= 0], path.name, spans)
+
+
+def split_columns(trace: Trace) -> list[Trace]:
+    """One trace per source column (its own table: keys back to the column's own ids, access order kept)."""
+    parts = []
+    for name, first, end in trace.columns:
+        inside = (trace.keys >= first) & (trace.keys < end)
+        parts.append(Trace(trace.keys[inside] - first, f"{trace.name} [{name}]", [(name, 0, end - first)]))
+    return parts
