@@ -32,10 +32,10 @@ def embedding_bag(local: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
 
 def embedding(local: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, kernels) -> torch.Tensor:
     """``F.embedding`` (any shape of ``local``): bags of one entry each, so the same backward."""
-    flat = local.reshape(-1)
-    offsets = torch.arange(flat.numel(), device=flat.device)
     if kernels is None or weight.dtype != torch.float32:
         return F.embedding(local, weight, padding_idx=padding_idx)
+    flat = local.reshape(-1)
+    offsets = torch.arange(flat.numel(), device=flat.device)
     rows = embedding_bag(flat, weight, offsets, "sum", None, False, padding_idx, kernels)
     return rows.reshape(*local.shape, weight.shape[1])
 
