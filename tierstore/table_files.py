@@ -23,8 +23,9 @@ import torch
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth")
 SUFFIXES = (".npy", ".safetensors") + CHECKPOINT_SUFFIXES
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-                       torch.int64: "I64"}
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class TableFileError(ValueError):
@@ -122,9 +123,7 @@ class _SafetensorsRows:
     """A tensor of a safetensors file read a slice at a time (the file is memory-mapped), so a table
     larger than RAM streams; offers what ``open_table`` and ``TableSource.chunks`` use."""
 
-    _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool}
+    _DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
     def __init__(self, file, name: str) -> None:
         self._file = file  # keeps the mapping open
