@@ -69,7 +69,7 @@ def bench_lookups(args, directory: Path) -> dict:
                          device_cache=distinct.numel(), device_cache_backend=backend) as store:
             for part in distinct.split(1 << 16):
                 store.get(part)  # every row resident
-            cache = store.caches[0]
+            cache = store.stack.top
             seconds = gpu_seconds(lambda: [cache.read(cache.find(b), args.dim, out=out) for b in batches], args.repeats)
         results[backend] = {"keys_per_s": rows / seconds, "gb_per_s": rows * args.dim * 4 / seconds / 1e9,
                             "ratio_index_select": baseline / seconds}

@@ -32,11 +32,10 @@ import psutil
 import torch
 
 from tierstore import TieredStore
-from tierstore.cold import LmdbColdStore, MmapColdStore
-from tierstore.cold.codec import encode_keys
-from tierstore.host_kernels import host_kernels
-from tierstore.kernel_row_cache import KernelRowCache
-from tierstore.row_cache import RowCache, Rows
+from tierstore.kernels import host_kernels
+from tierstore.tiers import KernelRows, RowCache, Rows
+from tierstore.tiers.cold import LmdbColdStore, MmapColdStore
+from tierstore.tiers.cold.codec import encode_keys
 from tierstore.workloads import ZipfIds
 
 
@@ -68,7 +67,7 @@ def host_caches(capacity: int, dim: int) -> dict:
     if kernels is None:
         print(f"host_cache_backend='openmp' is not measured: {why_not}")
     else:
-        makers["openmp"] = lambda: KernelRowCache("host", capacity, dim, torch.float32, "cpu", kernels, "openmp")
+        makers["openmp"] = lambda: RowCache("host", capacity, dim, torch.float32, backend=KernelRows(kernels, "openmp"))
     return makers
 
 

@@ -93,8 +93,8 @@ def tiered(ids: int, dim: int, optimizer: str, host_share: float, directory: Pat
     for part in tqdm(torch.arange(ids).split(1 << 18), desc=f"writing {ids:,} rows to the cold store", leave=False):
         rows = torch.zeros(part.numel(), width)
         rows[:, :dim] = initial_weights(part, dim, 0, torch.float32)
-        table.store.cold.put(part, rows)
-    table.store.cold.flush()
+        table.store.stack.cold.put(part, rows)
+    table.store.stack.cold.flush()
 
     def step(input, offsets):
         table(input, offsets).sum().backward()

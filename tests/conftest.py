@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-import tierstore.store
 from host_kernels import parallel_host_kernels, shared_host_kernels
+from tierstore.tiers import KernelRows
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,18 +25,16 @@ def store_path(tmp_path):
 
 
 @pytest.fixture(params=["torch", "cuda-kernels-on-host"])
-def device_backend(request, monkeypatch):
-    """The device tier's backend: torch ops, or the cuda/ kernels' host build (one thread, on CPU
-    tensors) standing in for the GPU; returns the ``device_cache_backend`` to ask for."""
+def device_backend(request):
+    """The device tier's ``device_cache_backend``: torch ops, or the kernels' one-thread host build
+    (the GPU's own loops, on CPU tensors) standing in for the GPU, given as a backend value."""
     if request.param == "torch":
         return "torch"
-    kernels = shared_host_kernels()
-    monkeypatch.setattr(tierstore.store, "device_kernels", lambda device, dtype: (kernels, ""))
-    return "cuda"
+    return KernelRows(shared_host_kernels(), "cuda")
 
 
 @pytest.fixture(scope="module", params=["one-thread-gpu-loops", "openmp"])
 def host(request):
-    """Both host builds of the cuda/ kernels: one thread running the GPU's loops, and the host
+    """Both host builds of the kernels: one thread running the GPU's loops, and the host
     tier's OpenMP kernels."""
     return shared_host_kernels() if request.param == "one-thread-gpu-loops" else parallel_host_kernels()

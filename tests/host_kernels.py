@@ -1,8 +1,8 @@
-"""Test-only: the cuda/ kernels built for the host as one thread running the GPU's loops."""
+"""The kernels' two host builds, for the tests: one thread running the GPU's loops, and OpenMP."""
 
 from __future__ import annotations
 
-from tierstore.host_kernels import HostKernels, host_kernels
+from tierstore.kernels import HostKernels, host_kernels
 
 
 def shared_host_kernels() -> HostKernels:

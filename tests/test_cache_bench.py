@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tierstore.cache_policies import belady_hits, next_uses, policy_hits
+from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hits
 from tierstore.cli import main
-from tierstore.traces import load_trace, split_columns
+from tierstore.cli.traces import load_trace, split_columns
 
 
 def most_hits_by_brute_force(keys, capacity):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from host_kernels import parallel_host_kernels
-from tierstore.cold import LmdbColdStore, open_cold_store
+from tierstore.tiers.cold import LmdbColdStore, open_cold_store
 
 
 @pytest.fixture(params=["lmdb", "mmap", "mmap-kernel-index"])

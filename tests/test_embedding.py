@@ -95,7 +95,8 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, b
                               device_cache=24, optimizer=ours_optimizer(), device_cache_backend=device_backend,
                               host_cache_backend=host_backend)
     stats = ours.store.stats()
-    assert (stats["device"]["backend"], stats["host"]["backend"]) == (device_backend, host_backend)
+    assert (stats["device"]["backend"], stats["host"]["backend"]) == (getattr(device_backend, "name", device_backend),
+                                                                      host_backend)
     torch_bag = oracle_bag(mode)
     reference_optimizer = torch_optimizer(torch_bag.parameters())
     rng = np.random.default_rng(7)
@@ -135,7 +136,7 @@ def test_two_forwards_before_one_backward_update_the_rows_they_looked_up(store_p
         targets = [torch.from_numpy(rng.standard_normal((6, DIM)).astype(np.float32)) for _ in range(2)]
         first = ours(*batches[0])
         second = ours(*batches[1])
-        evicted_before_backward += int((ours.store.caches[0].find(torch.unique(batches[0][0])) < 0).sum())
+        evicted_before_backward += int((ours.store.stack.top.find(torch.unique(batches[0][0])) < 0).sum())
         looked_up += sum(ids.numel() for ids, _ in batches)
         (first * targets[0]).sum().add((second * targets[1]).sum()).backward()
         reference_optimizer.zero_grad()

@@ -76,7 +76,7 @@ def test_training_on_the_gpu_matches_the_torch_backend_and_torch(name, tmp_path)
 
 
 def test_a_launch_with_a_tensor_on_another_device_names_the_kernel():
-    kernels, why_not = device_kernels(torch.device("cuda"), torch.float32)
+    kernels, why_not = device_kernels(torch.device("cuda"))
     assert kernels is not None, why_not
     with pytest.raises(CudaError, match="cache_find"):
         kernels.launch("cache_find", 4, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), 3,

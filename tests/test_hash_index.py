@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import hash_table_operations
-from tierstore.hash_index import HashIndex
+from tierstore.tiers.hash_index import HashIndex
 
 @settings(max_examples=150, deadline=None)
 @given(hash_table_operations, st.integers(1, 8))

@@ -9,7 +9,7 @@ from tierstore import CacheCapacityError, TieredStore
 
 
 def tier_of(store, id_):
-    for cache in store.caches:
+    for cache in store.stack.caches:
         if cache.find(torch.tensor([id_])).item() >= 0:
             return cache.name
     return "cold"
@@ -40,7 +40,7 @@ def test_invariant2_evicted_dirty_row_reaches_cold_store(backend, store_path):
     store.put([0, 1], torch.ones(2, 4))
     store.get([2, 3])
     store.get([4, 5])  # 0 and 1 leave both caches
-    rows, found = store.cold.get(torch.tensor([0, 1]))
+    rows, found = store.stack.cold.get(torch.tensor([0, 1]))
     assert bool(found.all()) and torch.equal(rows[:, :4], torch.ones(2, 4))
     assert store.stats()["host"]["writebacks"] >= 2
 
@@ -49,7 +49,7 @@ def test_invariant2_flush_writes_every_dirty_cached_row(backend, store_path):
     store = TieredStore(store_path, dim=4, backend=backend, host_cache=8, device_cache=10)
     store.put(list(range(10)), torch.arange(40.0).reshape(10, 4))  # all still cached
     store.flush()
-    rows, found = store.cold.get(torch.arange(10))
+    rows, found = store.stack.cold.get(torch.arange(10))
     assert bool(found.all()) and torch.equal(rows, torch.arange(40.0).reshape(10, 4))
 
 
@@ -89,8 +89,8 @@ def test_invariant6_caches_stay_within_their_byte_budgets(budget, store_path):
     store = TieredStore(store_path, dim=64, host_cache=budget, device_cache=budget)
     for batch in torch.arange(20000).split(100):  # more rows than fit: both caches fill up
         store.get(batch)
-    for cache in store.caches:
-        assert cache.nbytes == type(cache).nbytes_for(cache.capacity, 64, torch.float32)
+    for cache in store.stack.caches:
+        assert cache.nbytes == cache.nbytes_for(cache.capacity, 64, torch.float32, cache.backend)
         assert cache.nbytes <= parse_bytes(budget)
         assert cache.nbytes > 0.9 * parse_bytes(budget)  # and the budget is used, not wasted
     store.close()

@@ -1,5 +1,5 @@
-"""The cuda/ kernels without a GPU: NVRTC compiles them for sm_80 and sm_90 (warnings fail), and
-their host build (cuda/host_shim.h, one thread) is checked against the torch reference."""
+"""The kernels without a GPU: NVRTC compiles them for sm_80 and sm_90 (warnings fail), and
+their host build (host_shim.h, one thread) is checked against the torch reference."""
 
 import numpy as np
 import pytest
@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import kernels, optim
-from tierstore.hash_index import HashIndex
-from tierstore.kernel_hash_table import KernelHashTable
+from tierstore import optim
+from tierstore.kernels import cuda as kernels
+from tierstore.tiers.hash_index import HashIndex
+from tierstore.tiers.kernel_hash_table import KernelHashTable
 
 from helpers import hash_table_operations
 

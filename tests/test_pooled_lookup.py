@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tierstore import pooled_lookup
+from tierstore.nn import pooled_lookup
 
 
 @st.composite

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tierstore.errors import CacheCapacityError
-from tierstore.row_cache import RowCache, Rows
+from tierstore.tiers import RowCache, Rows
 
 
 def rows_for(keys, width=2):

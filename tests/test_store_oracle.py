@@ -9,10 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-import tierstore.store
 from helpers import initial
 from host_kernels import shared_host_kernels
 from tierstore import TieredStore
+from tierstore.tiers import KernelRows
 
 DIM = 3
 ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
@@ -31,9 +31,11 @@ class StoreAgainstDict(RuleBasedStateMachine):
         self.durable = {}
 
     def open(self):
+        device_backend = self.device_cache_backend
+        if device_backend == "cuda":  # the kernels' one-thread host build standing in for the GPU
+            device_backend = KernelRows(shared_host_kernels(), "cuda")
         self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6,
-                                 device_cache_backend=self.device_cache_backend,
-                                 host_cache_backend=self.host_cache_backend)
+                                 device_cache_backend=device_backend, host_cache_backend=self.host_cache_backend)
         stats = self.store.stats()
         assert (stats["device"]["backend"], stats["host"]["backend"]) == (self.device_cache_backend,
                                                                           self.host_cache_backend)
@@ -70,7 +72,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
     @rule()
     def crash_and_reopen(self):
         # Drop the process's view without flushing: the caches' dirty rows and staged rows vanish.
-        self.store.cold.close()
+        self.store.stack.cold.close()
         self.store._closed = True
         self.oracle = dict(self.durable)
         self.open()
@@ -91,18 +93,9 @@ class MmapStoreAgainstDict(StoreAgainstDict):
 
 
 class KernelDeviceTierAgainstDict(StoreAgainstDict):
-    """The device tier on the cuda/ kernels' host build (see conftest.device_backend)."""
+    """The device tier on the kernels' one-thread host build (see conftest.device_backend)."""
 
     device_cache_backend = "cuda"
-
-    def __init__(self):
-        self._real_device_kernels = tierstore.store.device_kernels
-        tierstore.store.device_kernels = lambda device, dtype: (shared_host_kernels(), "")
-        super().__init__()
-
-    def teardown(self):
-        super().teardown()
-        tierstore.store.device_kernels = self._real_device_kernels
 
 
 TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase

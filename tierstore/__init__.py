@@ -1,15 +1,17 @@
 """tierstore: a tiered embedding store (SSD/NVM -> DRAM -> GPU) for tables larger than memory."""
 
 from . import optim
-from .embedding import TieredEmbedding, TieredEmbeddingBag
+from .config import TierConfig
 from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError, StoreMismatchError
 from .initializer import initial_rows, initial_weights
+from .nn import TieredEmbedding, TieredEmbeddingBag
 from .store import TieredStore
 
 __all__ = [
     "TieredEmbedding",
     "TieredEmbeddingBag",
     "TieredStore",
+    "TierConfig",
     "optim",
     "initial_rows",
     "initial_weights",

@@ -100,6 +100,31 @@ def read_metadata(directory: Path) -> StoreMetadata:
         raise StoreFormatError(f"{path} is damaged: {error}") from None
 
 
+def open_metadata(path: Path, requested: dict[str, Any], read_only: bool) -> StoreMetadata:
+    """The metadata of the store at ``path``, checked against ``requested`` settings (``None``: as
+    stored); for a new store (``path`` missing or an empty directory), created from them, unless
+    ``read_only``. Raises ``StoreFormatError`` when ``path`` is not a store directory."""
+    if path.exists() and not path.is_dir():
+        raise StoreFormatError(f"{path} is a file; a store is a directory")
+    if (path / METADATA_FILE).exists():
+        metadata = read_metadata(path)
+        check_matches(metadata, requested, path)
+        return metadata
+    if path.is_dir() and any(path.iterdir()):
+        raise StoreFormatError(f"{path} is not empty and has no {METADATA_FILE}: not a tierstore store")
+    if read_only:
+        raise StoreFormatError(f"{path} holds no store to open read-only")
+    if requested["dim"] is None:
+        raise ValueError("dim is required to create a new store")
+    metadata = StoreMetadata(backend=requested["backend"] or "lmdb", dim=requested["dim"],
+                             dtype=requested["dtype"] or "float32",
+                             optimizer_state_width=requested["optimizer_state_width"] or 0,
+                             seed=requested["seed"] or 0)
+    path.mkdir(parents=True, exist_ok=True)
+    write_metadata(path, metadata)
+    return metadata
+
+
 def write_metadata(directory: Path, metadata: StoreMetadata) -> None:
     """Write ``directory/tierstore.json`` atomically (temp file, fsync, rename, fsync dir)."""
     document = {"format": FORMAT_NAME, **dataclasses.asdict(metadata)}

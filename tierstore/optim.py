@@ -9,14 +9,16 @@ those rows where they live (the top cache tier) during ``backward``: there is no
 Each class is a small frozen dataclass of hyper-parameters, e.g. ``Adagrad(lr=0.01)``.
 ``update(table [R, dim + state], slots [U], grad [U, dim], step)`` updates the rows ``slots``
 (distinct) of ``table`` in place: it gathers the rows, updates weights and state in place and
-copies them back (on CPU this beats ``index_add_``, which runs serially, by 2.5x). ``step`` counts the table's update
-steps from 1 (Adam's bias correction, Adagrad's ``lr_decay``).
+copies them back (on the CPU this beats ``index_add_``, which runs serially). ``step`` counts the
+table's update steps from 1 (Adam's bias correction, Adagrad's ``lr_decay``). ``OPTIMIZERS`` maps
+each optimizer's ``name`` (as the CLI and a module's ``state_dict`` spell it) to its class.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +27,7 @@ import torch
 class SparseOptimizer(abc.ABC):
     """Base class: hyper-parameters, the state width a row needs and the row update."""
 
+    name: ClassVar[str]
     lr: float
 
     def __post_init__(self) -> None:
@@ -55,13 +58,15 @@ class SparseOptimizer(abc.ABC):
 
     @abc.abstractmethod
     def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
-        """The ``cuda/`` kernel doing ``update_rows``: ``(name, float arguments after dim, one thread
+        """The kernel (``tierstore/kernels``) doing ``update_rows``: ``(name, float arguments after dim, one thread
         per row rather than per element)``."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SGD(SparseOptimizer):
     """``w -= lr * g`` (``torch.optim.SGD`` without momentum on a sparse gradient)."""
+
+    name: ClassVar[str] = "sgd"
 
     lr: float = 0.01
 
@@ -79,6 +84,8 @@ class SGD(SparseOptimizer):
 class Adagrad(SparseOptimizer):
     """``torch.optim.Adagrad`` on a sparse gradient: ``s += g²; w -= lr_t * g / (sqrt(s) + eps)``
     with ``lr_t = lr / (1 + (step - 1) * lr_decay)``. State: ``s`` (dim values)."""
+
+    name: ClassVar[str] = "adagrad"
 
     lr: float = 0.01
     eps: float = 1e-10
@@ -102,6 +109,8 @@ class RowWiseAdagrad(SparseOptimizer):
     """FBGEMM's row-wise Adagrad (``EXACT_ROWWISE_ADAGRAD``): one accumulator per row,
     ``m += mean(g²); w -= lr * g / (sqrt(m) + eps)``. State: ``m`` (1 value)."""
 
+    name: ClassVar[str] = "rowwise-adagrad"
+
     lr: float = 0.01
     eps: float = 1e-8
 
@@ -121,6 +130,8 @@ class RowWiseAdagrad(SparseOptimizer):
 class Adam(SparseOptimizer):
     """Lazy Adam with ``torch.optim.SparseAdam``'s semantics: only rows in the batch update their
     moments; bias correction uses the table's step count. State: ``m``, ``v`` (2 x dim values)."""
+
+    name: ClassVar[str] = "adam"
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -149,3 +160,11 @@ class Adam(SparseOptimizer):
         beta1, beta2 = self.betas
         return "update_adam", (float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(self.eps),
                                self._step_size(step)), False
+
+
+OPTIMIZERS: dict[str, type[SparseOptimizer]] = {kind.name: kind for kind in (SGD, Adagrad, RowWiseAdagrad, Adam)}
+
+
+def with_state_width(state_width: int, dim: int) -> list[str]:
+    """Class names of the optimizers whose state is ``state_width`` values per row of ``dim`` weights."""
+    return [kind.__name__ for kind in OPTIMIZERS.values() if kind().state_width(dim) == state_width]

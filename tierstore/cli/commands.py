@@ -11,12 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from .cache_bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
-from .errors import StoreFormatError, StoreMismatchError
+from ..errors import StoreFormatError, StoreMismatchError
+from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .inspection import inspect_store, verify_store
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
-from .transfer import OPTIMIZERS, export_table, import_table
+from .transfer import OPTIMIZER_CHOICES, export_table, import_table
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--key", help="the tensor holding the rows in a .pt/.safetensors file "
                          "(default: its only 2-D float tensor, or the one named 'weight' or '*.weight')")
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
-    command.add_argument("--optimizer", choices=list(OPTIMIZERS), default="none",
+    command.add_argument("--optimizer", choices=list(OPTIMIZER_CHOICES), default="none",
                          help="room for this optimizer's per-row state, zeroed (as each starts)")
     command.add_argument("--seed", type=int, default=0, help="initial rows of ids added later")
     command.add_argument("--chunk-rows", type=int, default=1 << 16)
@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                          "categorical columns, skip empty fields")
     command.add_argument("--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)")
     command.add_argument("--sizes", default="1%,5%,10%", help="host cache sizes: shares of the trace's distinct "
-                         "ids (5%%), row counts (20000) or bytes (64MiB); default 1%%,5%%,10%%")
+                         "ids (5%%: unlike a store's host_cache budget, where 5%% is a share of RAM), row counts "
+                         "(20000) or bytes (64MiB); default 1%%,5%%,10%%")
     command.add_argument("--policy", default="lru,fifo,belady", help="reference policies to compare with ours "
                          "(LFU): any of lru, fifo, belady")
     command.add_argument("--batch-size", type=int, default=4096, help="ids per lookup batch")

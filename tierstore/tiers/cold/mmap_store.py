@@ -27,10 +27,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..errors import StoreFormatError
+from ...errors import StoreFormatError
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
-from ..metadata import fsync_directory, write_json_atomic
+from ...metadata import fsync_directory, write_json_atomic
 from .base import ColdStore
 from .codec import rows_as_bytes, rows_from_bytes
 
@@ -96,7 +96,7 @@ class GrowableArray:
 class MmapColdStore(ColdStore):
     """Cold store in flat memory-mapped files; see the module docstring for the crash guarantee.
 
-    ``index_kernels``: the kernels' host build (``tierstore.host_kernels``) for the in-memory key
+    ``index_kernels``: the kernels' host build (``tierstore.kernels.host_kernels``) for the in-memory key
     indexes of the rows and the log (``KernelHashTable``); ``None``: torch ``HashIndex``es.
     """
 
@@ -118,7 +118,7 @@ class MmapColdStore(ColdStore):
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
-        self._appended = False  # rows written by append_new since the last flush
+        self._appended = False  # rows written by bulk_load since the last flush
         self._index = self._make_index(self._count)
         self._load_index()
         self._wal_index = self._make_index(1024)
@@ -189,7 +189,7 @@ class MmapColdStore(ColdStore):
     def _wal_rows_tensor(self) -> torch.Tensor:
         return rows_from_bytes(self._wal_rows.array, self.dtype)
 
-    def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         position = self._index.find(keys)
         found = position >= 0
@@ -228,10 +228,7 @@ class MmapColdStore(ColdStore):
 
     # -- writes ------------------------------------------------------------------------------
 
-    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        self._check_writable()
-        if keys.numel() == 0:
-            return
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         record = self._wal_index.find(keys)
         staged = record >= 0  # staged since the last flush: rewritten in place
         new = (~staged).nonzero().squeeze(1)  # appended to the log, in this order
@@ -246,16 +243,16 @@ class MmapColdStore(ColdStore):
         self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
         self._wal_count += new.numel()
 
-    def append_new(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+    def bulk_load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows of ``keys`` (distinct) the store does not hold straight into ``rows.bin`` and
         ``keys.bin`` past the committed rows, skipping the log (half the bytes written: the bulk
         path of ``tierstore import``). ``flush`` commits them by recording the new row count; a
         crash before that leaves them past the committed count, where reopening ignores them."""
         self._check_writable()
         if self._wal_count:
-            raise RuntimeError("append_new needs an empty write-ahead log; flush first")
+            raise RuntimeError("bulk_load needs an empty write-ahead log; flush first")
         if keys.numel() and bool((self._index.find(keys) >= 0).any()):
-            raise ValueError("append_new: some keys are in the store already; use put to overwrite rows")
+            raise ValueError("bulk_load: some keys are in the store already; use put to overwrite rows")
         start, count = self._count, keys.numel()
         self._rows.reserve(start + count)
         self._keys.reserve(start + count)
@@ -311,6 +308,10 @@ class MmapColdStore(ColdStore):
         self._wal_keys.truncate()
         self._wal_index = self._make_index(1024)
         self._wal_count = 0
+
+    def last_flush_time(self) -> float | None:
+        state = self.directory / STATE_FILE
+        return state.stat().st_mtime if state.exists() else None
 
     def close(self) -> None:
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):

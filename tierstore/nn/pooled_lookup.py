@@ -1,10 +1,10 @@
 """Pooled lookups over a batch's distinct rows whose weight gradient a kernel sums per row.
 
 torch's dense ``embedding_bag`` backward scatters every entry's gradient into the weight
-gradient; on 2 CPU cores that took 7.7 ms of an 8.3 ms forward + backward (4,096 bags of 26 ids,
-dim 128). Here the entries are sorted by the row they read (``argsort``), and the
-``bag_weight_gradient`` kernel (``cuda/embedding_cache.cu``) sums each row's entries in one
-thread, without atomics: on the GPU, or on the CPU through the kernels' OpenMP build. Forward is
+gradient, which dominated a training step's backward on the CPU. Here the entries are sorted by
+the row they read (``argsort``), and the ``bag_weight_gradient`` kernel (``tierstore/kernels``)
+sums each row's entries in one thread, without atomics: on the GPU, or on the CPU through the
+kernels' OpenMP build. Forward is
 torch's own. Modes "sum" and "mean" (with ``padding_idx`` and ``per_sample_weights`` that need no
 gradient); for the others ``embedding_bag`` below uses torch's autograd, the reference this one
 is tested against.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 def embedding_bag(local: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None, mode: str,
                   per_sample_weights: torch.Tensor | None, include_last_offset: bool, padding_idx: int | None,
                   kernels) -> torch.Tensor:
-    """``F.embedding_bag`` (same arguments and output); ``kernels`` (a ``KernelModule`` or
+    """``F.embedding_bag`` (same arguments and output); ``kernels`` (a ``CudaKernels`` or
     ``HostKernels`` on ``weight``'s device, or None) computes ``weight``'s gradient where it can."""
     fused = (kernels is not None and mode in ("sum", "mean") and weight.dtype == torch.float32
              and (per_sample_weights is None or not per_sample_weights.requires_grad))

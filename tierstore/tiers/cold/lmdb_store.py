@@ -26,7 +26,7 @@ import lmdb
 import numpy as np
 import torch
 
-from ..errors import StoreFormatError
+from ...errors import StoreFormatError
 from .base import ColdStore
 from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
 
@@ -43,7 +43,7 @@ class LmdbColdStore(ColdStore):
     def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
                  map_size: int = INITIAL_MAP_SIZE, read_threads: int = READ_THREADS) -> None:
         super().__init__(row_width, dtype, read_only)
-        path = Path(directory) / DIRECTORY
+        path = self._path = Path(directory) / DIRECTORY
         if read_only and not (path / "data.mdb").exists():
             raise StoreFormatError(f"{path} is missing its LMDB data file (data.mdb)")
         path.mkdir(exist_ok=True)
@@ -130,7 +130,7 @@ class LmdbColdStore(ColdStore):
     def _databases(self) -> list:
         return [self._rows, self._pending] if self._pending_count else [self._rows]
 
-    def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(None, keys, self._databases())
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -174,10 +174,7 @@ class LmdbColdStore(ColdStore):
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
 
-    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        self._check_writable()
-        if keys.numel() == 0:
-            return
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         order = torch.argsort(keys)
         items = list(zip(encode_keys(keys[order].numpy()), encode_rows(rows[order])))
 
@@ -198,6 +195,24 @@ class LmdbColdStore(ColdStore):
             self._write(publish)
             self._pending_count = 0
         self._env.sync(True)
+
+    def last_flush_time(self) -> float | None:
+        return (self._path / "data.mdb").stat().st_mtime
+
+    def structure_problems(self) -> list[str]:
+        """Committed entries whose key is not 8 bytes or whose value is not ``row_bytes`` (a short
+        value would otherwise fail, or worse, in the row decoder)."""
+        try:
+            with self._env.begin() as txn:
+                wrong = [(len(key), len(value)) for key, value in txn.cursor(self._rows)
+                         if len(key) != 8 or len(value) != self.row_bytes]
+        except lmdb.Error as error:
+            return [f"the LMDB data in {self._path} is damaged: {error}"]
+        problems = [f"an LMDB entry has a {key_length}-byte key and a {value_length}-byte value "
+                    f"(expected 8 and {self.row_bytes})" for key_length, value_length in wrong[:3]]
+        if len(wrong) > 3:
+            problems.append(f"... {len(wrong)} malformed LMDB entries in all")
+        return problems
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,37 +1,27 @@
-"""The device cache's CUDA kernels (``cuda/*.cu``): compiled by NVRTC, cached, loaded, launched.
+"""The kernels on a GPU: compiled by NVRTC to a CUBIN, cached, loaded and launched through the
+CUDA driver API (cuda-python).
 
-NVRTC compiles a CUBIN for the device's own compute capability (PTX from a newer NVRTC does not
-JIT on an older driver). CUBINs are cached on disk under ``$TIERSTORE_KERNEL_CACHE`` (default
-``~/.cache/tierstore/kernels``), keyed by the source's SHA-256, the architecture and the NVRTC
-version. ``KernelModule`` loads one through the driver API into torch's context and launches
-kernels on torch's current stream with tensors' device pointers. Every CUDA result is checked;
-a failure raises ``CudaError`` naming the kernel (or file) and the call. Warnings fail the
-compile (``-Werror=all-warnings``), so a kernel that compiles here compiles clean.
+NVRTC compiles for the device's own compute capability (PTX from a newer NVRTC does not JIT on an
+older driver); the CUBIN is cached by ``build_cache`` under the sources' SHA-256, the architecture
+and the NVRTC version. ``CudaKernels`` loads it into torch's context and launches kernels on
+torch's current stream. Every CUDA result is checked; a failure raises ``CudaError`` naming the
+kernel (or file) and the call. Warnings fail the compile, so a kernel that compiles here
+compiles clean.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-from pathlib import Path
-
 import torch
 
-SOURCE = "embedding_cache.cu"
+from .build_cache import SOURCE, cached_build, source_dir
+from .launch import kernel_arguments
+
 THREADS_PER_BLOCK = 256
 NVRTC_OPTIONS = ("-std=c++17", "-Werror=all-warnings")
 
 
 class CudaError(RuntimeError):
     """A CUDA driver or NVRTC call failed."""
-
-
-def source_dir() -> Path:
-    """The kernel sources: bundled in the wheel as ``tierstore/_cuda``, or ``cuda/`` beside the
-    package in a source checkout (an editable install)."""
-    bundled = Path(__file__).parent / "_cuda"
-    return bundled if bundled.is_dir() else Path(__file__).parent.parent / "cuda"
 
 
 def _check(result, call: str, subject: str):
@@ -44,12 +34,13 @@ def _check(result, call: str, subject: str):
 
 def nvrtc_version() -> tuple[int, int]:
     from cuda.bindings import nvrtc
+
     return _check(nvrtc.nvrtcVersion(), "nvrtcVersion", "NVRTC")
 
 
 def compile_cubin(source_name: str = SOURCE, arch: str = "sm_90") -> bytes:
-    """CUBIN of ``cuda/<source_name>`` for ``arch`` (``"sm_80"``, ``"sm_90"``...). Raises
-    ``CudaError`` with NVRTC's log on any error or warning."""
+    """CUBIN of the kernel source ``source_name`` for ``arch`` (``"sm_80"``, ``"sm_90"``...).
+    Raises ``CudaError`` with NVRTC's log on any error or warning."""
     from cuda.bindings import nvrtc
 
     source = (source_dir() / source_name).read_bytes()
@@ -72,23 +63,13 @@ def compile_cubin(source_name: str = SOURCE, arch: str = "sm_90") -> bytes:
         nvrtc.nvrtcDestroyProgram(program)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TIERSTORE_KERNEL_CACHE", Path.home() / ".cache" / "tierstore" / "kernels"))
-
-
 def cached_cubin(source_name: str, arch: str) -> bytes:
-    """``compile_cubin`` through the disk cache (written atomically: a rename)."""
+    """``compile_cubin`` through the kernel cache."""
     major, minor = nvrtc_version()
-    digest = hashlib.sha256((source_dir() / source_name).read_bytes()).hexdigest()[:24]
-    path = cache_dir() / f"{Path(source_name).stem}-{digest}-{arch}-nvrtc{major}.{minor}.cubin"
-    if path.exists():
-        return path.read_bytes()
-    cubin = compile_cubin(source_name, arch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_bytes(cubin)
-    partial.replace(path)
-    return cubin
+    stem = f"{source_name.rsplit('.', 1)[0]}-{arch}-nvrtc{major}.{minor}"
+    source = (source_dir() / source_name).read_bytes()
+    path = cached_build(stem, [source], ".cubin", lambda partial: partial.write_bytes(compile_cubin(source_name, arch)))
+    return path.read_bytes()
 
 
 def device_arch(device: torch.device) -> str:
@@ -96,9 +77,9 @@ def device_arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-class KernelModule:
-    """``cuda/<source_name>`` loaded on one CUDA device; ``launch(name, n, *args)`` runs a kernel
-    over ``n`` items (grid-stride: the grid is capped, every kernel loops)."""
+class CudaKernels:
+    """The kernel source loaded on one CUDA device; ``launch(name, n, *args)`` runs a kernel over
+    ``n`` items (grid-stride: the grid is capped, every kernel loops)."""
 
     def __init__(self, device: torch.device, source_name: str = SOURCE) -> None:
         from cuda.bindings import driver
@@ -124,48 +105,32 @@ class KernelModule:
         return self._functions[name]
 
     def launch(self, name: str, n: int, *args) -> None:
-        """Run kernel ``name`` over ``n`` items with ``args``: tensors (passed as device pointers,
-        which must be on this device), ints (int64) and floats (float32)."""
+        """Run kernel ``name`` over ``n`` items with ``args`` (see ``launch.kernel_arguments``)."""
         if n <= 0:
             return
-        values, types = [], []
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                if arg.device != self.device or not arg.is_contiguous():
-                    raise CudaError(f"{name}: a tensor argument is on {arg.device} (contiguous: "
-                                    f"{arg.is_contiguous()}), not contiguous on {self.device}")
-                values.append(arg.data_ptr())
-                types.append(ctypes.c_void_p)
-            elif isinstance(arg, float):
-                values.append(arg)
-                types.append(ctypes.c_float)
-            else:
-                values.append(int(arg))
-                types.append(ctypes.c_int64)
+        arguments = kernel_arguments(name, args, self.device, CudaError)
         blocks = min(self._max_blocks, -(-n // THREADS_PER_BLOCK))
         stream = self._driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", name)
         _check(self._driver.cuLaunchKernel(self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream,
-                                           (tuple(values), tuple(types)), 0), "cuLaunchKernel", name)
+                                           arguments, 0), "cuLaunchKernel", name)
 
 
-_loaded: dict[torch.device, KernelModule] = {}
+_loaded: dict[torch.device, CudaKernels] = {}
 
 
-def device_kernels(device: torch.device, dtype: torch.dtype) -> tuple[KernelModule | None, str]:
+def device_kernels(device: torch.device) -> tuple[CudaKernels | None, str]:
     """``(the kernels loaded on device, "")``, or ``(None, why they cannot run there)``."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"the device is {device}, not a CUDA device"
-    if dtype != torch.float32:
-        return None, f"the kernels store float32 rows, not {dtype}"
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
     try:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device not in _loaded:
-            _loaded[device] = KernelModule(device)
+            _loaded[device] = CudaKernels(device)
     except (ImportError, RuntimeError, OSError) as error:  # no GPU or driver, no NVRTC, CudaError
         return None, f"{type(error).__name__}: {error}"
     return _loaded[device], ""

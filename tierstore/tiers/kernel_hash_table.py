@@ -1,17 +1,19 @@
-"""``HashIndex``'s contract (find / insert / remove / items) run by the ``cuda/`` kernels.
+"""``HashIndex``'s contract (find / insert / remove / items) run by the ``tierstore/kernels``.
 
 One thread per key, linear probing over a power-of-two table of int64 keys beside int32 values
 (cache slots: the ``cache_*`` kernels) or int64 values (row numbers: ``index_*``), in
-``cuda/embedding_cache.cu``. Inserts claim empty positions only, with a compare-and-swap;
+``embedding_cache.cu``. Inserts claim empty positions only, with a compare-and-swap;
 removed keys leave tombstones, which the table clears by rebuilding itself when live keys and
 tombstones together pass ``MAX_LOAD``, growing when live keys alone would.
-``kernels`` is a ``tierstore.kernels.KernelModule`` (GPU) or the tests' host build of the same
-sources; both expose ``launch(name, n, *args)``.
+``kernels`` is a ``CudaKernels`` (GPU) or ``HostKernels`` (CPU) build of the same source; both
+expose ``launch(name, n, *args)``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .hash_index import BatchedHashTable
 
 EMPTY = -1
 MAX_LOAD = 0.5
@@ -26,7 +28,7 @@ def positions_for(capacity: int) -> int:
     return 1 << max(4, (int(capacity / MAX_LOAD) - 1).bit_length())
 
 
-class KernelHashTable:
+class KernelHashTable(BatchedHashTable):
     """Batched map ``int64 key >= 0 -> value`` (``value_dtype`` int32 or int64) in ``device`` memory;
     keys passed to ``insert`` and ``remove`` must be distinct within the batch (``insert``: and absent).
     ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed."""
@@ -46,13 +48,6 @@ class KernelHashTable:
         self.values = torch.full((size,), -1, dtype=self.value_dtype, device=self.device)
         self.live = 0
         self.tombstones = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def __len__(self) -> int:
-        return self.live
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
@@ -93,13 +88,3 @@ class KernelHashTable:
         self.live -= removed
         self.tombstones += removed
         return former.to(torch.int64)
-
-    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All live ``(keys, values)`` (values as int64), in table order."""
-        live = self.keys >= 0
-        return self.keys[live], self.values[live].to(torch.int64)
-
-    def _rebuild(self, size: int) -> None:
-        keys, values = self.items()
-        self._allocate(size)
-        self._place(keys, values.to(self.value_dtype))

@@ -4,8 +4,8 @@ Both stream in chunks (memory bounded by the chunk size, whatever the table's si
 progress bar. An import is atomic: it builds the store in a hidden directory beside the target,
 writes the store's metadata last and renames the directory into place; an import killed at any
 moment leaves no directory at the target, and the hidden one has no metadata, so it never opens as
-a store. The mmap backend writes the rows once (``MmapColdStore.append_new``); LMDB commits a
-transaction per chunk.
+a store. Rows go in through the cold store's ``bulk_load`` (the mmap backend writes them once,
+straight into their file; LMDB commits a transaction per chunk).
 """
 
 from __future__ import annotations
@@ -17,22 +17,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import optim
-from .cold import LmdbColdStore, MmapColdStore
-from .host_kernels import host_kernels
-from .metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
-from .store import TieredStore
+from .. import optim
+from ..kernels import host_kernels
+from ..metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
+from ..store import TieredStore
+from ..tiers.cold import open_cold_store
 from .table_files import TableFileError, TableSource, TableWriter
 
 CHUNK_ROWS = 1 << 16
-OPTIMIZERS = {"none": None, "sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise-adagrad": optim.RowWiseAdagrad,
-              "adam": optim.Adam}
+OPTIMIZER_CHOICES = ("none", *optim.OPTIMIZERS)
 
 
 def state_width(optimizer: str, dim: int) -> int:
-    """Optimizer-state values per row for ``optimizer`` (a key of ``OPTIMIZERS``)."""
-    kind = OPTIMIZERS[optimizer]
-    return 0 if kind is None else kind().state_width(dim)
+    """Optimizer-state values per row for ``optimizer`` (one of ``OPTIMIZER_CHOICES``)."""
+    return 0 if optimizer == "none" else optim.OPTIMIZERS[optimizer]().state_width(dim)
 
 
 def import_table(source: TableSource, store_path: Path, backend: str = "mmap", optimizer: str = "none",
@@ -49,8 +47,8 @@ def import_table(source: TableSource, store_path: Path, backend: str = "mmap", o
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     try:
-        cold = (MmapColdStore(building, metadata.row_width, dtype, index_kernels=host_kernels()[0]) if backend == "mmap"
-                else LmdbColdStore(building, metadata.row_width, dtype))
+        cold = open_cold_store(backend, building, metadata.row_width, dtype, read_only=False,
+                               index_kernels=host_kernels()[0])
         with tqdm(total=len(source), unit="rows", unit_scale=True, desc=f"importing {source.path.name}",
                   disable=not progress) as bar:
             for ids, rows in source.chunks(chunk_rows):
@@ -58,11 +56,7 @@ def import_table(source: TableSource, store_path: Path, backend: str = "mmap", o
                 if metadata.optimizer_state_width:
                     stored = torch.zeros(rows.shape[0], metadata.row_width, dtype=dtype)
                     stored[:, :dim] = rows
-                if backend == "mmap":
-                    cold.append_new(ids, stored)
-                else:
-                    cold.put(ids, stored)
-                    cold.flush()  # bounded memory; the store is not visible until the rename
+                cold.bulk_load(ids, stored)  # the store is not visible until the rename
                 bar.update(rows.shape[0])
         cold.flush()
         cold.close()
@@ -122,4 +116,4 @@ def _runs(sorted_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-__all__ = ["import_table", "export_table", "TableFileError", "OPTIMIZERS", "state_width"]
+__all__ = ["import_table", "export_table", "TableFileError", "OPTIMIZER_CHOICES", "state_width"]

@@ -3,7 +3,7 @@
 For each size: our store (LFU with ageing, batched: a batch's distinct ids are made resident
 together) with throughput and per-batch latency; per tier hits, rows and bytes moved, evictions;
 and the hit rates of LRU, FIFO and Belady's MIN caches of the same size on the same trace,
-replayed one access at a time (``cache_policies``). MIN is the ceiling for any cache of that
+replayed one access at a time (``reference_policies``). MIN is the ceiling for any cache of that
 size, so the gap to it is the headroom.
 
 A hit rate is 1 - misses / lookups, a miss being a row brought into the cache: one access at a
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .budget import parse_bytes
-from .cache_policies import policy_hits
-from .store import TieredStore
+from ..budget import parse_bytes
+from ..store import TieredStore
+from .reference_policies import policy_hits
 from .traces import Trace
 
 REFERENCE_POLICIES = ("lru", "fifo", "belady")

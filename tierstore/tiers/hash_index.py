@@ -39,7 +39,42 @@ def index_nbytes(capacity: int, value_dtype: torch.dtype) -> int:
     return buckets_for(capacity) * BUCKET_SLOTS * (8 + value_size)
 
 
-class HashIndex:
+class BatchedHashTable:
+    """What both batched hash tables (``HashIndex`` in torch ops, ``KernelHashTable`` on the kernels)
+    share: keys (int64, ``EMPTY`` or ``TOMBSTONE`` where free) beside values, counts, enumeration
+    and rebuilding. A subclass allocates its arrays (``_allocate``) and places keys (``_place``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    live: int
+    tombstones: int
+
+    def _allocate(self, size: int) -> None:
+        raise NotImplementedError
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def __len__(self) -> int:
+        return self.live
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All live ``(keys, values)`` (values as int64), in table order."""
+        live = self.keys >= 0
+        return self.keys[live], self.values[live].to(torch.int64)
+
+    def _rebuild(self, size: int) -> None:
+        """Re-place every live key in a fresh table of ``size`` (clears tombstones)."""
+        keys, values = self.items()
+        self._allocate(size)
+        self._place(keys, values.to(self.value_dtype))
+
+
+class HashIndex(BatchedHashTable):
     """Batched map ``int64 key >= 0 -> value`` on ``device``.
 
     ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed.
@@ -69,13 +104,6 @@ class HashIndex:
     def slots(self) -> int:
         return self.keys.numel()
 
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def __len__(self) -> int:
-        return self.live
-
     def _home(self, keys: torch.Tensor) -> torch.Tensor:
         """Home bucket of each key: the top 32 bits of a Fibonacci hash scaled to ``[0, buckets)``
         by a multiply and shift (no division). In-place steps: one allocation per call."""
@@ -86,8 +114,8 @@ class HashIndex:
         return mixed.__irshift__(32)
 
     def _probe_scratch(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reused ``[count, BUCKET_SLOTS]`` buffers for a probe round's bucket rows and matches:
-        allocating 4 MiB afresh per 64K-key batch costs as much as probing it (page faults)."""
+        """Reused ``[count, BUCKET_SLOTS]`` buffers for a probe round's bucket rows and matches
+        (allocating them afresh per batch costs page faults on the CPU)."""
         if self._scratch_rows.shape[0] < count:
             self._scratch_rows = torch.empty(count, BUCKET_SLOTS, dtype=torch.int64, device=self.device)
             self._scratch_marks = torch.empty(count, BUCKET_SLOTS, dtype=torch.bool, device=self.device)
@@ -199,16 +227,6 @@ class HashIndex:
         self.live -= removed
         self.tombstones += removed - int(never_full.sum())
         return old
-
-    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All live ``(keys, values)`` (values as int64), in table order."""
-        live = self.keys >= 0
-        return self.keys[live], self.values[live].to(torch.int64)
-
-    def _rebuild(self, buckets: int) -> None:
-        keys, values = self.items()
-        self._allocate(buckets)
-        self._place(keys, values.to(self.value_dtype))
 
 
 def _rank_within_groups(groups: torch.Tensor) -> torch.Tensor:

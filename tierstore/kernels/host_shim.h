@@ -1,6 +1,8 @@
-// Test-only: lets cuda/*.cu compile as plain C++ (g++) so CI without a GPU runs the kernels' logic.
-// One thread runs each kernel's whole grid-stride loop (blockIdx 0, threadIdx 0, blockDim and
-// gridDim 1); atomics map to the compiler's builtins. Kernels are called directly through ctypes.
+// Lets embedding_cache.cu compile as plain C++ (g++): the CPU build that the host cache tier and the
+// mmap store's key indexes run on (with OpenMP), and the one-thread build the tests check against
+// the torch reference. Without OpenMP one thread runs each kernel's whole grid-stride loop
+// (blockIdx 0, threadIdx 0, blockDim and gridDim 1); atomics map to the compiler's builtins.
+// Kernels are called directly through ctypes (tierstore/kernels/host.py).
 #pragma once
 #include <cmath>
 #include <cstdint>

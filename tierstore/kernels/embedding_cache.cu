@@ -1,16 +1,19 @@
-// The device cache tier's kernels: an open-addressing hash table over int64 ids in device memory
-// (linear probing, one thread per key), LFU scores, row gather/scatter and the fused optimizers.
+// The cache tiers' kernels: an open-addressing hash table over int64 ids (linear probing, one
+// thread per key), LFU scores, row gather/scatter, the fused optimizers and the pooled lookup's
+// weight gradient.
 //
-// Layout (see tierstore/kernel_hash_table.py): `table_keys [capacity]` int64 (EMPTY_KEY, TOMBSTONE_KEY
-// or an id) beside `table_values [capacity]` (the id's row slot, int32, or row number, int64); `capacity` is a power of two
-// and `mask = capacity - 1`. Rows live in `rows [slots, row_width]` float32, a row being
-// `[weights (dim) | optimizer state]`; LFU scores in `scores [slots]` float32, one per row slot.
+// Layout (see tierstore/tiers/kernel_hash_table.py): `table_keys [capacity]` int64 (EMPTY_KEY,
+// TOMBSTONE_KEY or an id) beside `table_values [capacity]` (the id's row slot, int32, or row
+// number, int64); `capacity` is a power of two and `mask = capacity - 1`. Rows live in
+// `rows [slots, row_width]` float32, a row being `[weights (dim) | optimizer state]`; LFU scores in
+// `scores [slots]` float32, one per row slot.
 //
 // Every kernel is a grid-stride loop over its n items (rows or elements), so any grid covers any n.
-// With cuda/host_shim.h the same source compiles as C++: with TIERSTORE_OPENMP as the host tier's
-// parallel CPU kernels (rows split over threads), without it as one thread running the GPU's loops
-// (the tests' build). Loop bodies use `continue`, never `return`, for that reason. Compiled by NVRTC for the device's own architecture
-// (tierstore/kernels.py); every kernel is extern "C" so its name is stable.
+// With host_shim.h the same source compiles as C++ (tierstore/kernels/host.py): with
+// TIERSTORE_OPENMP as the host tier's parallel CPU kernels (rows split over threads), without it as
+// one thread running the GPU's loops (the tests' build). Loop bodies use `continue`, never
+// `return`, for that reason. NVRTC compiles it for the GPU's own architecture
+// (tierstore/kernels/cuda.py); every kernel is extern "C" so its name is stable.
 
 #ifdef TIERSTORE_HOST_SHIM
 #include "host_shim.h"
@@ -26,7 +29,7 @@ typedef unsigned long long u64;
 #define TABLE_FULL 2
 
 #ifdef TIERSTORE_OPENMP
-// CPU threads (tierstore/host_kernels.py): items split over OpenMP threads, rows copied row by row.
+// CPU threads (tierstore/kernels/host.py): items split over OpenMP threads, rows copied row by row.
 #define GRID_STRIDE_LOOP(i, n) _Pragma("omp parallel for schedule(static)") for (i64 i = 0; i < (n); ++i)
 #define FOR_EACH_ROW_ELEMENT(i, c, n, columns) GRID_STRIDE_LOOP(i, n) for (i64 c = 0; c < (columns); ++c)
 #else
@@ -140,7 +143,7 @@ __device__ __forceinline__ void table_erase(i64* __restrict__ table_keys, const 
 HASH_TABLE_KERNELS(cache, int)
 HASH_TABLE_KERNELS(index, i64)
 
-// LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see row_cache.py).
+// LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see tiers/policies.py).
 extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __restrict__ slots,
                                        const float* __restrict__ weights, i64 n) {
     GRID_STRIDE_LOOP(i, n) {

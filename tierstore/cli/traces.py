@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .workloads import ZipfIds
+from ..workloads import ZipfIds
 
 CRITEO_CATEGORICAL = range(14, 40)  # label, I1-I13, then C1-C26
 DEFAULT_LENGTH = 1_000_000

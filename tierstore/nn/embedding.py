@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import TierConfig
+from ..optim import SGD, SparseOptimizer
+from ..store import TieredStore
+from ..validation import check_bag_input, check_lookup_ids
 from . import pooled_lookup
-from .budget import Budget
-from .kernel_row_cache import KernelRowCache
-from .optim import SGD, SparseOptimizer
-from .store import TieredStore
-from .validation import check_bag_input, check_lookup_ids
 
 _MISSING = ("init", "zero", "error")
 _STATE_FORMAT = "tierstore-table/1"
@@ -32,9 +31,9 @@ class _TieredTable(nn.Module):
     """What both modules share: the store, the optimizer, local weights and the update hook."""
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
-                 path: str | Path | None, backend: str | None, host_cache: Budget, device_cache: Budget,
-                 seed: int, optimizer: SparseOptimizer | None, missing: str, dtype: torch.dtype | None,
-                 device: torch.device | str | None, device_cache_backend: str, host_cache_backend: str) -> None:
+                 path: str | Path | None, backend: str | None, seed: int, optimizer: SparseOptimizer | None,
+                 missing: str, dtype: torch.dtype | None, device: torch.device | str | None,
+                 tiers: TierConfig | None, tier_settings: dict) -> None:
         super().__init__()
         if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0):
             raise ValueError(f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}")
@@ -51,10 +50,9 @@ class _TieredTable(nn.Module):
         self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
         self.missing = missing
         device = torch.device(device if device is not None else "cpu")
-        self.store = TieredStore(path, dim=embedding_dim, dtype=dtype or torch.float32, backend=backend,
-                                 host_cache=host_cache, device_cache=device_cache, device=device,
+        self.store = TieredStore(path, dim=embedding_dim, dtype=dtype or torch.float32, backend=backend, device=device,
                                  optimizer_state_width=self.optimizer.state_width(embedding_dim), seed=seed,
-                                 device_cache_backend=device_cache_backend, host_cache_backend=host_cache_backend)
+                                 tiers=tiers, **tier_settings)
         self.step = 0
         # An empty buffer that follows .to(device): where outputs go.
         self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
@@ -94,10 +92,7 @@ class _TieredTable(nn.Module):
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
         (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""
-        top = self.store.caches[0]
-        if not weight.requires_grad or not isinstance(top, KernelRowCache) or top.device != weight.device:
-            return None
-        return top.kernels
+        return self.store.gradient_kernels(weight.device) if weight.requires_grad else None
 
     def _rows_without_growing(self, unique: torch.Tensor) -> torch.Tensor:
         """Eval / ``no_grad`` rows of ``unique``: ids the table has never seen do not join it and
@@ -139,7 +134,7 @@ class _TieredTable(nn.Module):
         if not self.store.read_only:
             self.store.flush()
         return {"format": _STATE_FORMAT, "path": str(self.store.path.resolve()), "dim": self.embedding_dim,
-                "dtype": str(self.store.dtype), "optimizer": type(self.optimizer).__name__,
+                "dtype": str(self.store.dtype), "optimizer": self.optimizer.name,
                 "optimizer_state_width": self.store.metadata.optimizer_state_width, "step": self.step}
 
     def set_extra_state(self, state: Any) -> None:
@@ -169,8 +164,10 @@ class TieredEmbeddingBag(_TieredTable):
     int bounds ids), ``embedding_dim``, ``mode`` ("sum", "mean", "max"), ``padding_idx``,
     ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device).
     ``max_norm``, ``scale_grad_by_freq`` are not supported; ``sparse`` is accepted and ignored
-    (updates are always sparse). Store args: ``path`` (``None``: a temporary store), ``backend``,
-    ``host_cache``, ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``seed``; ``optimizer`` (default ``optim.SGD(lr=0.01)``),
+    (updates are always sparse). Store args: ``path`` (``None``: a temporary store), ``backend``
+    (the cold store: "lmdb" or "mmap"), ``seed``; the cache tiers' settings as ``tiers=TierConfig(...)``
+    or its fields as keywords (``host_cache``, ``device_cache``, ``host_cache_backend``,
+    ``device_cache_backend``, ``half_life``); ``optimizer`` (default ``optim.SGD(lr=0.01)``),
     applied during ``backward``; ``missing``: what eval / ``no_grad`` lookups of ids the table
     has never seen give — "init" (their initial row), "zero" or "error" (``KeyError``); they
     never join the table then.
@@ -181,16 +178,15 @@ class TieredEmbeddingBag(_TieredTable):
     def __init__(self, num_embeddings: int | None, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
                  sparse: bool = False, include_last_offset: bool = False, padding_idx: int | None = None,
-                 *, path: str | Path | None = None, backend: str | None = None, host_cache: Budget = "256MiB",
-                 device_cache: Budget = None, seed: int = 0, optimizer: SparseOptimizer | None = None,
-                 missing: str = "init", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, device_cache_backend: str = "auto",
-                 host_cache_backend: str = "auto") -> None:
+                 *, path: str | Path | None = None, backend: str | None = None, seed: int = 0,
+                 optimizer: SparseOptimizer | None = None, missing: str = "init", dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, tiers: TierConfig | None = None,
+                 **tier_settings) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
-                         seed, optimizer, missing, dtype, device, device_cache_backend, host_cache_backend)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, seed, optimizer, missing, dtype,
+                         device, tiers, tier_settings)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -217,13 +213,12 @@ class TieredEmbedding(_TieredTable):
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, *, path: str | Path | None = None, backend: str | None = None,
-                 host_cache: Budget = "256MiB", device_cache: Budget = None, seed: int = 0,
-                 optimizer: SparseOptimizer | None = None, missing: str = "init",
+                 seed: int = 0, optimizer: SparseOptimizer | None = None, missing: str = "init",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 device_cache_backend: str = "auto", host_cache_backend: str = "auto") -> None:
+                 tiers: TierConfig | None = None, **tier_settings) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
-        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, host_cache, device_cache,
-                         seed, optimizer, missing, dtype, device, device_cache_backend, host_cache_backend)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, seed, optimizer, missing, dtype,
+                         device, tiers, tier_settings)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         input = check_lookup_ids(input, self.num_embeddings, "input")

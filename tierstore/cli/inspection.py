@@ -1,0 +1,67 @@
+"""What a store directory holds (``inspect``) and whether it is sound (``verify``), read-only,
+through the store's public API."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import optim
+from ..errors import StoreFormatError
+from ..metadata import read_metadata
+from ..store import TieredStore
+
+
+def optimizer_name(state_width: int, dim: int) -> str:
+    """The optimizers whose state is ``state_width`` values per row of ``dim`` weights."""
+    names = optim.with_state_width(state_width, dim)
+    return " or ".join(names) if names else f"unknown ({state_width} state values per row)"
+
+
+def inspect_store(path: Path) -> dict:
+    """The store's layout, size and last flush: a dict of plain values (for tables and JSON)."""
+    path = Path(path)
+    metadata = read_metadata(path)
+    with TieredStore(path, read_only=True, host_cache=1) as store:
+        rows = len(store)
+        flushed = store.last_flush_time()
+    size = sum(file.stat().st_blocks * 512 for file in path.rglob("*") if file.is_file())  # allocated, not holes
+    last_flush = (datetime.datetime.fromtimestamp(flushed, datetime.timezone.utc).isoformat(timespec="seconds")
+                  if flushed is not None else None)
+    return {"path": str(path), "format_version": metadata.format_version, "backend": metadata.backend,
+            "rows": rows, "dim": metadata.dim, "dtype": metadata.dtype,
+            "optimizer": optimizer_name(metadata.optimizer_state_width, metadata.dim),
+            "optimizer_state_width": metadata.optimizer_state_width, "seed": metadata.seed,
+            "row_bytes": metadata.row_bytes, "size_on_disk_bytes": size,
+            "disk_bytes_per_row": size / rows if rows else None, "last_flush_utc": last_flush}
+
+
+def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool = True) -> list[str]:
+    """Problems found in the store at ``path`` (empty: sound). Checks the metadata, the cold store's
+    structure (``structure_problems``; the mmap backend checks its row count, key file and
+    write-ahead log as it opens), then decodes every row and checks that its values are finite."""
+    path = Path(path)
+    try:
+        read_metadata(path)
+        store = TieredStore(path, read_only=True, host_cache=1)
+    except (StoreFormatError, OSError) as error:
+        return [f"cannot open the store: {error}"]
+    with store:
+        problems = store.structure_problems()
+        if problems:
+            return problems
+        expected = len(store)
+        seen = 0
+        with tqdm(total=expected, unit="rows", unit_scale=True, desc="verifying", disable=not progress) as bar:
+            for ids, rows in store.iter_rows(chunk_rows, with_state=True):
+                bad = ~torch.isfinite(rows).all(dim=1)
+                if bool(bad.any()):
+                    problems.append(f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})")
+                seen += ids.numel()
+                bar.update(ids.numel())
+        if seen != expected:
+            problems.append(f"the store counts {expected} rows but {seen} were read")
+    return problems

@@ -1,0 +1,41 @@
+"""Settings of the cache tiers, as one small frozen dataclass shared by ``TieredStore`` and the
+modules (a store's row layout is ``metadata.StoreMetadata``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .budget import Budget
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """Budgets and backends of the cache tiers.
+
+    host_cache, device_cache: bytes (``"64MiB"``), a share of the tier's memory (``"10%"``: of RAM
+        for the host tier, of the GPU's memory for the device tier) or a row count; ``0``/``None``
+        leaves the tier out. At least one cache tier is needed.
+    host_cache_backend: "openmp" (the kernels compiled for the CPU), "torch" (torch ops), "auto" (the
+        kernels where g++ builds them), or a backend value (``tierstore.tiers.backends``). The mmap
+        cold store's key indexes follow it (kernel hash tables unless "torch").
+    device_cache_backend: "cuda" (the kernels on the GPU: a CUDA device, cuda-python, NVRTC,
+        float32), "torch", "auto" (the kernels where they can run), or a backend value.
+    half_life: LFU ageing, in accesses per tier (default: 4x the tier's capacity).
+    """
+
+    host_cache: Budget = "256MiB"
+    device_cache: Budget = None
+    host_cache_backend: object = "auto"
+    device_cache_backend: object = "auto"
+    half_life: float | None = None
+
+    @classmethod
+    def from_settings(cls, config: "TierConfig | None", settings: dict) -> "TierConfig":
+        """``config`` (default ``TierConfig()``) with ``settings`` (keyword arguments of its fields)
+        replaced; raises ``TypeError`` naming an unknown keyword and the known ones."""
+        fields = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the cache tiers' "
+                            f"settings are {', '.join(fields)}")
+        return dataclasses.replace(config or cls(), **settings)

@@ -1,0 +1,41 @@
+"""One on-disk cache for compiled kernels (CUBINs from NVRTC, shared libraries from g++).
+
+Artifacts live under ``$TIERSTORE_KERNEL_CACHE`` (default ``~/.cache/tierstore/kernels``), named
+by what they were built from (a SHA-256 of the sources and every setting that changes the
+output), and are written atomically (a rename), so concurrent processes never read half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable
+
+SOURCE = "embedding_cache.cu"
+SHIM = "host_shim.h"
+
+
+def source_dir() -> Path:
+    """The directory holding the kernel sources (inside the package)."""
+    return Path(__file__).parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIERSTORE_KERNEL_CACHE", Path.home() / ".cache" / "tierstore" / "kernels"))
+
+
+def cached_build(stem: str, inputs: list[bytes], suffix: str, build: Callable[[Path], None]) -> Path:
+    """The artifact ``cache_dir()/<stem>-<digest of inputs><suffix>``, made by ``build(partial_path)``
+    (which writes the file) the first time it is asked for."""
+    digest = hashlib.sha256()
+    for part in inputs:
+        digest.update(part)
+    path = cache_dir() / f"{stem}-{digest.hexdigest()[:24]}{suffix}"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    build(partial)
+    partial.replace(path)
+    return path

@@ -1,0 +1,81 @@
+"""The kernels compiled for the CPU (g++ with ``host_shim.h``), called through ctypes.
+
+``parallel=True`` is the build the host tier and the mmap store's key indexes run on in
+production (``host_cache_backend="openmp"``/``"auto"``): OpenMP threads, one row per iteration,
+tuned for this CPU (``-march=native``, 256-bit vectors, which ran the gradient sum faster than
+512-bit ones on AMD EPYC). ``parallel=False`` builds one thread running the GPU's own grid-stride
+loops, which the tests check against the torch reference where there is no GPU. Libraries are
+cached by ``build_cache`` under the sources' SHA-256, the flags, the compiler's version and (for
+the tuned build) the CPU's model and instruction sets; a warning fails the build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .build_cache import SHIM, SOURCE, cached_build, source_dir
+from .launch import kernel_arguments
+
+_FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror",
+          "-DTIERSTORE_HOST_SHIM"]
+_PARALLEL_FLAGS = ["-fopenmp", "-DTIERSTORE_OPENMP", "-Wno-unknown-pragmas", "-march=native",
+                   "-mprefer-vector-width=256"]
+_CPU = torch.device("cpu")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(wanted[:2])
+
+
+class HostKernels:
+    """One host build behind the GPU build's ``launch(name, n, *args)`` (CPU tensors; ``n`` sizes
+    GPU grids and is unused here: each kernel loops over all its items)."""
+
+    def __init__(self, library: Path) -> None:
+        self._library = ctypes.CDLL(str(library))
+
+    def launch(self, name: str, n: int, *args) -> None:
+        if n <= 0:
+            return
+        values, types = kernel_arguments(name, args, _CPU)
+        getattr(self._library, name)(*(kind(value) for value, kind in zip(values, types)))
+
+
+def build(parallel: bool, source_name: str = SOURCE) -> Path:
+    """Compile the kernel source for the host into the kernel cache (once per source, flags,
+    compiler and, for the tuned build, CPU); returns the library's path."""
+    flags = _FLAGS + (_PARALLEL_FLAGS if parallel else [])
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    inputs = [(source_dir() / name).read_bytes() for name in (source_name, SHIM)]
+    inputs.append(" ".join(flags + [compiler]).encode())
+    if parallel:
+        inputs.append(_cpu_identity().encode())
+
+    def compile_library(partial: Path) -> None:
+        command = ["g++", *flags, f"-I{source_dir()}", "-x", "c++", str(source_dir() / source_name), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"host build of {source_name} failed:\n{result.stderr}")
+
+    return cached_build(f"{source_name.rsplit('.', 1)[0]}-host", inputs, ".so", compile_library)
+
+
+@functools.cache
+def host_kernels(parallel: bool = True) -> tuple[HostKernels | None, str]:
+    """``(the host build, "")``, or ``(None, why it cannot be built here)``."""
+    try:
+        return HostKernels(build(parallel)), ""
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        return None, f"{type(error).__name__}: {error}"

@@ -1,0 +1,141 @@
+"""Backends of a cache tier: the bulk row operations a ``RowCache`` runs, as values.
+
+``TorchRows`` runs them in torch ops on any device (the reference); ``KernelRows`` on the
+``tierstore/kernels`` sources, compiled for the GPU (``"cuda"``) or for the CPU with OpenMP
+(``"openmp"``). ``resolve`` is the one place that turns a tier's requested backend ("auto", a
+name, or a backend value) into one. A new backend is a class with these methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import device_kernels, host_kernels
+from .hash_index import HashIndex, index_nbytes
+from .kernel_hash_table import KernelHashTable, positions_for
+
+DEVICE_BACKENDS = ("auto", "cuda", "torch")
+HOST_BACKENDS = ("auto", "openmp", "torch")
+
+
+class TorchRows:
+    """Row operations in torch ops on any device; the index is a ``HashIndex``."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._update_buffers: dict[torch.device, torch.Tensor] = {}
+
+    def make_index(self, capacity: int, device: torch.device) -> HashIndex:
+        return HashIndex(capacity, device, value_dtype=torch.int32)
+
+    def index_nbytes(self, capacity: int) -> int:
+        return index_nbytes(capacity, torch.int32)
+
+    def gather(self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``[N, columns]``: the first ``columns`` of ``rows [R, width]`` at ``slots`` (into ``out``)."""
+        if out is None:
+            return rows[:, :columns].index_select(0, slots)
+        return torch.index_select(rows[:, :columns], 0, slots, out=out)
+
+    def scatter(self, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, columns: int) -> None:
+        """The first ``columns`` of ``rows`` at ``slots`` (distinct) = ``values [N, columns]``."""
+        rows[:, :columns].index_copy_(0, slots, values.to(rows.device, rows.dtype))
+
+    def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
+        scores.index_add_(0, slots, weights)
+
+    def victim_scores(self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """``scores``, +inf at free slots (key -1) and ``blocked`` ones (uint8 [capacity])."""
+        return scores.masked_fill((slot_keys < 0) | blocked.bool(), float("inf"))
+
+    def optimizer_step(self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor,
+                       step: int) -> None:
+        """``optimizer``'s update of ``rows`` at ``slots`` (distinct) with ``grad [N, dim]``, in place."""
+        buffer = self._update_buffers.get(rows.device)
+        if buffer is None or buffer.shape[0] < slots.numel() or buffer.shape[1] != rows.shape[1]:
+            buffer = self._update_buffers[rows.device] = rows.new_empty(slots.numel(), rows.shape[1])
+        optimizer.update(rows, slots, grad.to(rows.device, rows.dtype), step, buffer)
+
+
+class KernelRows:
+    """Row operations as ``kernels.launch`` calls (a ``CudaKernels`` or ``HostKernels`` build);
+    float32 rows; the index is a ``KernelHashTable``. ``name`` is the backend's name in stats."""
+
+    def __init__(self, kernels, name: str) -> None:
+        self.kernels = kernels
+        self.name = name
+
+    def make_index(self, capacity: int, device: torch.device) -> KernelHashTable:
+        return KernelHashTable(capacity, self.kernels, device)
+
+    def index_nbytes(self, capacity: int) -> int:
+        return positions_for(capacity) * (8 + 4)
+
+    def gather(self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
+        width = rows.shape[1]
+        if out is None:
+            out = torch.empty(slots.numel(), columns, dtype=rows.dtype, device=rows.device)
+        vectorised = width % 4 == 0 and columns % 4 == 0 and out.data_ptr() % 16 == 0 and rows.data_ptr() % 16 == 0
+        if vectorised:
+            self.kernels.launch("cache_gather_vec4", slots.numel() * columns // 4, rows, width, _int32(slots),
+                                slots.numel(), columns, out)
+        else:
+            self.kernels.launch("cache_gather", slots.numel() * columns, rows, width, _int32(slots), slots.numel(),
+                                columns, out)
+        return out
+
+    def scatter(self, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, columns: int) -> None:
+        self.kernels.launch("cache_scatter", slots.numel() * columns, rows, rows.shape[1], _int32(slots),
+                            values.to(rows.device, rows.dtype).contiguous(), slots.numel(), columns)
+
+    def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
+        self.kernels.launch("cache_touch", slots.numel(), scores, _int32(slots), weights.contiguous(), slots.numel())
+
+    def victim_scores(self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        candidates = torch.empty_like(scores)
+        self.kernels.launch("cache_victim_scores", scores.numel(), scores, slot_keys, blocked, float("inf"),
+                            scores.numel(), candidates)
+        return candidates
+
+    def optimizer_step(self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor,
+                       step: int) -> None:
+        name, arguments, per_row = optimizer.kernel(step)
+        dim = grad.shape[1]
+        grad = grad.to(rows.device, rows.dtype).contiguous()
+        self.kernels.launch(name, slots.numel() if per_row else slots.numel() * dim, rows, rows.shape[1],
+                            _int32(slots), grad, slots.numel(), dim, *arguments)
+
+
+def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
+    """The backend of the ``tier`` ("device" or "host") for rows of ``dtype`` on ``device``.
+
+    ``requested``: a backend value (used as given), "torch", the tier's kernels ("cuda" for the
+    device tier, "openmp" for the host tier: raises ``ValueError`` saying why when they cannot run
+    here) or "auto" (the kernels where they run, else torch)."""
+    if not isinstance(requested, str):
+        return requested
+    names = DEVICE_BACKENDS if tier == "device" else HOST_BACKENDS
+    if requested not in names:
+        auto, kernel, torch_ops = names
+        raise ValueError(f"{tier}_cache_backend must be {auto!r}, {kernel!r} or {torch_ops!r} (or a backend value), "
+                         f"got {requested!r}")
+    if requested == "torch":
+        return TorchRows()
+    kernel_name = names[1]
+    if dtype != torch.float32:
+        kernels, why_not = None, f"the kernels store float32 rows, not {dtype}"
+    elif tier == "device":
+        kernels, why_not = device_kernels(device)
+    else:
+        kernels, why_not = host_kernels()
+    if kernels is None:
+        if requested == kernel_name:
+            raise ValueError(f"{tier}_cache_backend={kernel_name!r} cannot run here ({why_not}); "
+                             f"use 'auto' or 'torch'")
+        return TorchRows()
+    return KernelRows(kernels, kernel_name)
+
+
+def _int32(slots: torch.Tensor) -> torch.Tensor:
+    return slots.to(torch.int32).contiguous()

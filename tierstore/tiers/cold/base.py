@@ -1,0 +1,102 @@
+"""The cold tier's contract: what every cold-store backend keeps.
+
+Writes are staged: ``put`` makes rows visible to this process's ``get`` at once, and ``flush``
+makes every staged row durable in one atomic step. After a crash or kill at any moment, reopening
+yields exactly the state of the last completed ``flush`` (staged rows are discarded).
+Keys in one call must be distinct non-negative int64 ids (the tiers above guarantee this).
+A backend implements ``_get``/``_put`` and the abstract methods; the base counts the tier's stats.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+
+from ...errors import ReadOnlyStoreError
+from ..contract import ColdStats
+
+
+class ColdStore(ABC):
+    """Durable map ``int64 id -> row [row_width]`` of ``dtype``, read and written in batches."""
+
+    def __init__(self, row_width: int, dtype: torch.dtype, read_only: bool) -> None:
+        self.row_width = row_width
+        self.dtype = dtype
+        self.row_bytes = row_width * dtype.itemsize
+        self.read_only = read_only
+        self.stats = ColdStats()
+
+    def get(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``keys`` (int64 [N], distinct) -> ``(rows [N, row_width], found bool [N])``,
+        counting ``counts [N]`` lookups of each (default one). Rows of keys not found are
+        unspecified (the caller initialises them)."""
+        rows, found = self._get(keys)
+        self.stats.rows_read += keys.numel()
+        hits = int(found.sum()) if counts is None else int(counts[found].sum())
+        self.stats.hits += hits
+        self.stats.initialized += (keys.numel() if counts is None else int(counts.sum())) - hits
+        return rows, found
+
+    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stage ``rows [N, row_width]`` for ``keys`` (distinct); durable after ``flush``."""
+        self._check_writable()
+        if keys.numel() == 0:
+            return
+        self._put(keys, rows)
+        self.stats.rows_written += keys.numel()
+
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool [N]: which ``keys`` (distinct) the store holds. Counts nothing."""
+        return self._get(keys)[1]
+
+    def bulk_load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add rows of ``keys`` (distinct, none held yet) in bulk, as an import does: at least as
+        durable as ``put`` (a backend may write them straight to their place; ``flush`` commits)."""
+        self.put(keys, rows)
+        self.flush()  # bounded staging memory
+
+    def structure_problems(self) -> list[str]:
+        """What is malformed in the committed data (empty: sound), found without decoding rows.
+        Backends whose opening already checks their structure find nothing more here."""
+        return []
+
+    def report(self) -> dict:
+        """``stats`` with bytes read and written, as plain values."""
+        counters = dict(vars(self.stats))
+        counters.update(bytes_read=self.stats.rows_read * self.row_bytes,
+                        bytes_written=self.stats.rows_written * self.row_bytes)
+        return counters
+
+    @abstractmethod
+    def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``get`` without counting."""
+
+    @abstractmethod
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """``put`` of a non-empty batch on a writable store, without counting."""
+
+    @abstractmethod
+    def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every ``(keys [n], rows [n, row_width])`` the store holds (staged rows included)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Distinct keys held, staged ones included."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Make every staged row durable, atomically."""
+
+    @abstractmethod
+    def last_flush_time(self) -> float | None:
+        """When the last flush committed (seconds since the epoch), None if never."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release files; staged rows not flushed are discarded."""
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError("this store was opened with read_only=True; reopen it writable to change it")

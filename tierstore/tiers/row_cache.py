@@ -1,0 +1,187 @@
+"""``RowCache``: one cache tier (host or device), the only implementation of ``CacheTier``.
+
+``capacity`` row slots on a torch device, found through the backend's hash index. Rows carry two
+flags: ``dirty`` (newer than the tier below) and ``fresh`` (never written to the cold store; its
+key is counted by nobody else). What differs between tiers is a value, not a subclass: the
+``backend`` (``tiers.backends``: torch ops, or the kernels on the GPU or the CPU) runs the bulk
+operations, and the ``policy`` (``tiers.policies``, LFU with ageing by default) picks victims.
+Slots the current batch needs are passed as ``protected`` and are never chosen as victims.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import CacheCapacityError
+from .backends import TorchRows
+from .contract import Rows, TierStats
+from .policies import EvictionPolicy, LfuWithAgeing
+
+_SLOT_BYTES = 8 + 1 + 1 + 8  # key, dirty and fresh flags, free-slot stack
+
+
+class RowCache:
+    """``capacity`` rows of ``row_width`` values of ``dtype`` on ``device``; see the module docstring.
+
+    ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: a factory
+    ``policy(capacity, device, backend) -> EvictionPolicy`` (default LFU with ageing at
+    ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
+
+    def __init__(self, name: str, capacity: int, row_width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", half_life: float | None = None, pin_memory: bool = False,
+                 backend=None, policy: Callable[..., EvictionPolicy] | None = None) -> None:
+        if capacity <= 0:
+            raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
+        self.backend = backend if backend is not None else TorchRows()
+        if dtype != torch.float32 and not isinstance(self.backend, TorchRows):
+            raise ValueError(f"the {self.backend.name} cache backend stores float32 rows, not {dtype}; "
+                             f"use the torch backend")
+        self.name = name
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.index = self.backend.make_index(capacity, self.device)
+        self.rows = torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        self.fresh = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
+        self._free_count = capacity
+        policy = policy or functools.partial(LfuWithAgeing, half_life=half_life)
+        self.policy = policy(capacity, self.device, self.backend)
+        self.stats = TierStats()
+
+    @property
+    def kernels(self):
+        """The kernel build the backend runs on (``CudaKernels``/``HostKernels``), None for torch ops."""
+        return getattr(self.backend, "kernels", None)
+
+    @staticmethod
+    def nbytes_for(capacity: int, row_width: int, dtype: torch.dtype, backend=None,
+                   policy: type[EvictionPolicy] = LfuWithAgeing) -> int:
+        """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy)."""
+        backend = backend if backend is not None else TorchRows()
+        per_slot = row_width * dtype.itemsize + _SLOT_BYTES + policy.bytes_per_slot
+        return capacity * per_slot + backend.index_nbytes(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.rows, self.slot_keys, self.dirty, self.fresh, self._free)
+        return self.index.nbytes + self.policy.nbytes + sum(tensor.nbytes for tensor in tensors)
+
+    def __len__(self) -> int:
+        return self.capacity - self._free_count
+
+    # -- lookups and row access ----------------------------------------------------------------
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.index.find(keys.to(self.device))
+
+    def touch(self, slots: torch.Tensor, counts: torch.Tensor | None = None,
+              missed: torch.Tensor | None = None) -> None:
+        self.policy.touch(slots, counts)
+        if missed is None:
+            self.stats.hits += slots.numel() if counts is None else int(counts.sum())
+        else:
+            self.stats.count_lookups(~missed, counts)
+
+    def read(self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.gather(self.rows, slots, self.rows.shape[1] if columns is None else columns, out)
+
+    def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
+        self.backend.scatter(self.rows, slots, values, self.rows.shape[1] if columns is None else columns)
+        self.dirty[slots] = True
+
+    def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        self.backend.optimizer_step(optimizer, self.rows, slots, grad, step)
+        self.dirty[slots] = True
+
+    def holds(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
+        return slots.shape == keys.shape and bool((self.slot_keys[slots] == keys.to(self.device)).all())
+
+    # -- movement ------------------------------------------------------------------------------
+
+    def _rows_at(self, slots: torch.Tensor) -> Rows:
+        return Rows(self.slot_keys[slots], self.read(slots), self.dirty[slots], self.fresh[slots])
+
+    def take(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
+        slots = self.find(keys)
+        found = (slots >= 0).cpu()
+        self.stats.count_lookups(found, counts)
+        slots = slots[slots >= 0]
+        taken = self._rows_at(slots)
+        self.index.remove(taken.keys)
+        self._release(slots)
+        return found, taken
+
+    def _release(self, slots: torch.Tensor) -> None:
+        self.slot_keys[slots] = -1
+        self.policy.reset(slots)
+        self.dirty[slots] = False
+        self.fresh[slots] = False
+        self._free[self._free_count:self._free_count + slots.numel()] = slots
+        self._free_count += slots.numel()
+
+    def admit(self, incoming: Rows, protected: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
+        count = len(incoming)
+        from_free = min(count, self._free_count)
+        slots = self._free[self._free_count - from_free:self._free_count].clone()
+        self._free_count -= from_free
+        evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
+        if count > from_free:
+            victims = self._victims(count - from_free, protected)
+            evicted = self._rows_at(victims)
+            self.index.remove(evicted.keys)
+            slots = torch.cat([slots, victims])
+            self.stats.evictions += victims.numel()
+            self.stats.writebacks += int(evicted.dirty.sum())
+        keys = incoming.keys.to(self.device)
+        self.index.insert(keys, slots)
+        self.slot_keys[slots] = keys
+        self.backend.scatter(self.rows, slots, incoming.rows, self.rows.shape[1])
+        self.dirty[slots] = incoming.dirty.to(self.device)
+        self.fresh[slots] = incoming.fresh.to(self.device)
+        self.policy.reset(slots)
+        self.stats.rows_in += count
+        return slots, evicted
+
+    def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
+        try:
+            return self.policy.victims(count, self.slot_keys, protected)
+        except CacheCapacityError as error:
+            raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows and {error}") from None
+
+    # -- flush and enumeration -----------------------------------------------------------------
+
+    def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
+        slots = self.dirty.nonzero().squeeze(1)
+        return slots, self._rows_at(slots)
+
+    def mark_clean(self, slots: torch.Tensor) -> None:
+        self.dirty[slots] = False
+        self.fresh[slots] = False
+
+    def fresh_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        slots = self.find(keys)
+        cached = slots >= 0
+        fresh = torch.zeros_like(cached)
+        fresh[cached] = self.fresh[slots[cached]]
+        return fresh.cpu()
+
+    def fresh_count(self) -> int:
+        return int(self.fresh.sum())
+
+    def iter_fresh(self, batch_size: int, columns: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        fresh = self.fresh.nonzero().squeeze(1)
+        for start in range(0, fresh.numel(), batch_size):
+            part = fresh[start:start + batch_size]
+            yield self.slot_keys[part].cpu(), self.read(part, columns).cpu()
+
+    def report(self) -> dict:
+        counters = dict(vars(self.stats))
+        counters.update(capacity_rows=self.capacity, resident_rows=len(self), memory_bytes=self.nbytes,
+                        bytes_in=self.stats.rows_in * self.rows.shape[1] * self.rows.element_size(),
+                        device=str(self.device), backend=self.backend.name)
+        return counters

@@ -1,0 +1,142 @@
+"""``TierStack``: the cache tiers over the cold tier, and the movement of rows between them.
+
+The cache tiers are exclusive (a row lives in at most one) and write-back: a batch's distinct ids
+are made resident in the top tier, misses are taken from the tier below (the next cache tier, then
+the cold store, then the deterministic initialiser), and rows a tier evicts move down one tier;
+the lowest cache tier's dirty victims are staged in the cold store. ``flush`` stages every dirty
+cached row and commits the cold store atomically. Tiers are reached through their contract
+(``contract.CacheTier``, ``cold.ColdStore``) only.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..errors import CacheCapacityError
+from ..initializer import initial_rows
+from ..metadata import StoreMetadata
+from .cold import ColdStore
+from .contract import CacheTier, Rows
+
+
+class TierStack:
+    """``caches`` (top first, at least one) over ``cold``, for rows laid out as ``metadata`` says."""
+
+    def __init__(self, caches: list[CacheTier], cold: ColdStore, metadata: StoreMetadata) -> None:
+        self.caches = caches
+        self.cold = cold
+        self.metadata = metadata
+
+    @property
+    def top(self) -> CacheTier:
+        return self.caches[0]
+
+    def make_resident(self, unique: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Slots in the top tier of ``unique`` ids (int64 [U], distinct), each looked up ``counts``
+        times, fetching and evicting as needed."""
+        top = self.top
+        if unique.numel() > top.capacity:
+            raise CacheCapacityError(
+                f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
+                f"{top.capacity} rows; raise {top.name}_cache or split the batch"
+            )
+        slots = top.find(unique)
+        hit = slots >= 0
+        missed = None
+        if not bool(hit.all()):
+            missed = ~hit
+            missed_cpu = missed.cpu()
+            fetched = self._fetch(unique[missed_cpu], counts[missed_cpu], level=1)
+            new_slots, evicted = top.admit(fetched, protected=slots[hit])
+            slots[missed] = new_slots
+            self._move_down(evicted, level=1)
+        top.touch(slots, counts, missed)
+        return slots
+
+    def rows_without_growing(self, unique: torch.Tensor, counts: torch.Tensor, width: int,
+                             device: torch.device) -> torch.Tensor:
+        """``[U, width]`` rows of ``unique`` ids on ``device``: held ids through the tiers, the others
+        their initial rows, which are not cached (a cached row is always one the table holds)."""
+        known = self.contains(unique)
+        rows = torch.empty(unique.numel(), width, dtype=self.metadata.torch_dtype, device=device)
+        if bool(known.any()):
+            slots = self.make_resident(unique[known], counts[known])
+            rows[known.to(device)] = self.top.read(slots, width).to(device)
+        unknown = ~known
+        if bool(unknown.any()):
+            self.cold.get(unique[unknown], counts[unknown])  # counted as lookups of new ids
+            rows[unknown.to(device)] = self._initial_rows(unique[unknown])[:, :width].to(device)
+        return rows
+
+    def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        metadata = self.metadata
+        return initial_rows(keys, metadata.dim, metadata.optimizer_state_width, metadata.seed, metadata.torch_dtype)
+
+    def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int) -> Rows:
+        """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below."""
+        if level < len(self.caches):
+            found, taken = self.caches[level].take(keys, counts)
+            if bool(found.all()):
+                return taken
+            return Rows.merge(found, taken, self._fetch(keys[~found], counts[~found], level + 1))
+        rows, found = self.cold.get(keys, counts)
+        new = ~found
+        if bool(new.any()):
+            rows[new] = self._initial_rows(keys[new])
+        return Rows(keys, rows, new, new.clone())
+
+    def _move_down(self, evicted: Rows, level: int) -> None:
+        """Hand rows evicted from tier ``level - 1`` to tier ``level`` (or the cold store)."""
+        if len(evicted) == 0:
+            return
+        if level < len(self.caches):
+            cache = self.caches[level]
+            evicted = evicted.to(cache.device)
+            fits = min(len(evicted), cache.capacity)
+            _, pushed_out = cache.admit(evicted.select(slice(0, fits)))
+            overflow = evicted.select(slice(fits, None))
+            self._move_down(Rows.concat([pushed_out, overflow]), level + 1)
+        else:
+            self._stage_in_cold(evicted.select(evicted.dirty.cpu()))
+
+    def _stage_in_cold(self, rows: Rows) -> None:
+        if len(rows):
+            self.cold.put(rows.keys.cpu(), rows.rows.cpu())
+
+    def flush(self) -> None:
+        """Stage every dirty cached row in the cold store and commit it atomically."""
+        dirty = [cache.dirty_rows() for cache in self.caches]
+        for _, rows in dirty:
+            self._stage_in_cold(rows)
+        self.cold.flush()
+        for cache, (slots, _) in zip(self.caches, dirty):
+            cache.mark_clean(slots)
+
+    def __len__(self) -> int:
+        return len(self.cold) + sum(cache.fresh_count() for cache in self.caches)
+
+    def contains(self, unique: torch.Tensor) -> torch.Tensor:
+        """bool [U] on CPU: which ``unique`` ids (distinct) the table holds; counts nothing."""
+        present = self.cold.contains(unique)
+        for cache in self.caches:  # a cached row that is not fresh is in the cold store too
+            present |= cache.fresh_keys(unique)
+        return present
+
+    def iter_rows(self, batch_size: int, width: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every ``(ids [n], rows [n, width])`` the table holds, newest values, on CPU."""
+        for keys, rows in self.cold.iter_rows(batch_size):
+            for cache in self.caches:
+                slots = cache.find(keys)
+                cached = slots >= 0
+                rows[cached.cpu()] = cache.read(slots[cached]).cpu()
+            yield keys, rows[:, :width]
+        for cache in self.caches:
+            yield from cache.iter_fresh(batch_size, width)
+
+    def report(self) -> dict:
+        """Each tier's counters by name ("device", "host", "cold")."""
+        tiers = {cache.name: cache.report() for cache in self.caches}
+        tiers["cold"] = {**self.cold.report(), "backend": self.metadata.backend}
+        return tiers
