@@ -1,6 +1,12 @@
 """The kernels without a GPU: NVRTC compiles them for sm_80 and sm_90 (warnings fail), and
 their host build (host_shim.h, one thread) is checked against the torch reference."""
 
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +203,20 @@ def test_cuda_backend_without_a_gpu_says_so(tmp_path):
     with pytest.raises(ValueError, match="cannot run here .torch sees no CUDA device"):
         TieredStore(tmp_path / "s", dim=4, device="cuda", device_cache=8, device_cache_backend="cuda")
     assert not (tmp_path / "s").exists()
+
+
+def test_a_built_wheel_carries_the_kernel_sources_inside_the_package(tmp_path):
+    """The sources live in tierstore/kernels and ship as package data: an installed wheel (not the
+    source tree) finds them."""
+    root = Path(__file__).parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
+                    str(tmp_path / "wheel"), str(root)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("tierstore-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "installed")
+    check = ("from tierstore.kernels import source_dir; import tierstore; "
+             "print(source_dir(), tierstore.__file__, sorted(p.name for p in source_dir().glob('*.[ch]*')))")
+    shown = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")}).stdout
+    assert str(tmp_path / "installed" / "tierstore") in shown
+    assert "['embedding_cache.cu', 'host_shim.h']" in shown
