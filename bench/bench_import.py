@@ -32,13 +32,15 @@ BLOCK = 64 << 20
 
 
 def sequential_write_seconds(path: Path, size: int) -> float:
-    block = memoryview(np.random.default_rng(0).integers(0, 255, BLOCK, dtype=np.uint8))  # slices copy nothing
+    block = memoryview(
+        np.random.default_rng(0).integers(0, 255, BLOCK, dtype=np.uint8)
+    )  # slices copy nothing
     start = time.perf_counter()
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         written = 0
         while written < size:
-            written += os.write(descriptor, block[:min(BLOCK, size - written)])
+            written += os.write(descriptor, block[: min(BLOCK, size - written)])
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
@@ -61,7 +63,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", nargs="+", default=["mmap", "lmdb"], choices=["mmap", "lmdb"])
-    parser.add_argument("--directory", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--directory", type=Path, default=None, help="where to write (default: a temporary directory)"
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/import.json"))
     args = parser.parse_args()
 
@@ -70,7 +74,7 @@ def main() -> None:
         source = directory / "table.npy"
         rows = np.lib.format.open_memmap(source, mode="w+", dtype=np.float32, shape=(args.rows, args.dim))
         for start in range(0, args.rows, 1 << 18):
-            part = rows[start:start + (1 << 18)]
+            part = rows[start : start + (1 << 18)]
             part[:] = np.random.default_rng(start).standard_normal(part.shape, dtype=np.float32)
         rows.flush()
         del rows
@@ -81,14 +85,20 @@ def main() -> None:
             for backend in args.backends:
                 times[backend].append(import_seconds(source, directory / f"store-{backend}", backend))
     rates = {name: size / statistics.median(seconds) / 1e6 for name, seconds in times.items()}
-    print(f"{args.rows:,} rows x dim {args.dim} float32 ({size / 1e9:.2f} GB), median of {args.repeats} turns")
+    print(
+        f"{args.rows:,} rows x dim {args.dim} float32 ({size / 1e9:.2f} GB), median of {args.repeats} turns"
+    )
     print(f"{'':<22}{'MB/s':>10}{'ratio to disk':>15}")
     print(f"{'disk sequential write':<22}{rates['disk']:>10,.0f}{1.0:>15.2f}")
     for backend in args.backends:
         print(f"{'import, ' + backend:<22}{rates[backend]:>10,.0f}{rates[backend] / rates['disk']:>15.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "seconds": times,
-                                     "mb_per_s": rates}, indent=2))
+    args.json.write_text(
+        json.dumps(
+            {"config": {k: str(v) for k, v in vars(args).items()}, "seconds": times, "mb_per_s": rates},
+            indent=2,
+        )
+    )
     print(f"results: {args.json}")
 
 

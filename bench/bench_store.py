@@ -67,7 +67,9 @@ def host_caches(capacity: int, dim: int) -> dict:
     if kernels is None:
         print(f"host_cache_backend='openmp' is not measured: {why_not}")
     else:
-        makers["openmp"] = lambda: RowCache("host", capacity, dim, torch.float32, backend=KernelRows(kernels, "openmp"))
+        makers["openmp"] = lambda: RowCache(
+            "host", capacity, dim, torch.float32, backend=KernelRows(kernels, "openmp")
+        )
     return makers
 
 
@@ -102,9 +104,13 @@ def bench_host_hit_path(batches, dim: int, repeats: int) -> dict:
 
             base, probe, whole = (median_seconds(f, repeats) for f in (baseline, ours, store_get))
             store.close()
-        results[backend] = {"rows_per_s_index_select": rows / base, "rows_per_s_probe_gather": rows / probe,
-                            "rows_per_s_store_get": rows / whole, "ratio_probe_gather": base / probe,
-                            "ratio_store_get": base / whole}
+        results[backend] = {
+            "rows_per_s_index_select": rows / base,
+            "rows_per_s_probe_gather": rows / probe,
+            "rows_per_s_store_get": rows / whole,
+            "ratio_probe_gather": base / probe,
+            "ratio_store_get": base / whole,
+        }
     return results
 
 
@@ -116,8 +122,10 @@ def bench_cold_get(batches, dim: int, cold_rows: int, ids: int, repeats: int) ->
     requests = [batch[np.sort(np.unique(batch.numpy(), return_index=True)[1])] for batch in batches]
     results = {"cold_rows": keys.numel(), "rows_per_request": statistics.mean(r.numel() for r in requests)}
     with tempfile.TemporaryDirectory() as directory:
-        stores = {"lmdb": LmdbColdStore(Path(directory), dim, torch.float32),
-                  "mmap": MmapColdStore(Path(directory), dim, torch.float32)}
+        stores = {
+            "lmdb": LmdbColdStore(Path(directory), dim, torch.float32),
+            "mmap": MmapColdStore(Path(directory), dim, torch.float32),
+        }
         for store in stores.values():
             for part in keys.split(1 << 18):
                 store.put(part, torch.randn(part.numel(), dim))
@@ -171,8 +179,12 @@ def bench_lmdb_from_disk(directory: Path, dim: int, request: torch.Tensor, encod
             assert len([txn.get(key) for key in encoded]) == len(encoded)
 
     baseline, ours = timed(plain_loop), timed(lambda store: store.get(request))
-    return {"rows": request.numel(), "rows_per_s_txn_get_loop": request.numel() / baseline,
-            "rows_per_s_lmdb": request.numel() / ours, "ratio_lmdb": baseline / ours}
+    return {
+        "rows": request.numel(),
+        "rows_per_s_txn_get_loop": request.numel() / baseline,
+        "rows_per_s_lmdb": request.numel() / ours,
+        "ratio_lmdb": baseline / ours,
+    }
 
 
 def live_rss() -> int:
@@ -192,7 +204,11 @@ def bench_host_memory(rows: int, dim: int) -> dict:
         for part in keys.split(1 << 18):  # fill it, so every page is touched
             cache.admit(clean_random_rows(part, dim))
         grown = live_rss() - before
-        results[backend] = {"rss_growth_bytes": grown, "accounted_bytes": cache.nbytes, "rss_over_raw": grown / raw}
+        results[backend] = {
+            "rss_growth_bytes": grown,
+            "accounted_bytes": cache.nbytes,
+            "rss_over_raw": grown / raw,
+        }
         del cache
     return results
 
@@ -204,8 +220,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=65536)
     parser.add_argument("--batches", type=int, default=8, help="batches per timed repeat")
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--cold-rows", type=int, default=1_000_000, help="rows in the cold stores besides the batches'")
-    parser.add_argument("--memory-rows", type=int, default=2_000_000, help="rows of the cache whose RSS is measured")
+    parser.add_argument(
+        "--cold-rows", type=int, default=1_000_000, help="rows in the cold stores besides the batches'"
+    )
+    parser.add_argument(
+        "--memory-rows", type=int, default=2_000_000, help="rows of the cache whose RSS is measured"
+    )
     parser.add_argument("--memory-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=Path("bench/results/store.json"))
@@ -224,21 +244,32 @@ def main() -> None:
         if backend not in hit:
             continue
         row = hit[backend]
-        print(f"{'host hit path, ' + backend + ': probe + gather':<44}{row['rows_per_s_index_select']:>16,.0f}"
-              f"{row['rows_per_s_probe_gather']:>16,.0f}{row['ratio_probe_gather']:>8.2f}{'>=0.5':>8}")
-        print(f"{'host hit path, ' + backend + ': TieredStore.get':<44}{row['rows_per_s_index_select']:>16,.0f}"
-              f"{row['rows_per_s_store_get']:>16,.0f}{row['ratio_store_get']:>8.2f}{'':>8}")
+        print(
+            f"{'host hit path, ' + backend + ': probe + gather':<44}{row['rows_per_s_index_select']:>16,.0f}"
+            f"{row['rows_per_s_probe_gather']:>16,.0f}{row['ratio_probe_gather']:>8.2f}{'>=0.5':>8}"
+        )
+        print(
+            f"{'host hit path, ' + backend + ': TieredStore.get':<44}{row['rows_per_s_index_select']:>16,.0f}"
+            f"{row['rows_per_s_store_get']:>16,.0f}{row['ratio_store_get']:>8.2f}{'':>8}"
+        )
     for name, target in (("lmdb", ""), ("mmap", ">=10")):
-        print(f"{'cold get, ' + name + ' (rows/s vs txn.get loop)':<44}{cold['rows_per_s_lmdb_txn_get_loop']:>16,.0f}"
-              f"{cold[f'rows_per_s_{name}']:>16,.0f}{cold[f'ratio_{name}']:>8.2f}{target:>8}")
+        print(
+            f"{'cold get, ' + name + ' (rows/s vs txn.get loop)':<44}"
+            f"{cold['rows_per_s_lmdb_txn_get_loop']:>16,.0f}"
+            f"{cold[f'rows_per_s_{name}']:>16,.0f}{cold[f'ratio_{name}']:>8.2f}{target:>8}"
+        )
     disk = cold["lmdb_from_disk"]
-    print(f"{'cold get, lmdb, page cache dropped (rows/s)':<44}{disk['rows_per_s_txn_get_loop']:>16,.0f}"
-          f"{disk['rows_per_s_lmdb']:>16,.0f}{disk['ratio_lmdb']:>8.2f}{'>=2':>8}")
+    print(
+        f"{'cold get, lmdb, page cache dropped (rows/s)':<44}{disk['rows_per_s_txn_get_loop']:>16,.0f}"
+        f"{disk['rows_per_s_lmdb']:>16,.0f}{disk['ratio_lmdb']:>8.2f}{'>=2':>8}"
+    )
     for backend in ("openmp", "torch"):
         if backend in memory:
-            print(f"{'host cache, ' + backend + ': RSS / raw rows (dim ' + str(args.memory_dim) + ')':<44}"
-                  f"{memory['raw_row_bytes']:>16,}{memory[backend]['rss_growth_bytes']:>16,}"
-                  f"{memory[backend]['rss_over_raw']:>8.3f}{'<=1.25':>8}")
+            print(
+                f"{'host cache, ' + backend + ': RSS / raw rows (dim ' + str(args.memory_dim) + ')':<44}"
+                f"{memory['raw_row_bytes']:>16,}{memory[backend]['rss_growth_bytes']:>16,}"
+                f"{memory[backend]['rss_over_raw']:>8.3f}{'<=1.25':>8}"
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"results: {args.json}")

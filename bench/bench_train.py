@@ -36,7 +36,9 @@ from tierstore.workloads import ZipfIds
 FEATURES = 26
 
 
-def batches(count: int, size: int, ids: int, alpha: float, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    count: int, size: int, ids: int, alpha: float, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     sample = ZipfIds(ids, alpha, seed)
     offsets = torch.arange(0, size * FEATURES, FEATURES)
     return [(torch.from_numpy(sample(size * FEATURES)), offsets) for _ in range(count)]
@@ -58,13 +60,17 @@ def interleaved_samples_per_second(steps: dict, timed: list[list]) -> dict[str, 
 
 def torch_baseline(ids: int, dim: int, optimizer: str):
     table = nn.EmbeddingBag(ids, dim, mode="sum", sparse=True)
-    dense_optimizer = (torch.optim.SGD(table.parameters(), lr=0.01) if optimizer == "sgd"
-                       else torch.optim.Adagrad(table.parameters(), lr=0.01))
+    dense_optimizer = (
+        torch.optim.SGD(table.parameters(), lr=0.01)
+        if optimizer == "sgd"
+        else torch.optim.Adagrad(table.parameters(), lr=0.01)
+    )
 
     def step(input, offsets):
         dense_optimizer.zero_grad()
         table(input, offsets).sum().backward()
         dense_optimizer.step()
+
     return step
 
 
@@ -73,24 +79,37 @@ def fbgemm_baseline(ids: int, dim: int, optimizer: str):
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
     except ImportError:
         return None
     kind = EmbOptimType.EXACT_SGD if optimizer == "sgd" else EmbOptimType.EXACT_ADAGRAD
-    table = SplitTableBatchedEmbeddingBagsCodegen([(ids, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                  optimizer=kind, learning_rate=0.01)
+    table = SplitTableBatchedEmbeddingBagsCodegen(
+        [(ids, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=kind, learning_rate=0.01
+    )
 
     def step(input, offsets):
         table(input, torch.cat([offsets, torch.tensor([input.numel()])])).sum().backward()
+
     return step
 
 
 def tiered(ids: int, dim: int, optimizer: str, host_share: float, directory: Path):
     kind = optim.SGD(lr=0.01) if optimizer == "sgd" else optim.Adagrad(lr=0.01)
-    table = TieredEmbeddingBag(None, dim, mode="sum", path=directory / optimizer, backend="mmap",
-                               host_cache=int(ids * host_share), optimizer=kind)
+    table = TieredEmbeddingBag(
+        None,
+        dim,
+        mode="sum",
+        path=directory / optimizer,
+        backend="mmap",
+        host_cache=int(ids * host_share),
+        optimizer=kind,
+    )
     width = dim + kind.state_width(dim)
-    for part in tqdm(torch.arange(ids).split(1 << 18), desc=f"writing {ids:,} rows to the cold store", leave=False):
+    for part in tqdm(
+        torch.arange(ids).split(1 << 18), desc=f"writing {ids:,} rows to the cold store", leave=False
+    ):
         rows = torch.zeros(part.numel(), width)
         rows[:, :dim] = initial_weights(part, dim, 0, torch.float32)
         table.store.stack.cold.put(part, rows)
@@ -98,6 +117,7 @@ def tiered(ids: int, dim: int, optimizer: str, host_share: float, directory: Pat
 
     def step(input, offsets):
         table(input, offsets).sum().backward()
+
     return table, step
 
 
@@ -107,22 +127,33 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4096, help="samples per step (26 ids each)")
-    parser.add_argument("--host-share", type=float, default=0.10, help="share of the rows the host cache holds")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat (each repeat on fresh batches)")
+    parser.add_argument(
+        "--host-share", type=float, default=0.10, help="share of the rows the host cache holds"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=10, help="steps per timed repeat (each repeat on fresh batches)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warm-up", type=int, default=30, help="steps that fill the cache before timing (not timed)")
+    parser.add_argument(
+        "--warm-up", type=int, default=30, help="steps that fill the cache before timing (not timed)"
+    )
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adagrad"], choices=["sgd", "adagrad"])
     parser.add_argument("--json", type=Path, default=Path("bench/results/train.json"))
     args = parser.parse_args()
 
     stream = batches(args.warm_up + args.steps * args.repeats, args.batch_size, args.ids, args.alpha)
-    warm_up, rest = stream[:args.warm_up], stream[args.warm_up:]
-    timed = [rest[args.steps * r:args.steps * (r + 1)] for r in range(args.repeats)]
+    warm_up, rest = stream[: args.warm_up], stream[args.warm_up :]
+    timed = [rest[args.steps * r : args.steps * (r + 1)] for r in range(args.repeats)]
     results = {"config": vars(args) | {"json": str(args.json), "torch_threads": torch.get_num_threads()}}
-    print(f"{args.batch_size:,} samples x {FEATURES} ids Zipf({args.alpha}) over {args.ids:,} ids, dim {args.dim}, "
-          f"host cache {args.host_share:.0%} of the rows")
-    print(f"{'optimizer':<10}{'ours':>14}{'nn.EmbeddingBag':>17}{'ratio':>8}{'FBGEMM':>14}{'ratio':>8}"
-          f"{'host hits':>10}  (samples/s; hits: share of our id lookups the host cache served)")
+    print(
+        f"{args.batch_size:,} samples x {FEATURES} ids Zipf({args.alpha}) over {args.ids:,} ids, "
+        f"dim {args.dim}, "
+        f"host cache {args.host_share:.0%} of the rows"
+    )
+    print(
+        f"{'optimizer':<10}{'ours':>14}{'nn.EmbeddingBag':>17}{'ratio':>8}{'FBGEMM':>14}{'ratio':>8}"
+        f"{'host hits':>10}  (samples/s; hits: share of our id lookups the host cache served)"
+    )
     with tempfile.TemporaryDirectory() as directory:
         for name in args.optimizers:
             table, ours_step = tiered(args.ids, args.dim, name, args.host_share, Path(directory))
@@ -142,12 +173,22 @@ def main() -> None:
             hit_rate = (after["hits"] - before["hits"]) / lookups
             table.close()
             ours, baseline, fbgemm = rates["ours"], rates["nn_embedding_bag"], rates.get("fbgemm")
-            results[name] = {"samples_per_s_ours": ours, "samples_per_s_nn_embedding_bag": baseline,
-                             "ratio_nn_embedding_bag": ours / baseline, "samples_per_s_fbgemm": fbgemm,
-                             "ratio_fbgemm": ours / fbgemm if fbgemm else None, "host_hit_rate": hit_rate,
-                             "host_backend": after["backend"]}
-            fbgemm_text = (f"{fbgemm:>14,.0f}{ours / fbgemm:>8.2f}" if fbgemm else f"{'not installed':>14}{'':>8}")
-            print(f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}{fbgemm_text}{hit_rate:>10.1%}")
+            results[name] = {
+                "samples_per_s_ours": ours,
+                "samples_per_s_nn_embedding_bag": baseline,
+                "ratio_nn_embedding_bag": ours / baseline,
+                "samples_per_s_fbgemm": fbgemm,
+                "ratio_fbgemm": ours / fbgemm if fbgemm else None,
+                "host_hit_rate": hit_rate,
+                "host_backend": after["backend"],
+            }
+            fbgemm_text = (
+                f"{fbgemm:>14,.0f}{ours / fbgemm:>8.2f}" if fbgemm else f"{'not installed':>14}{'':>8}"
+            )
+            print(
+                f"{name:<10}{ours:>14,.0f}{baseline:>17,.0f}{ours / baseline:>8.2f}"
+                f"{fbgemm_text}{hit_rate:>10.1%}"
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
     print(f"results: {args.json}")

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from host_kernels import parallel_host_kernels, shared_host_kernels
+
 from tierstore.tiers import KernelRows
 
 

@@ -13,7 +13,9 @@ def initial(id_, dim, seed=0):
 
 # Sequences of (operation, distinct keys) for hash tables checked against a dict.
 hash_table_operations = st.lists(
-    st.tuples(st.sampled_from(["insert", "remove", "find"]),
-              st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True)),
+    st.tuples(
+        st.sampled_from(["insert", "remove", "find"]),
+        st.lists(st.integers(0, 60), min_size=1, max_size=12, unique=True),
+    ),
     max_size=40,
 )

@@ -25,15 +25,18 @@ def unchanged(store):
     assert torch.equal(store.get([1, 2]), torch.ones(2, 4))
 
 
-@pytest.mark.parametrize("ids, error, message", [
-    ([1, -3], ValueError, "non-negative.*-3"),
-    (torch.tensor([1.0, 2.0]), TypeError, "integer dtype"),
-    (np.array([0.5]), TypeError, "integer dtype"),
-    (torch.tensor([True]), TypeError, "integer dtype"),
-    (torch.tensor([[1, 2]]), ValueError, "1-D"),
-    ("12", TypeError, "integer"),
-    (np.array([2**63], dtype=np.uint64), ValueError, "int64"),
-])
+@pytest.mark.parametrize(
+    "ids, error, message",
+    [
+        ([1, -3], ValueError, "non-negative.*-3"),
+        (torch.tensor([1.0, 2.0]), TypeError, "integer dtype"),
+        (np.array([0.5]), TypeError, "integer dtype"),
+        (torch.tensor([True]), TypeError, "integer dtype"),
+        (torch.tensor([[1, 2]]), ValueError, "1-D"),
+        ("12", TypeError, "integer"),
+        (np.array([2**63], dtype=np.uint64), ValueError, "int64"),
+    ],
+)
 def test_bad_ids(store, ids, error, message):
     with pytest.raises(error, match=message):
         store.get(ids)
@@ -42,24 +45,30 @@ def test_bad_ids(store, ids, error, message):
     unchanged(store)
 
 
-@pytest.mark.parametrize("out, error, message", [
-    (torch.zeros(3, 4), ValueError, r"\[2, 4\] torch.float32 tensor on cpu"),
-    (torch.zeros(2, 4, dtype=torch.float64), ValueError, "torch.float32"),
-    (np.zeros((2, 4), dtype=np.float32), TypeError, "torch.Tensor"),
-    (torch.zeros(4, 2).t(), ValueError, "contiguous"),
-])
+@pytest.mark.parametrize(
+    "out, error, message",
+    [
+        (torch.zeros(3, 4), ValueError, r"\[2, 4\] torch.float32 tensor on cpu"),
+        (torch.zeros(2, 4, dtype=torch.float64), ValueError, "torch.float32"),
+        (np.zeros((2, 4), dtype=np.float32), TypeError, "torch.Tensor"),
+        (torch.zeros(4, 2).t(), ValueError, "contiguous"),
+    ],
+)
 def test_bad_out_on_get(store, out, error, message):
     with pytest.raises(error, match=message):
         store.get([1, 2], out=out)
     unchanged(store)
 
 
-@pytest.mark.parametrize("rows, error, message", [
-    (torch.zeros(2, 5), ValueError, r"shape \[2, 4\]"),
-    (torch.zeros(3, 4), ValueError, r"shape \[2, 4\]"),
-    (torch.zeros(2, 4, dtype=torch.float64), TypeError, "dtype torch.float32"),
-    ([[0.0] * 4] * 2, TypeError, "torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "rows, error, message",
+    [
+        (torch.zeros(2, 5), ValueError, r"shape \[2, 4\]"),
+        (torch.zeros(3, 4), ValueError, r"shape \[2, 4\]"),
+        (torch.zeros(2, 4, dtype=torch.float64), TypeError, "dtype torch.float32"),
+        ([[0.0] * 4] * 2, TypeError, "torch.Tensor"),
+    ],
+)
 def test_bad_rows_on_put(store, rows, error, message):
     with pytest.raises(error, match=message):
         store.put([1, 2], rows)

@@ -4,9 +4,16 @@ import pytest
 from tierstore.budget import parse_bytes, rows_for_budget
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("4096", 4096), ("64MiB", 64 * 2**20), ("2GiB", 2 * 2**30), ("1.5 KB", 1500), ("3mb", 3 * 10**6),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4096", 4096),
+        ("64MiB", 64 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5 KB", 1500),
+        ("3mb", 3 * 10**6),
+    ],
+)
 def test_parse_bytes_units(text, expected):
     assert parse_bytes(text) == expected
 

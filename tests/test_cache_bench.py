@@ -4,15 +4,17 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hits
 from tierstore.cli import main
+from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hits
 from tierstore.cli.traces import load_trace, split_columns
 
 
 def most_hits_by_brute_force(keys, capacity):
     """The most hits of any demand-paging cache: try every victim at every miss."""
+
     def best(position, resident):
         if position == len(keys):
             return 0
@@ -22,6 +24,7 @@ def most_hits_by_brute_force(keys, capacity):
         if len(resident) < capacity:
             return best(position + 1, resident | {key})
         return max(best(position + 1, (resident - {victim}) | {key}) for victim in resident)
+
     return best(0, frozenset())
 
 
@@ -55,7 +58,7 @@ def test_synthetic_traces_follow_their_specs():
     uniform = load_trace("uniform:n=50,length=5000")
     assert set(np.unique(uniform.keys)) == set(range(50))
     drift = load_trace("drift:n=100000,hot=100,period=1000,length=5000")
-    windows = [set(drift.keys[i:i + 1000]) for i in range(0, 5000, 1000)]
+    windows = [set(drift.keys[i : i + 1000]) for i in range(0, 5000, 1000)]
     assert all(not (a & b) for a, b in zip(windows, windows[1:]))  # each period, fresh hot ids
 
 
@@ -75,17 +78,20 @@ def test_criteo_layout_uses_the_hex_categorical_columns(tmp_path):
     assert trace.keys.tolist() == [10, 11 + 255]  # C1 = 0xa; C26 = 0xff after C1's span 0..10
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nothere.csv", "--columns", "a"], "no such trace file"),
-    (["{csv}", "--columns", "rating"], "unknown column 'rating'"),
-    (["{csv}"], "choose the id columns with --columns"),
-    (["{empty}", "--columns", "0"], "the trace is empty"),
-    (["{csv}", "--criteo"], "the Criteo layout has 40 tab-separated fields"),
-    (["zipf:alpha=1.05"], "n required"),
-    (["zipf:n=abc"], "must be name=number"),
-    (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
-    (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nothere.csv", "--columns", "a"], "no such trace file"),
+        (["{csv}", "--columns", "rating"], "unknown column 'rating'"),
+        (["{csv}"], "choose the id columns with --columns"),
+        (["{empty}", "--columns", "0"], "the trace is empty"),
+        (["{csv}", "--criteo"], "the Criteo layout has 40 tab-separated fields"),
+        (["zipf:alpha=1.05"], "n required"),
+        (["zipf:n=abc"], "must be name=number"),
+        (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
+        (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
+    ],
+)
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     (tmp_path / "t.csv").write_text("user,item\n1,2\n3,4\n")
     (tmp_path / "e.csv").write_text("")
@@ -98,8 +104,21 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, args, message)
 def test_bench_reports_every_figure_and_draws_the_curve(tmp_path, capsys):
     keys = load_trace("zipf:alpha=1.05,n=20000,length=60000,seed=1").keys
     np.save(tmp_path / "trace.npy", keys)
-    assert main(["bench", str(tmp_path / "trace.npy"), "--sizes", "2%,10%,3000", "--batch-size", "1024",
-                 "--out", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(tmp_path / "trace.npy"),
+                "--sizes",
+                "2%,10%,3000",
+                "--batch-size",
+                "1024",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "Belady MIN" in table and "p99 ms" in table
     report = json.loads((tmp_path / "out.json").read_text())
@@ -110,7 +129,10 @@ def test_bench_reports_every_figure_and_draws_the_curve(tmp_path, capsys):
         host = ours["tiers"]["host"]
         assert ours["hit_rate"] == pytest.approx(1 - host["rows_in"] / report["accesses"])
         assert ours["lookup_hit_rate"] <= ours["hit_rate"]
-        assert entry["lru"]["hit_rate"] <= entry["belady"]["hit_rate"] and entry["fifo"]["hit_rate"] <= entry["belady"]["hit_rate"]
+        assert (
+            entry["lru"]["hit_rate"] <= entry["belady"]["hit_rate"]
+            and entry["fifo"]["hit_rate"] <= entry["belady"]["hit_rate"]
+        )
         assert ours["hit_rate"] <= entry["belady"]["hit_rate"]  # MIN is the ceiling, ours too
         assert ours["hit_rate"] > entry["fifo"]["hit_rate"]  # LFU beats FIFO on a static Zipf
         assert host["evictions"] > 0 and ours["batch_latency_ms_p99"] >= ours["batch_latency_ms_p50"] > 0
@@ -126,8 +148,27 @@ def test_separate_tables_give_each_column_back_its_own_ids(tmp_path, capsys):
     users, items = split_columns(fused)
     assert np.array_equal(items.keys, load_trace(str(tmp_path / "t.csv"), columns=["item"]).keys)
     assert np.array_equal(users.keys, load_trace(str(tmp_path / "t.csv"), columns=["user"]).keys)
-    assert main(["bench", str(tmp_path / "t.csv"), "--columns", "user,item", "--separate", "--sizes", "10%",
-                 "--batch-size", "256", "--out", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(tmp_path / "t.csv"),
+                "--columns",
+                "user,item",
+                "--separate",
+                "--sizes",
+                "10%",
+                "--batch-size",
+                "256",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "out.json").read_text())
-    assert [table["distinct_ids"] for table in report["tables"]] == [np.unique(users.keys).size, np.unique(items.keys).size]
+    assert [table["distinct_ids"] for table in report["tables"]] == [
+        np.unique(users.keys).size,
+        np.unique(items.keys).size,
+    ]
     assert (tmp_path / "out-0.png").exists() and (tmp_path / "out-1.png").exists()

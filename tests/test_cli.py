@@ -37,7 +37,9 @@ def dense(tmp_path):
 @pytest.mark.parametrize("backend", ["mmap", "lmdb"])
 @pytest.mark.parametrize("suffix", [".npy", ".pt", ".safetensors"])
 def test_dense_round_trip_is_bit_exact(tmp_path, dense, backend, suffix):
-    assert run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend, "--chunk-rows", 128) == 0
+    assert (
+        run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend, "--chunk-rows", 128) == 0
+    )
     assert torch.equal(stored_rows(tmp_path / "a", range(700)), torch.from_numpy(dense))
     assert run("export", tmp_path / "a", tmp_path / f"out{suffix}", "--chunk-rows", 100) == 0
     assert run("import", tmp_path / f"out{suffix}", tmp_path / "b", "--backend", backend) == 0
@@ -52,7 +54,18 @@ def test_sparse_round_trip_keeps_ids_and_optimizer_state(tmp_path, suffix):
     rows = rng.standard_normal((300, 4)).astype(np.float16)
     np.save(tmp_path / "ids.npy", ids)
     np.save(tmp_path / "rows.npy", rows)
-    assert run("import", tmp_path / "rows.npy", tmp_path / "a", "--ids", tmp_path / "ids.npy", "--optimizer", "adam") == 0
+    assert (
+        run(
+            "import",
+            tmp_path / "rows.npy",
+            tmp_path / "a",
+            "--ids",
+            tmp_path / "ids.npy",
+            "--optimizer",
+            "adam",
+        )
+        == 0
+    )
     whole = stored_rows(tmp_path / "a", ids, with_state=True)
     assert whole.shape == (300, 12) and bool((whole[:, 4:] == 0).all())  # Adam's m and v start at 0
     assert torch.equal(whole[:, :4], torch.from_numpy(rows))
@@ -74,7 +87,9 @@ def test_safetensors_export_reads_back_with_the_safetensors_library(tmp_path, de
 
 def test_checkpoint_import_picks_the_embedding_weight_or_asks_for_a_key(tmp_path, capsys):
     weight = torch.randn(50, 3)
-    torch.save({"emb.weight": weight, "mlp.weight": torch.randn(4, 4), "bias": torch.ones(4)}, tmp_path / "model.pt")
+    torch.save(
+        {"emb.weight": weight, "mlp.weight": torch.randn(4, 4), "bias": torch.ones(4)}, tmp_path / "model.pt"
+    )
     assert run("import", tmp_path / "model.pt", tmp_path / "a") == 2
     assert "choose the table with --key, one of: emb.weight, mlp.weight" in capsys.readouterr().err
     assert run("import", tmp_path / "model.pt", tmp_path / "a", "--key", "emb.weight") == 0
@@ -83,15 +98,18 @@ def test_checkpoint_import_picks_the_embedding_weight_or_asks_for_a_key(tmp_path
     assert run("import", tmp_path / "bag.pt", tmp_path / "b") == 0
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: None, "no such file"),
-    (lambda d: (d / "src.csv").write_text("1,2"), "unknown format '.csv'"),
-    (lambda d: np.save(d / "src.npy", np.ones(5, np.float32)), "rows must be a 2-D float array"),
-    (lambda d: np.save(d / "src.npy", np.ones((5, 2), np.int64)), "rows must be a 2-D float array"),
-    (lambda d: (d / "src.npy").write_bytes(b"not numpy"), "not a readable .npy file"),
-    (lambda d: (d / "src.pt").write_bytes(b"not torch"), "not a readable PyTorch checkpoint"),
-    (lambda d: (d / "src.safetensors").write_bytes(b"\x00" * 16), "not a readable safetensors file"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: None, "no such file"),
+        (lambda d: (d / "src.csv").write_text("1,2"), "unknown format '.csv'"),
+        (lambda d: np.save(d / "src.npy", np.ones(5, np.float32)), "rows must be a 2-D float array"),
+        (lambda d: np.save(d / "src.npy", np.ones((5, 2), np.int64)), "rows must be a 2-D float array"),
+        (lambda d: (d / "src.npy").write_bytes(b"not numpy"), "not a readable .npy file"),
+        (lambda d: (d / "src.pt").write_bytes(b"not torch"), "not a readable PyTorch checkpoint"),
+        (lambda d: (d / "src.safetensors").write_bytes(b"\x00" * 16), "not a readable safetensors file"),
+    ],
+)
 def test_bad_sources_fail_with_one_line_and_exit_2(tmp_path, capsys, make, message):
     make(tmp_path)
     source = next(iter(sorted(tmp_path.glob("src.*"))), tmp_path / "src.npy")
@@ -101,10 +119,15 @@ def test_bad_sources_fail_with_one_line_and_exit_2(tmp_path, capsys, make, messa
     assert not (tmp_path / "store").exists()
 
 
-@pytest.mark.parametrize("ids, message", [
-    (np.arange(4), "4 ids for 5 rows"), (np.array([0, 1, 2, 3, -4]), "non-negative"),
-    (np.array([0, 1, 2, 2, 3]), "ids repeat"), (np.ones(5, np.float32), "1-D integer array"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (np.arange(4), "4 ids for 5 rows"),
+        (np.array([0, 1, 2, 3, -4]), "non-negative"),
+        (np.array([0, 1, 2, 2, 3]), "ids repeat"),
+        (np.ones(5, np.float32), "1-D integer array"),
+    ],
+)
 def test_bad_ids_files_are_refused(tmp_path, capsys, ids, message):
     np.save(tmp_path / "rows.npy", np.ones((5, 2), np.float32))
     np.save(tmp_path / "ids.npy", ids)
@@ -125,13 +148,27 @@ def test_import_killed_midway_leaves_no_store(tmp_path):
     rows = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(400_000, 64))
     rows[:] = 1.0
     rows.flush()
-    importer = subprocess.Popen([sys.executable, "-m", "tierstore", "import", str(tmp_path / "big.npy"),
-                                 str(tmp_path / "store"), "--chunk-rows", "500"], stderr=subprocess.PIPE)
+    importer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore",
+            "import",
+            str(tmp_path / "big.npy"),
+            str(tmp_path / "store"),
+            "--chunk-rows",
+            "500",
+        ],
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     building = []
     while not building and time.monotonic() < deadline:  # kill once the store is being built
-        building = [p for p in tmp_path.glob(".store.importing-*")
-                    if (p / "rows.bin").exists() and (p / "rows.bin").stat().st_size > 0]  # rows being written
+        building = [
+            p
+            for p in tmp_path.glob(".store.importing-*")
+            if (p / "rows.bin").exists() and (p / "rows.bin").stat().st_size > 0
+        ]  # rows being written
         time.sleep(0.01)
     assert building, "the import never started building"
     importer.send_signal(signal.SIGKILL)  # 800 chunks of 500 rows: far from done
@@ -149,7 +186,9 @@ def test_inspect_reports_the_layout_as_a_table_and_as_json(tmp_path, dense, caps
     facts = json.loads(capsys.readouterr().out)
     assert facts["rows"] == 700 and facts["dim"] == 6 and facts["dtype"] == "float32"
     assert facts["optimizer"] == "RowWiseAdagrad" and facts["optimizer_state_width"] == 1
-    assert facts["format_version"] == 1 and facts["row_bytes"] == 28 and facts["size_on_disk_bytes"] >= 700 * 28
+    assert (
+        facts["format_version"] == 1 and facts["row_bytes"] == 28 and facts["size_on_disk_bytes"] >= 700 * 28
+    )
     assert facts["last_flush_utc"].startswith("20")
     assert run("inspect", tmp_path / "a") == 0
     table = capsys.readouterr().out
@@ -184,12 +223,15 @@ def _wrong_length_lmdb_value(store):
     env.close()
 
 
-@pytest.mark.parametrize("backend, damage, message", [
-    ("mmap", _nan_row, "non-finite values (first id: 5)"),
-    ("mmap", _truncated_rows, "truncated"),
-    ("mmap", _bad_metadata, "tierstore.json"),
-    ("lmdb", _wrong_length_lmdb_value, "5-byte value"),
-])
+@pytest.mark.parametrize(
+    "backend, damage, message",
+    [
+        ("mmap", _nan_row, "non-finite values (first id: 5)"),
+        ("mmap", _truncated_rows, "truncated"),
+        ("mmap", _bad_metadata, "tierstore.json"),
+        ("lmdb", _wrong_length_lmdb_value, "5-byte value"),
+    ],
+)
 def test_verify_finds_a_damaged_store_and_exits_1(tmp_path, dense, capsys, backend, damage, message):
     run("import", tmp_path / "dense.npy", tmp_path / "a", "--backend", backend)
     damage(tmp_path / "a")
@@ -206,5 +248,9 @@ def test_every_command_has_help_through_the_console_script():
 
 def test_unknown_store_and_usage_errors_exit_2():
     result = subprocess.run(["tierstore", "inspect", "/nonexistent/store"], capture_output=True, text=True)
-    assert result.returncode == 2 and "no such store directory" in result.stderr and "Traceback" not in result.stderr
+    assert (
+        result.returncode == 2
+        and "no such store directory" in result.stderr
+        and "Traceback" not in result.stderr
+    )
     assert subprocess.run(["tierstore", "frobnicate"], capture_output=True).returncode == 2

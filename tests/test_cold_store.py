@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 import torch
-
 from host_kernels import parallel_host_kernels
+
 from tierstore.tiers.cold import LmdbColdStore, open_cold_store
 
 
@@ -21,7 +21,9 @@ def backend(request):
 def open_store(backend, path, read_only=False):
     path.mkdir(exist_ok=True)
     if backend == "mmap-kernel-index":
-        return open_cold_store("mmap", path, 3, torch.float32, read_only, index_kernels=parallel_host_kernels())
+        return open_cold_store(
+            "mmap", path, 3, torch.float32, read_only, index_kernels=parallel_host_kernels()
+        )
     return open_cold_store(backend, path, 3, torch.float32, read_only)
 
 
@@ -123,7 +125,9 @@ def tiny_filesystem(tmp_path):
     """A 2 MiB tmpfs (needs the right to mount; skipped, saying so, without it)."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tiny tmpfs here: {result.stderr.decode().strip()}")
     yield mount_point
@@ -132,7 +136,9 @@ def tiny_filesystem(tmp_path):
 
 def test_full_disk_fails_a_put_with_oserror_and_the_store_keeps_its_last_flush(tiny_filesystem):
     """Staged rows are written with pwrite, so a full disk is an ENOSPC error, not a SIGBUS."""
-    store = open_cold_store("mmap", tiny_filesystem, 64, torch.float32, False, index_kernels=parallel_host_kernels())
+    store = open_cold_store(
+        "mmap", tiny_filesystem, 64, torch.float32, False, index_kernels=parallel_host_kernels()
+    )
     store.put(torch.arange(100), torch.ones(100, 64))
     store.flush()
     with pytest.raises(OSError, match="No space left"):
@@ -155,6 +161,7 @@ def test_a_failed_log_write_loses_nothing_flushed(backend, tmp_path, monkeypatch
 
     def full_disk(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(os, "pwrite", full_disk)
     with pytest.raises(OSError, match="No space left"):
         store.put(torch.tensor([2, 3]), torch.full((2, 3), 7.0))

@@ -1,7 +1,8 @@
-"""Invariant 3 under SIGKILL: a writer is killed at random moments; every reopen must hold exactly the state of one completed flush, no older than the last
-flush the writer reported. With "small" caches a round is mostly puts that evict and stage rows;
-with "large" caches 30-60% of a round is inside flush, so kills land there too. Both backends guarantee this (LMDB by its transactions, mmap by its
-write-ahead log; see tierstore/cold/mmap_store.py)."""
+"""Invariant 3 under SIGKILL: a writer is killed at random moments; every reopen must hold exactly the
+state of one completed flush, no older than the last flush the writer reported. With "small" caches
+a round is mostly puts that evict and stage rows; with "large" caches 30-60% of a round is inside
+flush, so kills land there too. Both backends guarantee this (LMDB by its transactions, mmap by its
+write-ahead log; see tierstore/tiers/cold/mmap_store.py)."""
 
 import os
 import random
@@ -11,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import crash_writer
 import pytest
 
-import crash_writer
 from tierstore import TieredStore
 
 TRIALS = int(os.environ.get("TIERSTORE_CRASH_TRIALS", "10"))
@@ -29,8 +30,12 @@ def expected_state(last_round: int) -> dict:
 
 def run_writer_and_kill(path: Path, backend: str, config: str, rng: random.Random) -> int:
     """Start the writer, SIGKILL it after a random delay; returns the last round it reported."""
-    writer = subprocess.Popen([sys.executable, crash_writer.__file__, str(path), backend, config],
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    writer = subprocess.Popen(
+        [sys.executable, crash_writer.__file__, str(path), backend, config],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert writer.stdout.readline().strip() == "ready"
     time.sleep(rng.uniform(0.0, 0.6))
     writer.send_signal(signal.SIGKILL)
@@ -49,7 +54,9 @@ def test_invariant3_reopen_after_sigkill_holds_exactly_the_last_completed_flush(
         reported = run_writer_and_kill(path, backend, config, rng)
         last_reported = max(last_reported, reported)
         with TieredStore(path, host_cache=4096) as store:
-            durable = int(store.get([crash_writer.MARKER])[0, 0].item()) if crash_writer.MARKER in store else -1
+            durable = (
+                int(store.get([crash_writer.MARKER])[0, 0].item()) if crash_writer.MARKER in store else -1
+            )
             assert durable >= last_reported, "a reported flush was lost"
             rounds_seen.add(durable)
             state = expected_state(durable)

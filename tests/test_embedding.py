@@ -13,8 +13,15 @@ NUM, DIM = 64, 8
 def oracle_bag(mode, padding_idx=None, include_last_offset=False, dtype=torch.float32):
     """torch's table with our initial rows (torch has no sparse gradients for mode "max":
     ``sparse_grad_of_batch`` makes one)."""
-    bag = nn.EmbeddingBag(NUM, DIM, mode=mode, sparse=mode != "max", padding_idx=padding_idx,
-                          include_last_offset=include_last_offset, dtype=dtype)
+    bag = nn.EmbeddingBag(
+        NUM,
+        DIM,
+        mode=mode,
+        sparse=mode != "max",
+        padding_idx=padding_idx,
+        include_last_offset=include_last_offset,
+        dtype=dtype,
+    )
     with torch.no_grad():
         bag.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, dtype))
     return bag
@@ -43,17 +50,28 @@ def random_bags(rng, bags=6, max_length=4, include_last_offset=False):
 @pytest.mark.parametrize("include_last_offset", [False, True])
 def test_bag_forward_equals_torch(mode, padding_idx, include_last_offset):
     rng = np.random.default_rng(0)
-    ours = TieredEmbeddingBag(NUM, DIM, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset,
-                              host_cache=16, device_cache=40)
+    ours = TieredEmbeddingBag(
+        NUM,
+        DIM,
+        mode=mode,
+        padding_idx=padding_idx,
+        include_last_offset=include_last_offset,
+        host_cache=16,
+        device_cache=40,
+    )
     torch_bag = oracle_bag(mode, padding_idx, include_last_offset)
     for _ in range(5):
         ids, offsets = random_bags(rng, include_last_offset=include_last_offset)
         ids[::3] = 3  # padding entries, when padding_idx is 3
         weights = torch.rand(ids.numel()) if mode == "sum" else None
-        torch.testing.assert_close(ours(ids, offsets, weights), torch_bag(ids, offsets, weights), rtol=0, atol=0)
+        torch.testing.assert_close(
+            ours(ids, offsets, weights), torch_bag(ids, offsets, weights), rtol=0, atol=0
+        )
     two_d = torch.from_numpy(rng.integers(0, NUM, (5, 3)))
     two_d_weights = torch.rand(5, 3) if mode == "sum" else None
-    torch.testing.assert_close(ours(two_d, None, two_d_weights), torch_bag(two_d, None, two_d_weights), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ours(two_d, None, two_d_weights), torch_bag(two_d, None, two_d_weights), rtol=0, atol=0
+    )
     ours.close()
 
 
@@ -88,15 +106,27 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("host_backend", ["openmp", "torch"])
-def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, backend, device_backend, host_backend,
-                                                                   store_path):
+def test_training_matches_torch_with_rows_moving_between_all_tiers(
+    name, mode, backend, device_backend, host_backend, store_path
+):
     ours_optimizer, torch_optimizer = OPTIMIZERS[name]
-    ours = TieredEmbeddingBag(NUM, DIM, mode=mode, path=store_path, backend=backend, host_cache=12,
-                              device_cache=24, optimizer=ours_optimizer(), device_cache_backend=device_backend,
-                              host_cache_backend=host_backend)
+    ours = TieredEmbeddingBag(
+        NUM,
+        DIM,
+        mode=mode,
+        path=store_path,
+        backend=backend,
+        host_cache=12,
+        device_cache=24,
+        optimizer=ours_optimizer(),
+        device_cache_backend=device_backend,
+        host_cache_backend=host_backend,
+    )
     stats = ours.store.stats()
-    assert (stats["device"]["backend"], stats["host"]["backend"]) == (getattr(device_backend, "name", device_backend),
-                                                                      host_backend)
+    assert (stats["device"]["backend"], stats["host"]["backend"]) == (
+        getattr(device_backend, "name", device_backend),
+        host_backend,
+    )
     torch_bag = oracle_bag(mode)
     reference_optimizer = torch_optimizer(torch_bag.parameters())
     rng = np.random.default_rng(7)
@@ -108,16 +138,24 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(name, mode, b
         before = ours.store.stats()
         (ours(ids, offsets, weights) * target).sum().backward()
         after = ours.store.stats()
-        moved.append((after["host"]["rows_in"] > before["host"]["rows_in"],
-                       after["cold"]["rows_read"] > before["cold"]["rows_read"]))
+        moved.append(
+            (
+                after["host"]["rows_in"] > before["host"]["rows_in"],
+                after["cold"]["rows_read"] > before["cold"]["rows_read"],
+            )
+        )
         reference_optimizer.zero_grad()
         (torch_bag(ids, offsets, weights) * target).sum().backward()
         sparse_grad_of_batch(torch_bag, ids)
         reference_optimizer.step()
-    assert sum(host and cold for host, cold in moved) >= 40  # rows moved through all three tiers nearly every step
+    assert (
+        sum(host and cold for host, cold in moved) >= 40
+    )  # rows moved through all three tiers nearly every step
     ours.close()
     with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
-        torch.testing.assert_close(reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_two_forwards_before_one_backward_update_the_rows_they_looked_up(store_path):
@@ -125,8 +163,9 @@ def test_two_forwards_before_one_backward_update_the_rows_they_looked_up(store_p
     first's update must find its rows again, not write into slots that now hold other ids.
     (Each forward's backward is one fused optimizer step, as in FBGEMM; with SGD that equals
     torch's single step on the summed gradient.) Lookups are counted once, not again by updates."""
-    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24,
-                              optimizer=optim.SGD(lr=0.1))
+    ours = TieredEmbeddingBag(
+        NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24, optimizer=optim.SGD(lr=0.1)
+    )
     torch_bag = oracle_bag("sum")
     reference_optimizer = torch.optim.SGD(torch_bag.parameters(), lr=0.1)
     rng = np.random.default_rng(11)
@@ -147,7 +186,9 @@ def test_two_forwards_before_one_backward_update_the_rows_they_looked_up(store_p
     assert top["hits"] + top["misses"] == looked_up
     ours.close()
     with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
-        torch.testing.assert_close(reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            reopened.get(torch.arange(NUM)), torch_bag.weight.detach(), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_get_distinct_refuses_ids_that_are_not_sorted_and_distinct():
@@ -161,8 +202,15 @@ def test_get_distinct_refuses_ids_that_are_not_sorted_and_distinct():
 
 
 def test_embedding_training_matches_torch(store_path):
-    ours = TieredEmbedding(NUM, DIM, padding_idx=2, path=store_path, host_cache=12, device_cache=24,
-                           optimizer=optim.Adagrad(lr=0.1))
+    ours = TieredEmbedding(
+        NUM,
+        DIM,
+        padding_idx=2,
+        path=store_path,
+        host_cache=12,
+        device_cache=24,
+        optimizer=optim.Adagrad(lr=0.1),
+    )
     torch_table = nn.Embedding(NUM, DIM, padding_idx=2, sparse=True)
     with torch.no_grad():
         torch_table.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, torch.float32))
@@ -191,8 +239,16 @@ def rowwise_adagrad_reference(weights, momentum, grad, lr, eps):
 
 
 def test_rowwise_adagrad_matches_published_update(store_path, device_backend):
-    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", path=store_path, host_cache=12, device_cache=24,
-                              optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8), device_cache_backend=device_backend)
+    ours = TieredEmbeddingBag(
+        NUM,
+        DIM,
+        mode="sum",
+        path=store_path,
+        host_cache=12,
+        device_cache=24,
+        optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8),
+        device_cache_backend=device_backend,
+    )
     weights = initial_weights(torch.arange(NUM), DIM, 0, torch.float32).double().numpy()
     momentum = np.zeros(NUM)
     rng = np.random.default_rng(5)
@@ -205,7 +261,8 @@ def test_rowwise_adagrad_matches_published_update(store_path, device_backend):
         np.add.at(grad, ids.numpy(), target[bag_of])
         touched = np.unique(ids.numpy())
         weights[touched], momentum[touched] = rowwise_adagrad_reference(
-            weights[touched], momentum[touched], grad[touched], 0.1, 1e-8)
+            weights[touched], momentum[touched], grad[touched], 0.1, 1e-8
+        )
     ours.close()
     with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
         rows = reopened.get(torch.arange(NUM), with_state=True).double()
@@ -247,7 +304,11 @@ def test_eval_and_no_grad_lookups_do_not_grow_the_table(missing):
             ours(unseen, torch.tensor([0]))
     else:
         out = ours(unseen, torch.tensor([0, 1]))
-        expected_99 = initial_weights(torch.tensor([99]), DIM, 0, torch.float32)[0] if missing == "init" else torch.zeros(DIM)
+        expected_99 = (
+            initial_weights(torch.tensor([99]), DIM, 0, torch.float32)[0]
+            if missing == "init"
+            else torch.zeros(DIM)
+        )
         torch.testing.assert_close(out[1], expected_99)
     ours.train()
     with torch.no_grad():
@@ -257,7 +318,9 @@ def test_eval_and_no_grad_lookups_do_not_grow_the_table(missing):
 
 
 def test_state_dict_resumes_the_same_store_and_copies_into_another(tmp_path):
-    first = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam())
+    first = TieredEmbeddingBag(
+        None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam()
+    )
     for step in range(3):
         first(torch.tensor([step, 10 + step, 30]), torch.tensor([0])).sum().backward()
     state = first.state_dict()
@@ -265,15 +328,21 @@ def test_state_dict_resumes_the_same_store_and_copies_into_another(tmp_path):
     ids = torch.tensor([0, 1, 2, 10, 11, 12, 30])
     expected = first.store.get(ids, with_state=True)
     first.close()  # as when a checkpoint is loaded in a new process (LMDB opens a store once per process)
-    second = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "b", host_cache=8, optimizer=optim.Adam())
+    second = TieredEmbeddingBag(
+        None, DIM, mode="sum", path=tmp_path / "b", host_cache=8, optimizer=optim.Adam()
+    )
     second.load_state_dict(state)
     assert second.step == 3
     torch.testing.assert_close(second.store.get(ids, with_state=True), expected)
     assert len(second.store) == 7
-    resumed = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam())
+    resumed = TieredEmbeddingBag(
+        None, DIM, mode="sum", path=tmp_path / "a", host_cache=8, optimizer=optim.Adam()
+    )
     resumed.load_state_dict(state)  # the same store: only the step count is restored
     assert resumed.step == 3 and len(resumed.store) == 7
-    wrong = TieredEmbeddingBag(None, DIM, mode="sum", path=tmp_path / "c", host_cache=8, optimizer=optim.SGD())
+    wrong = TieredEmbeddingBag(
+        None, DIM, mode="sum", path=tmp_path / "c", host_cache=8, optimizer=optim.SGD()
+    )
     with pytest.raises(ValueError, match="optimizer"):
         wrong.load_state_dict(state)
     for module in (second, resumed, wrong):
@@ -287,19 +356,33 @@ def test_module_has_no_parameters_and_follows_to_and_train_eval():
     ours.close()
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda m: m(torch.tensor([1, -2]), torch.tensor([0])), ValueError, "input.*negative"),
-    (lambda m: m(torch.tensor([1, NUM]), torch.tensor([0])), IndexError, "input.*num_embeddings"),
-    (lambda m: m(torch.tensor([1.0, 2.0]), torch.tensor([0])), TypeError, "input.*integer"),
-    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])), ValueError, "offsets.*non-decreasing"),
-    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([1, 2])), ValueError, r"offsets\[0\]"),
-    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 4])), ValueError, "offsets point past"),
-    (lambda m: m(torch.tensor([1, 2, 3]), None), ValueError, "offsets is required"),
-    (lambda m: m(torch.tensor([[1, 2]]), torch.tensor([0])), ValueError, "offsets must be None"),
-    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(2)), ValueError, "per_sample_weights.*shape"),
-    (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(3, dtype=torch.float64)), TypeError,
-     "per_sample_weights.*dtype"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m: m(torch.tensor([1, -2]), torch.tensor([0])), ValueError, "input.*negative"),
+        (lambda m: m(torch.tensor([1, NUM]), torch.tensor([0])), IndexError, "input.*num_embeddings"),
+        (lambda m: m(torch.tensor([1.0, 2.0]), torch.tensor([0])), TypeError, "input.*integer"),
+        (
+            lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])),
+            ValueError,
+            "offsets.*non-decreasing",
+        ),
+        (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([1, 2])), ValueError, r"offsets\[0\]"),
+        (lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 4])), ValueError, "offsets point past"),
+        (lambda m: m(torch.tensor([1, 2, 3]), None), ValueError, "offsets is required"),
+        (lambda m: m(torch.tensor([[1, 2]]), torch.tensor([0])), ValueError, "offsets must be None"),
+        (
+            lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(2)),
+            ValueError,
+            "per_sample_weights.*shape",
+        ),
+        (
+            lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0]), torch.ones(3, dtype=torch.float64)),
+            TypeError,
+            "per_sample_weights.*dtype",
+        ),
+    ],
+)
 def test_bad_bag_input_names_the_argument(call, error, message):
     ours = TieredEmbeddingBag(NUM, DIM, mode="sum", host_cache=16)
     with pytest.raises(error, match=message):
@@ -324,11 +407,18 @@ def test_per_sample_weights_need_sum_mode():
     ours.close()
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"num_embeddings": 0}, ValueError), ({"embedding_dim": -1}, ValueError), ({"mode": "median"}, ValueError),
-    ({"padding_idx": NUM}, ValueError), ({"missing": "drop"}, ValueError), ({"optimizer": "sgd"}, TypeError),
-    ({"max_norm": 1.0}, NotImplementedError),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"num_embeddings": 0}, ValueError),
+        ({"embedding_dim": -1}, ValueError),
+        ({"mode": "median"}, ValueError),
+        ({"padding_idx": NUM}, ValueError),
+        ({"missing": "drop"}, ValueError),
+        ({"optimizer": "sgd"}, TypeError),
+        ({"max_norm": 1.0}, NotImplementedError),
+    ],
+)
 def test_bad_constructor_arguments(kwargs, error):
     arguments = {"num_embeddings": NUM, "embedding_dim": DIM} | kwargs
     with pytest.raises(error, match=next(iter(kwargs))):

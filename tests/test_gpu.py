@@ -18,8 +18,12 @@ def test_auto_picks_the_kernels_on_a_gpu(tmp_path):
 
 def test_cuda_backend_matches_torch_backend_on_random_workloads(tmp_path):
     rng = np.random.default_rng(0)
-    stores = {name: TieredStore(tmp_path / name, dim=12, host_cache=40, device_cache=24, device="cuda",
-                                device_cache_backend=name) for name in ("cuda", "torch")}
+    stores = {
+        name: TieredStore(
+            tmp_path / name, dim=12, host_cache=40, device_cache=24, device="cuda", device_cache_backend=name
+        )
+        for name in ("cuda", "torch")
+    }
     oracle = {}
     for step in range(300):
         ids = torch.from_numpy(rng.integers(0, 200, rng.integers(1, 24)))  # repeats within a batch
@@ -43,16 +47,34 @@ def test_cuda_backend_matches_torch_backend_on_random_workloads(tmp_path):
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise", "adam"])
 def test_training_on_the_gpu_matches_the_torch_backend_and_torch(name, tmp_path):
-    make = {"sgd": lambda: optim.SGD(lr=0.1), "adagrad": lambda: optim.Adagrad(lr=0.1),
-            "rowwise": lambda: optim.RowWiseAdagrad(lr=0.1), "adam": lambda: optim.Adam(lr=0.05)}[name]
-    tables = {backend: TieredEmbeddingBag(64, 8, mode="sum", path=tmp_path / backend, host_cache=12, device_cache=24,
-                                          optimizer=make(), device="cuda", device_cache_backend=backend)
-              for backend in ("cuda", "torch")}
+    make = {
+        "sgd": lambda: optim.SGD(lr=0.1),
+        "adagrad": lambda: optim.Adagrad(lr=0.1),
+        "rowwise": lambda: optim.RowWiseAdagrad(lr=0.1),
+        "adam": lambda: optim.Adam(lr=0.05),
+    }[name]
+    tables = {
+        backend: TieredEmbeddingBag(
+            64,
+            8,
+            mode="sum",
+            path=tmp_path / backend,
+            host_cache=12,
+            device_cache=24,
+            optimizer=make(),
+            device="cuda",
+            device_cache_backend=backend,
+        )
+        for backend in ("cuda", "torch")
+    }
     reference = nn.EmbeddingBag(64, 8, mode="sum", sparse=True).cuda()
     with torch.no_grad():
         reference.weight.copy_(initial_weights(torch.arange(64), 8, 0, torch.float32))
-    reference_optimizer = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1), "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
-                           "adam": lambda p: torch.optim.SparseAdam(p, lr=0.05)}.get(name, lambda p: None)(reference.parameters())
+    reference_optimizer = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "adam": lambda p: torch.optim.SparseAdam(p, lr=0.05),
+    }.get(name, lambda p: None)(reference.parameters())
     rng = np.random.default_rng(1)
     for _ in range(50):
         lengths = rng.integers(0, 5, 6)
@@ -79,5 +101,13 @@ def test_a_launch_with_a_tensor_on_another_device_names_the_kernel():
     kernels, why_not = device_kernels(torch.device("cuda"))
     assert kernels is not None, why_not
     with pytest.raises(CudaError, match="cache_find"):
-        kernels.launch("cache_find", 4, torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), 3,
-                       torch.zeros(4, dtype=torch.int64), 4, torch.zeros(4, dtype=torch.int32))
+        kernels.launch(
+            "cache_find",
+            4,
+            torch.zeros(4, dtype=torch.int64),
+            torch.zeros(4, dtype=torch.int32),
+            3,
+            torch.zeros(4, dtype=torch.int64),
+            4,
+            torch.zeros(4, dtype=torch.int32),
+        )

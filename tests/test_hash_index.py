@@ -1,9 +1,10 @@
 import torch
+from helpers import hash_table_operations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import hash_table_operations
 from tierstore.tiers.hash_index import HashIndex
+
 
 @settings(max_examples=150, deadline=None)
 @given(hash_table_operations, st.integers(1, 8))

@@ -8,7 +8,7 @@ from tierstore import initial_rows, initial_weights
 def test_initial_row_depends_only_on_id_and_seed():
     ids = torch.tensor([5, 0, 2**62, 5, 17])
     together = initial_weights(ids, 8, seed=3, dtype=torch.float32)
-    one_by_one = torch.cat([initial_weights(ids[i:i + 1], 8, 3, torch.float32) for i in range(5)])
+    one_by_one = torch.cat([initial_weights(ids[i : i + 1], 8, 3, torch.float32) for i in range(5)])
     reversed_batch = initial_weights(ids.flip(0), 8, 3, torch.float32).flip(0)
     assert torch.equal(together, one_by_one)
     assert torch.equal(together, reversed_batch)

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-
 from helpers import initial
+
 from tierstore import CacheCapacityError, TieredStore
 
 

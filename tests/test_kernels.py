@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import hash_table_operations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,31 +19,47 @@ from tierstore.kernels import cuda as kernels
 from tierstore.tiers.hash_index import HashIndex
 from tierstore.tiers.kernel_hash_table import KernelHashTable
 
-from helpers import hash_table_operations
-
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_kernel_compiles_with_nvrtc_without_warnings(arch):
     cubin = kernels.compile_cubin(kernels.SOURCE, arch)
     assert cubin[:4] == b"\x7fELF"
-    for name in ("cache_find", "cache_insert", "cache_erase", "cache_touch", "cache_victim_scores",
-                 "cache_gather_vec4", "cache_gather", "cache_scatter", "update_sgd", "update_adagrad",
-                 "update_rowwise_adagrad", "update_adam", "index_find", "index_insert", "index_erase",
-                 "bag_weight_gradient"):
+    for name in (
+        "cache_find",
+        "cache_insert",
+        "cache_erase",
+        "cache_touch",
+        "cache_victim_scores",
+        "cache_gather_vec4",
+        "cache_gather",
+        "cache_scatter",
+        "update_sgd",
+        "update_adagrad",
+        "update_rowwise_adagrad",
+        "update_adam",
+        "index_find",
+        "index_insert",
+        "index_erase",
+        "bag_weight_gradient",
+    ):
         assert name.encode() in cubin, name
 
 
 def test_a_compile_error_names_the_file_and_shows_nvrtc_log(tmp_path, monkeypatch):
     (tmp_path / "broken.cu").write_text('extern "C" __global__ void k(int* a) { a[0] = undefined_name; }\n')
     monkeypatch.setattr(kernels, "source_dir", lambda: tmp_path)
-    with pytest.raises(kernels.CudaError, match=r"(?s)broken.cu: nvrtcCompileProgram for sm_80 .*undefined_name"):
+    with pytest.raises(
+        kernels.CudaError, match=r"(?s)broken.cu: nvrtcCompileProgram for sm_80 .*undefined_name"
+    ):
         kernels.compile_cubin("broken.cu", "sm_80")
 
 
 def test_a_warning_fails_the_compile(tmp_path, monkeypatch):
     (tmp_path / "warns.cu").write_text('extern "C" __global__ void k(int* a) { int unused = 1; a[0] = 0; }\n')
     monkeypatch.setattr(kernels, "source_dir", lambda: tmp_path)
-    with pytest.raises(kernels.CudaError, match=r"(?s)warns.cu.*\"unused\" was declared but never referenced"):
+    with pytest.raises(
+        kernels.CudaError, match=r"(?s)warns.cu.*\"unused\" was declared but never referenced"
+    ):
         kernels.compile_cubin("warns.cu", "sm_90")
 
 
@@ -57,6 +74,7 @@ def test_cubins_are_cached_by_source_hash_architecture_and_nvrtc_version(tmp_pat
 
 
 # -- the hash table: the kernel table and the torch HashIndex against one dict ------------------
+
 
 @pytest.mark.parametrize("value_dtype", [torch.int32, torch.int64])
 @settings(max_examples=100, deadline=None)
@@ -89,8 +107,17 @@ def test_insert_kernel_reports_repeated_keys_and_a_full_table(host):
     keys = torch.full((16,), -1, dtype=torch.int64)
     values = torch.full((16,), -1, dtype=torch.int32)
     status = torch.empty(4, dtype=torch.int32)
-    host.launch("cache_insert", 4, keys, values, 15, torch.tensor([5, 9, 5, 9]), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-                4, status)
+    host.launch(
+        "cache_insert",
+        4,
+        keys,
+        values,
+        15,
+        torch.tensor([5, 9, 5, 9]),
+        torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+        4,
+        status,
+    )
     assert sorted(status[[0, 2]].tolist()) == [0, 1] and sorted(status[[1, 3]].tolist()) == [0, 1]
     found = torch.empty(2, dtype=torch.int32)
     host.launch("cache_find", 2, keys, values, 15, torch.tensor([5, 9]), 2, found)
@@ -125,13 +152,23 @@ def test_long_chains_survive_removals_and_the_table_rebuilds(host):
 
 # -- rows, scores and the fused optimizers against torch -----------------------------------------
 
+
 def test_gather_and_scatter_match_index_select_and_index_copy(host):
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(50, 12, generator=generator)
     slots = torch.tensor([7, 3, 3, 49, 0], dtype=torch.int32)  # repeats are fine for a gather
     for name, columns in (("cache_gather_vec4", 8), ("cache_gather", 5)):
         out = torch.empty(5, columns)
-        host.launch(name, 5 * columns if name == "cache_gather" else 5 * columns // 4, rows, 12, slots, 5, columns, out)
+        host.launch(
+            name,
+            5 * columns if name == "cache_gather" else 5 * columns // 4,
+            rows,
+            12,
+            slots,
+            5,
+            columns,
+            out,
+        )
         assert torch.equal(out, rows[slots.long(), :columns]), name
     values = torch.randn(3, 12, generator=generator)
     distinct = torch.tensor([4, 40, 9], dtype=torch.int32)
@@ -158,8 +195,15 @@ def test_victim_scores_block_free_and_needed_slots(host):
     assert torch.topk(out, 2, largest=False).indices.tolist() == [1, 4]
 
 
-@pytest.mark.parametrize("optimizer", [optim.SGD(lr=0.1), optim.Adagrad(lr=0.1, lr_decay=0.01),
-                                       optim.RowWiseAdagrad(lr=0.1), optim.Adam(lr=0.05)])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optim.SGD(lr=0.1),
+        optim.Adagrad(lr=0.1, lr_decay=0.01),
+        optim.RowWiseAdagrad(lr=0.1),
+        optim.Adam(lr=0.05),
+    ],
+)
 def test_update_kernels_match_the_torch_optimizers(host, optimizer):
     dim, generator = 8, torch.Generator().manual_seed(2)
     width = dim + optimizer.state_width(dim)
@@ -188,6 +232,7 @@ def test_grid_stride_loops_cover_every_item_in_any_grid(host):
 
 def test_device_cache_backend_choice_is_checked_and_reported(tmp_path):
     from tierstore import TieredStore
+
     with pytest.raises(ValueError, match="device_cache_backend='cuda' cannot run here .*not a CUDA device"):
         TieredStore(tmp_path / "a", dim=4, device_cache=8, device_cache_backend="cuda")
     with pytest.raises(ValueError, match="'auto', 'cuda' or 'torch'"):
@@ -200,6 +245,7 @@ def test_device_cache_backend_choice_is_checked_and_reported(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_backend_without_a_gpu_says_so(tmp_path):
     from tierstore import TieredStore
+
     with pytest.raises(ValueError, match="cannot run here .torch sees no CUDA device"):
         TieredStore(tmp_path / "s", dim=4, device="cuda", device_cache=8, device_cache_backend="cuda")
     assert not (tmp_path / "s").exists()
@@ -209,14 +255,25 @@ def test_a_built_wheel_carries_the_kernel_sources_inside_the_package(tmp_path):
     """The sources live in tierstore/kernels and ship as package data: an installed wheel (not the
     source tree) finds them."""
     root = Path(__file__).parent.parent
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                    str(tmp_path / "wheel"), str(root)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"), str(root)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "wheel").glob("tierstore-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "installed")
-    check = ("from tierstore.kernels import source_dir; import tierstore; "
-             "print(source_dir(), tierstore.__file__, sorted(p.name for p in source_dir().glob('*.[ch]*')))")
-    shown = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")}).stdout
+    check = (
+        "from tierstore.kernels import source_dir; import tierstore; "
+        "print(source_dir(), tierstore.__file__, sorted(p.name for p in source_dir().glob('*.[ch]*')))"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", check],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")},
+    ).stdout
     assert str(tmp_path / "installed" / "tierstore") in shown
     assert "['embedding_cache.cu', 'host_shim.h']" in shown

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.nn import pooled_lookup
 
@@ -35,11 +36,21 @@ def test_bag_weight_gradient_matches_torch(host, data, mode, include_last_offset
     weight = torch.randn(rows, 5)
 
     def ours(w):
-        return pooled_lookup.embedding_bag(local, w, offsets, mode, weights, include_last_offset, padding_idx, host)
+        return pooled_lookup.embedding_bag(
+            local, w, offsets, mode, weights, include_last_offset, padding_idx, host
+        )
 
     def reference(w):
-        return F.embedding_bag(local, w, offsets, mode=mode, per_sample_weights=weights,
-                               include_last_offset=include_last_offset, padding_idx=padding_idx)
+        return F.embedding_bag(
+            local,
+            w,
+            offsets,
+            mode=mode,
+            per_sample_weights=weights,
+            include_last_offset=include_last_offset,
+            padding_idx=padding_idx,
+        )
+
     output, grad = gradients(ours, weight)
     expected_output, expected_grad = gradients(reference, weight)
     assert torch.equal(output, expected_output)
@@ -51,7 +62,9 @@ def test_bag_weight_gradient_matches_torch(host, data, mode, include_last_offset
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_two_dimensional_bags_match_torch(host, mode):
     local, weight = torch.randint(0, 7, (6, 4)), torch.randn(7, 3)
-    output, grad = gradients(lambda w: pooled_lookup.embedding_bag(local, w, None, mode, None, False, None, host), weight)
+    output, grad = gradients(
+        lambda w: pooled_lookup.embedding_bag(local, w, None, mode, None, False, None, host), weight
+    )
     expected_output, expected_grad = gradients(lambda w: F.embedding_bag(local, w, mode=mode), weight)
     assert torch.equal(output, expected_output)
     torch.testing.assert_close(grad, expected_grad)

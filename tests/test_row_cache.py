@@ -9,8 +9,12 @@ from tierstore.tiers import RowCache, Rows
 
 def rows_for(keys, width=2):
     keys = torch.as_tensor(keys, dtype=torch.int64)
-    return Rows(keys, keys[:, None].float().repeat(1, width),
-                torch.zeros(keys.numel(), dtype=torch.bool), torch.zeros(keys.numel(), dtype=torch.bool))
+    return Rows(
+        keys,
+        keys[:, None].float().repeat(1, width),
+        torch.zeros(keys.numel(), dtype=torch.bool),
+        torch.zeros(keys.numel(), dtype=torch.bool),
+    )
 
 
 def access(cache, key):

@@ -5,12 +5,12 @@ import shutil
 import tempfile
 
 import torch
+from helpers import initial
+from host_kernels import shared_host_kernels
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from helpers import initial
-from host_kernels import shared_host_kernels
 from tierstore import TieredStore
 from tierstore.tiers import KernelRows
 
@@ -34,11 +34,20 @@ class StoreAgainstDict(RuleBasedStateMachine):
         device_backend = self.device_cache_backend
         if device_backend == "cuda":  # the kernels' one-thread host build standing in for the GPU
             device_backend = KernelRows(shared_host_kernels(), "cuda")
-        self.store = TieredStore(self.directory + "/s", dim=DIM, backend=self.backend, host_cache=4, device_cache=6,
-                                 device_cache_backend=device_backend, host_cache_backend=self.host_cache_backend)
+        self.store = TieredStore(
+            self.directory + "/s",
+            dim=DIM,
+            backend=self.backend,
+            host_cache=4,
+            device_cache=6,
+            device_cache_backend=device_backend,
+            host_cache_backend=self.host_cache_backend,
+        )
         stats = self.store.stats()
-        assert (stats["device"]["backend"], stats["host"]["backend"]) == (self.device_cache_backend,
-                                                                          self.host_cache_backend)
+        assert (stats["device"]["backend"], stats["host"]["backend"]) == (
+            self.device_cache_backend,
+            self.host_cache_backend,
+        )
 
     @rule(keys=ids, into_out=st.booleans())
     def get(self, keys, into_out):
@@ -51,9 +60,16 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
     @rule(keys=ids, data=st.data())
     def put(self, keys, data):
-        rows = torch.tensor(data.draw(st.lists(
-            st.lists(st.floats(-10, 10, width=32), min_size=DIM, max_size=DIM),
-            min_size=len(keys), max_size=len(keys))), dtype=torch.float32)
+        rows = torch.tensor(
+            data.draw(
+                st.lists(
+                    st.lists(st.floats(-10, 10, width=32), min_size=DIM, max_size=DIM),
+                    min_size=len(keys),
+                    max_size=len(keys),
+                )
+            ),
+            dtype=torch.float32,
+        )
         self.store.put(keys, rows)
         for key, row in zip(keys, rows):
             self.oracle[key] = row  # the last occurrence wins

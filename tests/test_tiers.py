@@ -91,13 +91,21 @@ def test_a_policy_never_evicts_protected_slots_and_the_cache_names_itself_when_i
     cache.admit(rows_for([3]))
     _, evicted = cache.admit(rows_for([4]), protected=oldest)
     assert evicted.keys.tolist() == [2]  # 1 is older but protected
-    with pytest.raises(CacheCapacityError, match="the device cache holds 3 rows and the current batch needs 3"):
+    with pytest.raises(
+        CacheCapacityError, match="the device cache holds 3 rows and the current batch needs 3"
+    ):
         cache.admit(rows_for([5, 6, 7]), protected=cache.find(torch.tensor([1])))
 
 
 def test_a_store_takes_a_backend_value_for_either_tier(tmp_path, host):
-    with TieredStore(tmp_path / "s", dim=4, host_cache=8, device_cache=4, host_cache_backend=TorchRows(),
-                     device_cache_backend=KernelRows(host, "openmp")) as store:
+    with TieredStore(
+        tmp_path / "s",
+        dim=4,
+        host_cache=8,
+        device_cache=4,
+        host_cache_backend=TorchRows(),
+        device_cache_backend=KernelRows(host, "openmp"),
+    ) as store:
         for part in torch.arange(20).split(4):  # rows move through both tiers and the cold store
             store.put(part, part[:, None].float().repeat(1, 4))
         for part in torch.arange(20).split(3):
@@ -117,7 +125,9 @@ def test_tier_config_or_its_keywords_set_the_caches(tmp_path):
         stats = store.stats()
         assert (stats["host"]["capacity_rows"], stats["device"]["capacity_rows"]) == (16, 8)
         assert stats["host"]["backend"] == "torch"
-    with TieredStore(tmp_path / "b", dim=4, tiers=config, host_cache=32) as store:  # a keyword replaces a field
+    with TieredStore(
+        tmp_path / "b", dim=4, tiers=config, host_cache=32
+    ) as store:  # a keyword replaces a field
         assert store.stats()["host"]["capacity_rows"] == 32 and store.stats()["device"]["capacity_rows"] == 8
 
 
@@ -127,6 +137,7 @@ def test_an_unknown_tier_setting_is_refused_by_name_before_anything_is_created(t
     assert not (tmp_path / "a").exists()
     with pytest.raises(TypeError, match="'hots_cache'"):
         from tierstore import TieredEmbeddingBag
+
         TieredEmbeddingBag(None, 4, hots_cache="1MiB")
 
 
@@ -145,7 +156,9 @@ def test_every_lookup_is_counted_once_by_the_tier_that_served_it(tmp_path, backe
             if step == 30:
                 store.flush()
         stats = store.stats()
-    served = stats["device"]["hits"] + stats["host"]["hits"] + stats["cold"]["hits"] + stats["cold"]["initialized"]
+    served = (
+        stats["device"]["hits"] + stats["host"]["hits"] + stats["cold"]["hits"] + stats["cold"]["initialized"]
+    )
     assert served == lookups
     assert stats["host"]["hits"] > 0 and stats["cold"]["hits"] > 0  # every tier served some
 

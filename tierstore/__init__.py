@@ -2,7 +2,13 @@
 
 from . import optim
 from .config import TierConfig
-from .errors import CacheCapacityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError, StoreMismatchError
+from .errors import (
+    CacheCapacityError,
+    ReadOnlyStoreError,
+    StoreClosedError,
+    StoreFormatError,
+    StoreMismatchError,
+)
 from .initializer import initial_rows, initial_weights
 from .nn import TieredEmbedding, TieredEmbeddingBag
 from .store import TieredStore

@@ -30,12 +30,14 @@ class TierConfig:
     half_life: float | None = None
 
     @classmethod
-    def from_settings(cls, config: "TierConfig | None", settings: dict) -> "TierConfig":
+    def from_settings(cls, config: TierConfig | None, settings: dict) -> TierConfig:
         """``config`` (default ``TierConfig()``) with ``settings`` (keyword arguments of its fields)
         replaced; raises ``TypeError`` naming an unknown keyword and the known ones."""
         fields = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(set(settings) - set(fields))
         if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the cache tiers' "
-                            f"settings are {', '.join(fields)}")
+            raise TypeError(
+                f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the cache tiers' "
+                f"settings are {', '.join(fields)}"
+            )
         return dataclasses.replace(config or cls(), **settings)

@@ -38,14 +38,18 @@ def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) 
     Uniform in ``[-1/sqrt(dim), 1/sqrt(dim))``, drawn from 53 hashed bits per value.
     """
     columns = torch.arange(dim, dtype=torch.int64, device=ids.device)
-    stream = splitmix64(ids.to(torch.int64) * 0x5851F42D4C957F2D + splitmix64(torch.tensor(seed)).to(ids.device))
+    stream = splitmix64(
+        ids.to(torch.int64) * 0x5851F42D4C957F2D + splitmix64(torch.tensor(seed)).to(ids.device)
+    )
     bits = splitmix64(stream[:, None] + columns[None, :] * _GOLDEN)
     unit = _logical_shift_right(bits, 11).to(torch.float64) * 2.0**-53  # [0, 1)
     bound = 1.0 / math.sqrt(dim)
     return ((2.0 * unit - 1.0) * bound).to(dtype)
 
 
-def initial_rows(ids: torch.Tensor, dim: int, state_width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def initial_rows(
+    ids: torch.Tensor, dim: int, state_width: int, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Initial stored rows ``[N, dim + state_width]``: initial weights, then zero optimizer state."""
     rows = torch.zeros(ids.numel(), dim + state_width, dtype=dtype, device=ids.device)
     rows[:, :dim] = initial_weights(ids, dim, seed, dtype)

@@ -21,7 +21,12 @@ FORMAT_NAME = "tierstore"
 FORMAT_VERSION = 1
 METADATA_FILE = "tierstore.json"
 BACKENDS = ("lmdb", "mmap")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,9 +84,11 @@ def read_metadata(directory: Path) -> StoreMetadata:
     except FileNotFoundError:
         raise StoreFormatError(f"{directory} is not a tierstore store: {METADATA_FILE} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise StoreFormatError(f"{path} is damaged (not valid JSON: {error}); restore it from a backup") from None
+        raise StoreFormatError(
+            f"{path} is damaged (not valid JSON: {error}); restore it from a backup"
+        ) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-        raise StoreFormatError(f"{path} is not tierstore metadata (no \"format\": \"{FORMAT_NAME}\" field)")
+        raise StoreFormatError(f'{path} is not tierstore metadata (no "format": "{FORMAT_NAME}" field)')
     version = document.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise StoreFormatError(f"{path} is damaged: format_version is {version!r}, expected an int")
@@ -116,10 +123,13 @@ def open_metadata(path: Path, requested: dict[str, Any], read_only: bool) -> Sto
         raise StoreFormatError(f"{path} holds no store to open read-only")
     if requested["dim"] is None:
         raise ValueError("dim is required to create a new store")
-    metadata = StoreMetadata(backend=requested["backend"] or "lmdb", dim=requested["dim"],
-                             dtype=requested["dtype"] or "float32",
-                             optimizer_state_width=requested["optimizer_state_width"] or 0,
-                             seed=requested["seed"] or 0)
+    metadata = StoreMetadata(
+        backend=requested["backend"] or "lmdb",
+        dim=requested["dim"],
+        dtype=requested["dtype"] or "float32",
+        optimizer_state_width=requested["optimizer_state_width"] or 0,
+        seed=requested["seed"] or 0,
+    )
     path.mkdir(parents=True, exist_ok=True)
     write_metadata(path, metadata)
     return metadata

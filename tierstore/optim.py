@@ -35,20 +35,31 @@ class SparseOptimizer(abc.ABC):
             value = getattr(self, field.name)
             values = value if isinstance(value, tuple) else (value,)
             if any(not isinstance(v, (int, float)) or v < 0 for v in values):
-                raise ValueError(f"{type(self).__name__}.{field.name} must be a non-negative number, got {value!r}")
+                raise ValueError(
+                    f"{type(self).__name__}.{field.name} must be a non-negative number, got {value!r}"
+                )
 
     @abc.abstractmethod
     def state_width(self, dim: int) -> int:
         """Optimizer-state values stored per row for weights of ``dim`` values."""
 
-    def update(self, table: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int,
-               buffer: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        table: torch.Tensor,
+        slots: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         """Apply ``grad [U, dim]`` (one row per id) to rows ``slots`` (int64 [U], distinct) of
         ``table [R, dim + state_width]``, weights and state, in place. ``buffer``: a reusable
         ``[>= U, R's width]`` tensor to gather the rows into (a fresh 32 MiB tensor per step costs
         more in page faults than the update itself)."""
-        rows = table.index_select(0, slots) if buffer is None else \
-            torch.index_select(table, 0, slots, out=buffer[:slots.numel()])
+        rows = (
+            table.index_select(0, slots)
+            if buffer is None
+            else torch.index_select(table, 0, slots, out=buffer[: slots.numel()])
+        )
         self.update_rows(rows, grad, step)
         table.index_copy_(0, slots, rows)
 
@@ -58,8 +69,8 @@ class SparseOptimizer(abc.ABC):
 
     @abc.abstractmethod
     def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
-        """The kernel (``tierstore/kernels``) doing ``update_rows``: ``(name, float arguments after dim, one thread
-        per row rather than per element)``."""
+        """The kernel (``tierstore/kernels``) doing ``update_rows``: ``(name, float arguments after
+        dim, one thread per row rather than per element)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +85,7 @@ class SGD(SparseOptimizer):
         return 0
 
     def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        rows[:, :grad.shape[1]].sub_(grad, alpha=self.lr)
+        rows[:, : grad.shape[1]].sub_(grad, alpha=self.lr)
 
     def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
         return "update_sgd", (float(self.lr),), False
@@ -148,8 +159,8 @@ class Adam(SparseOptimizer):
     def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         dim = grad.shape[1]
         beta1, beta2 = self.betas
-        exp_avg = rows[:, dim:2 * dim].mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = rows[:, 2 * dim:].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg = rows[:, dim : 2 * dim].mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = rows[:, 2 * dim :].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         rows[:, :dim].addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-self._step_size(step))
 
     def _step_size(self, step: int) -> float:
@@ -158,11 +169,16 @@ class Adam(SparseOptimizer):
 
     def kernel(self, step: int) -> tuple[str, tuple[float, ...], bool]:
         beta1, beta2 = self.betas
-        return "update_adam", (float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(self.eps),
-                               self._step_size(step)), False
+        return (
+            "update_adam",
+            (float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(self.eps), self._step_size(step)),
+            False,
+        )
 
 
-OPTIMIZERS: dict[str, type[SparseOptimizer]] = {kind.name: kind for kind in (SGD, Adagrad, RowWiseAdagrad, Adam)}
+OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    kind.name: kind for kind in (SGD, Adagrad, RowWiseAdagrad, Adam)
+}
 
 
 def with_state_width(state_width: int, dim: int) -> list[str]:

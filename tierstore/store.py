@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -41,10 +42,20 @@ class TieredStore:
     once. A batch needs at most the top tier's capacity of distinct ids.
     """
 
-    def __init__(self, path: str | Path | None = None, dim: int | None = None, dtype: torch.dtype | None = None,
-                 backend: str | None = None, *, device: torch.device | str = "cpu",
-                 optimizer_state_width: int | None = None, seed: int | None = None, read_only: bool = False,
-                 tiers: TierConfig | None = None, **tier_settings) -> None:
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        backend: str | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        optimizer_state_width: int | None = None,
+        seed: int | None = None,
+        read_only: bool = False,
+        tiers: TierConfig | None = None,
+        **tier_settings,
+    ) -> None:
         config = TierConfig.from_settings(tiers, tier_settings)
         self.device = torch.device(device)
         # Refuse a backend that cannot run before creating anything (a new store's dtype is known here).
@@ -52,8 +63,13 @@ class TieredStore:
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
         self.read_only = read_only
-        requested = {"dim": dim, "dtype": None if dtype is None else dtype_name(dtype), "backend": backend,
-                     "optimizer_state_width": optimizer_state_width, "seed": seed}
+        requested = {
+            "dim": dim,
+            "dtype": None if dtype is None else dtype_name(dtype),
+            "backend": backend,
+            "optimizer_state_width": optimizer_state_width,
+            "seed": seed,
+        }
         self.metadata = open_metadata(self.path, requested, read_only)
         self.config = config
         self.dim = self.metadata.dim
@@ -64,8 +80,9 @@ class TieredStore:
 
     # -- public API --------------------------------------------------------------------------
 
-    def get(self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None,
-            grow: bool = True) -> torch.Tensor:
+    def get(
+        self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None, grow: bool = True
+    ) -> torch.Tensor:
         """Rows of ``ids`` (int64 [N]) -> ``[N, dim]`` (``with_state``: ``[N, row_width]``) on ``device``.
 
         ``out``: a preallocated tensor of that shape, dtype and device to gather into (saves
@@ -85,7 +102,9 @@ class TieredStore:
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             if not grow or self.read_only:
-                rows = self.stack.rows_without_growing(unique, counts, width, self.device)[inverse.to(self.device)]
+                rows = self.stack.rows_without_growing(unique, counts, width, self.device)[
+                    inverse.to(self.device)
+                ]
                 return rows if out is None else out.copy_(rows)
             slots = self.stack.make_resident(unique, counts)[inverse.to(top.device)]
         if out is None or top.device != self.device:
@@ -103,11 +122,14 @@ class TieredStore:
         rows = as_rows(rows, ids.numel(), (self.dim, self.row_width), self.dtype)
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
-            0, inverse, torch.arange(ids.numel()), reduce="amax")
+            0, inverse, torch.arange(ids.numel()), reduce="amax"
+        )
         slots = self.stack.make_resident(unique, counts)
         self.stack.top.write(slots, rows[last], rows.shape[1])
 
-    def get_distinct(self, ids: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_distinct(
+        self, ids: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [U, dim] on device, top-tier slots int64 [U])`` of sorted distinct ``ids``
         (as ``torch.unique`` returns them); ``counts [U]``: how often the batch holds each id (LFU).
 
@@ -117,14 +139,22 @@ class TieredStore:
         self._check_open()
         ids = as_ids(ids)
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("get_distinct needs sorted distinct ids (as torch.unique returns); use get() for any ids")
+            raise ValueError(
+                "get_distinct needs sorted distinct ids (as torch.unique returns); use get() for any ids"
+            )
         counts = torch.ones_like(ids) if counts is None else counts
         slots = self.stack.make_resident(ids, counts)
         weights = self.stack.top.read(slots, self.dim).to(self.device)
         return weights, slots
 
-    def apply_gradients(self, ids: torch.Tensor, grad: torch.Tensor, optimizer: SparseOptimizer, step: int,
-                        slots: torch.Tensor | None = None) -> None:
+    def apply_gradients(
+        self,
+        ids: torch.Tensor,
+        grad: torch.Tensor,
+        optimizer: SparseOptimizer,
+        step: int,
+        slots: torch.Tensor | None = None,
+    ) -> None:
         """Fused ``optimizer`` step (its ``step``-th) on the rows of distinct ``ids`` (int64 [U]) with
         ``grad [U, dim]``: weights and optimizer state are updated in place in the top tier.
 
@@ -163,7 +193,7 @@ class TieredStore:
             if self._temporary:
                 shutil.rmtree(self.path, ignore_errors=True)
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -184,7 +214,9 @@ class TieredStore:
         unique, inverse = torch.unique(ids, return_inverse=True)
         return self.stack.contains(unique)[inverse]
 
-    def iter_rows(self, batch_size: int = 65536, with_state: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_rows(
+        self, batch_size: int = 65536, with_state: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(ids [n], rows [n, dim or row_width])`` in the table, newest values, on CPU."""
         self._check_open()
         return self.stack.iter_rows(batch_size, self.row_width if with_state else self.dim)
@@ -214,4 +246,6 @@ class TieredStore:
     def _check_writable(self, action: str) -> None:
         self._check_open()
         if self.read_only:
-            raise ReadOnlyStoreError(f"store {self.path} was opened with read_only=True; reopen it writable to {action}")
+            raise ReadOnlyStoreError(
+                f"store {self.path} was opened with read_only=True; reopen it writable to {action}"
+            )

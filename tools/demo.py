@@ -1,6 +1,6 @@
 """Stream a Zipf-skewed id workload through a store larger than its caches; print hits per tier.
 
-    python tools/demo.py --help
+python tools/demo.py --help
 """
 
 from __future__ import annotations
@@ -30,9 +30,17 @@ def main() -> None:
     args = parser.parse_args()
 
     ids = ZipfIds(args.ids, args.alpha)(args.batches * args.batch_size)  # hot ids scattered over the id space
-    with tempfile.TemporaryDirectory() as directory, \
-            TieredStore(directory, dim=args.dim, backend=args.backend, host_cache=args.host_cache,
-                        device_cache=args.device_cache, device=args.device) as store:
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        TieredStore(
+            directory,
+            dim=args.dim,
+            backend=args.backend,
+            host_cache=args.host_cache,
+            device_cache=args.device_cache,
+            device=args.device,
+        ) as store,
+    ):
         start = time.perf_counter()
         for batch in np.array_split(ids, args.batches):
             rows = store.get(torch.from_numpy(batch))
@@ -40,18 +48,28 @@ def main() -> None:
         seconds = time.perf_counter() - start
         stats = store.stats()
         lookups = 2 * ids.size  # every id is read once and written once
-        print(f"{ids.size:,} ids ({len(store):,} distinct rows, dim {args.dim}) in {seconds:.1f} s "
-              f"= {lookups / seconds:,.0f} lookups/s")
-        print(f"{'tier':<8}{'capacity rows':>15}{'hits':>14}{'hit share':>11}{'rows in':>12}{'evictions':>12}")
+        print(
+            f"{ids.size:,} ids ({len(store):,} distinct rows, dim {args.dim}) in {seconds:.1f} s "
+            f"= {lookups / seconds:,.0f} lookups/s"
+        )
+        print(
+            f"{'tier':<8}{'capacity rows':>15}{'hits':>14}{'hit share':>11}{'rows in':>12}{'evictions':>12}"
+        )
         for name in ("device", "host"):
             if name in stats:
                 tier = stats[name]
-                print(f"{name:<8}{tier['capacity_rows']:>15,}{tier['hits']:>14,}{tier['hits'] / lookups:>11.1%}"
-                      f"{tier['rows_in']:>12,}{tier['evictions']:>12,}")
+                print(
+                    f"{name:<8}{tier['capacity_rows']:>15,}{tier['hits']:>14,}{tier['hits'] / lookups:>11.1%}"
+                    f"{tier['rows_in']:>12,}{tier['evictions']:>12,}"
+                )
         cold = stats["cold"]
-        print(f"{'cold':<8}{'(' + args.backend + ')':>15}{cold['hits']:>14,}{cold['hits'] / lookups:>11.1%}"
-              f"{cold['rows_read']:>12,}{'':>12}")
-        print(f"new ids initialised: {cold['initialized']:,} ({cold['initialized'] / lookups:.1%} of lookups)")
+        print(
+            f"{'cold':<8}{'(' + args.backend + ')':>15}{cold['hits']:>14,}{cold['hits'] / lookups:>11.1%}"
+            f"{cold['rows_read']:>12,}{'':>12}"
+        )
+        print(
+            f"new ids initialised: {cold['initialized']:,} ({cold['initialized'] / lookups:.1%} of lookups)"
+        )
 
 
 if __name__ == "__main__":

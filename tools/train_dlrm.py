@@ -29,7 +29,12 @@ from tierstore.initializer import splitmix64
 from tierstore.workloads import ZipfIds
 
 DENSE_FEATURES, SPARSE_FEATURES = 13, 26
-OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad, "adam": optim.Adam}
+OPTIMIZERS = {
+    "sgd": optim.SGD,
+    "adagrad": optim.Adagrad,
+    "rowwise_adagrad": optim.RowWiseAdagrad,
+    "adam": optim.Adam,
+}
 
 
 class CriteoLikeStream:
@@ -37,7 +42,9 @@ class CriteoLikeStream:
 
     def __init__(self, ids_per_feature: int, alpha: float, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
-        self.features = [ZipfIds(ids_per_feature, alpha, seed + 1 + feature) for feature in range(SPARSE_FEATURES)]
+        self.features = [
+            ZipfIds(ids_per_feature, alpha, seed + 1 + feature) for feature in range(SPARSE_FEATURES)
+        ]
         self.dense_weights = self.rng.standard_normal(DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
 
     def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,7 +72,9 @@ class DLRM(nn.Module):
         self.bottom = mlp([DENSE_FEATURES, 64, dim])
         pairs = (SPARSE_FEATURES + 1) * SPARSE_FEATURES // 2
         self.top = mlp([dim + pairs, 128, 64, 1])
-        self.pair_rows, self.pair_cols = torch.triu_indices(SPARSE_FEATURES + 1, SPARSE_FEATURES + 1, offset=1)
+        self.pair_rows, self.pair_cols = torch.triu_indices(
+            SPARSE_FEATURES + 1, SPARSE_FEATURES + 1, offset=1
+        )
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``dense [B, 13]``, ``ids [26, B]`` (one id per feature per sample) -> logits ``[B]``."""
@@ -96,28 +105,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--ids-per-feature", type=int, default=1_000_000, help="id space of each categorical feature")
+    parser.add_argument(
+        "--ids-per-feature", type=int, default=1_000_000, help="id space of each categorical feature"
+    )
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--device-cache", default="20000", help="rows (or bytes, e.g. 8MiB) of each table's top tier")
+    parser.add_argument(
+        "--device-cache", default="20000", help="rows (or bytes, e.g. 8MiB) of each table's top tier"
+    )
     parser.add_argument("--host-cache", default="60000", help="rows (or bytes) of each table's host tier")
     parser.add_argument("--backend", choices=["lmdb", "mmap"], default="mmap")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     parser.add_argument("--lr", type=float, default=0.05, help="the tables' learning rate")
-    parser.add_argument("--path", type=Path, help="directory for the tables' stores (default: a temporary one)")
+    parser.add_argument(
+        "--path", type=Path, help="directory for the tables' stores (default: a temporary one)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     root = args.path or Path(tempfile.mkdtemp(prefix="tierstore-dlrm-"))
     budget = lambda text: int(text) if text.isdigit() else text  # noqa: E731 (rows or a byte string)
-    tables = [tierstore.TieredEmbeddingBag(None, args.dim, mode="sum", path=root / f"feature{index:02d}",
-                                           backend=args.backend, host_cache=budget(args.host_cache),
-                                           device_cache=budget(args.device_cache), seed=index,
-                                           optimizer=OPTIMIZERS[args.optimizer](lr=args.lr))
-              for index in range(SPARSE_FEATURES)]
+    tables = [
+        tierstore.TieredEmbeddingBag(
+            None,
+            args.dim,
+            mode="sum",
+            path=root / f"feature{index:02d}",
+            backend=args.backend,
+            host_cache=budget(args.host_cache),
+            device_cache=budget(args.device_cache),
+            seed=index,
+            optimizer=OPTIMIZERS[args.optimizer](lr=args.lr),
+        )
+        for index in range(SPARSE_FEATURES)
+    ]
     model = DLRM(tables, args.dim)
-    dense_optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # the MLPs only: tables have no Parameters
+    dense_optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-3
+    )  # the MLPs only: tables have no Parameters
     loss_function = nn.BCEWithLogitsLoss()
     stream = CriteoLikeStream(args.ids_per_feature, args.alpha, args.seed)
 
@@ -136,8 +162,10 @@ def main() -> None:
         table.flush()
 
     samples = args.steps * args.batch_size
-    print(f"{samples:,} samples in {seconds:.1f} s ({samples / seconds:,.0f} samples/s); "
-          f"loss over the last 50 steps {np.mean(recent):.4f}; tables in {root}")
+    print(
+        f"{samples:,} samples in {seconds:.1f} s ({samples / seconds:,.0f} samples/s); "
+        f"loss over the last 50 steps {np.mean(recent):.4f}; tables in {root}"
+    )
     print(f"{'tier':<8}{'lookups served':>16}{'rows moved in':>16}{'evictions':>12}")
     for tier, share, moved, evicted in tier_summary(tables):
         print(f"{tier:<8}{share:>16.1%}{moved:>16,}{evicted:>12,}")

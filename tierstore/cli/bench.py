@@ -43,10 +43,14 @@ def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
         else:
             rows = parse_bytes(text) // row_bytes
     except ValueError as error:
-        raise ValueError(f"cache size {size!r} does not parse ({error}); use a share of distinct ids (5%), "
-                         f"a row count (20000) or bytes (64MiB)") from None
+        raise ValueError(
+            f"cache size {size!r} does not parse ({error}); use a share of distinct ids (5%), "
+            f"a row count (20000) or bytes (64MiB)"
+        ) from None
     if rows < 1:
-        raise ValueError(f"cache size {size!r} holds no rows ({distinct:,} distinct ids, {row_bytes} bytes a row)")
+        raise ValueError(
+            f"cache size {size!r} holds no rows ({distinct:,} distinct ids, {row_bytes} bytes a row)"
+        )
     return rows
 
 
@@ -59,33 +63,58 @@ def run_store(trace: Trace, rows: int, batch_size: int, dim: int, backend: str, 
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
             start = time.perf_counter()
-            for batch in tqdm(batches, desc=f"store, {rows:,} rows", unit="batch", leave=False, disable=not progress):
+            for batch in tqdm(
+                batches, desc=f"store, {rows:,} rows", unit="batch", leave=False, disable=not progress
+            ):
                 began = time.perf_counter()
-                store.get(batch, out=out[:batch.numel()])
+                store.get(batch, out=out[: batch.numel()])
                 latencies.append(time.perf_counter() - began)
             seconds = time.perf_counter() - start
             tiers = store.stats()
     host = tiers["host"]
-    return {"hit_rate": 1 - host["rows_in"] / keys.numel(), "lookup_hit_rate": host["hits"] / keys.numel(),
-            "lookups_per_s": keys.numel() / seconds,
-            "batch_latency_ms_p50": 1e3 * float(np.percentile(latencies, 50)),
-            "batch_latency_ms_p99": 1e3 * float(np.percentile(latencies, 99)), "tiers": tiers}
+    return {
+        "hit_rate": 1 - host["rows_in"] / keys.numel(),
+        "lookup_hit_rate": host["hits"] / keys.numel(),
+        "lookups_per_s": keys.numel() / seconds,
+        "batch_latency_ms_p50": 1e3 * float(np.percentile(latencies, 50)),
+        "batch_latency_ms_p99": 1e3 * float(np.percentile(latencies, 99)),
+        "tiers": tiers,
+    }
 
 
-def run_bench(trace: Trace, sizes: list[str], policies: list[str], batch_size: int = 4096, dim: int = 16,
-              backend: str = "mmap", progress: bool = True) -> dict:
+def run_bench(
+    trace: Trace,
+    sizes: list[str],
+    policies: list[str],
+    batch_size: int = 4096,
+    dim: int = 16,
+    backend: str = "mmap",
+    progress: bool = True,
+) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
     rows is replayed in batches of its size."""
     distinct = int(np.unique(trace.keys).size)
     row_bytes = dim * 4
-    report = {"trace": trace.name, "accesses": int(trace.keys.size), "distinct_ids": distinct,
-              "columns": [{"name": n, "first_key": a, "end_key": b} for n, a, b in trace.columns],
-              "batch_size": batch_size, "dim": dim, "backend": backend, "sizes": []}
+    report = {
+        "trace": trace.name,
+        "accesses": int(trace.keys.size),
+        "distinct_ids": distinct,
+        "columns": [{"name": n, "first_key": a, "end_key": b} for n, a, b in trace.columns],
+        "batch_size": batch_size,
+        "dim": dim,
+        "backend": backend,
+        "sizes": [],
+    }
     for size in sizes:
         rows = cache_rows(size, distinct, row_bytes)
         batch = min(batch_size, rows)  # a batch's distinct ids must fit in the cache
-        entry = {"size": size, "rows": rows, "share_of_distinct": rows / distinct, "batch_size": batch,
-                 "tierstore_lfu": run_store(trace, rows, batch, dim, backend, progress)}
+        entry = {
+            "size": size,
+            "rows": rows,
+            "share_of_distinct": rows / distinct,
+            "batch_size": batch,
+            "tierstore_lfu": run_store(trace, rows, batch, dim, backend, progress),
+        }
         for policy in policies:
             entry[policy] = {"hit_rate": policy_hits(trace.keys, rows, policy) / trace.keys.size}
         report["sizes"].append(entry)
@@ -95,18 +124,27 @@ def run_bench(trace: Trace, sizes: list[str], policies: list[str], batch_size: i
 def format_table(report: dict, policies: list[str]) -> str:
     """The report as a readable text table, one line per cache size."""
     names = ["tierstore LFU"] + [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
-    header = (f"{'cache':>10} {'rows':>10} " + " ".join(f"{name:>13}" for name in names)
-              + f" {'lookups/s':>11} {'p50 ms':>8} {'p99 ms':>8} {'rows in':>10} {'MB in':>8} {'evictions':>10}")
-    lines = [f"{report['trace']}: {report['accesses']:,} accesses, {report['distinct_ids']:,} distinct ids, "
-             f"batches of up to {report['batch_size']:,}; hit rate = 1 - rows brought in / lookups", header]
+    header = (
+        f"{'cache':>10} {'rows':>10} "
+        + " ".join(f"{name:>13}" for name in names)
+        + f" {'lookups/s':>11} {'p50 ms':>8} {'p99 ms':>8} {'rows in':>10} {'MB in':>8} {'evictions':>10}"
+    )
+    lines = [
+        f"{report['trace']}: {report['accesses']:,} accesses, {report['distinct_ids']:,} distinct ids, "
+        f"batches of up to {report['batch_size']:,}; hit rate = 1 - rows brought in / lookups",
+        header,
+    ]
     for entry in report["sizes"]:
         ours = entry["tierstore_lfu"]
         host = ours["tiers"]["host"]
         rates = [ours["hit_rate"]] + [entry[p]["hit_rate"] for p in policies]
-        lines.append(f"{entry['size']:>10} {entry['rows']:>10,} " + " ".join(f"{rate:>13.1%}" for rate in rates)
-                     + f" {ours['lookups_per_s']:>11,.0f} {ours['batch_latency_ms_p50']:>8.2f}"
-                     f" {ours['batch_latency_ms_p99']:>8.2f} {host['rows_in']:>10,} {host['bytes_in'] / 1e6:>8.1f}"
-                     f" {host['evictions']:>10,}")
+        lines.append(
+            f"{entry['size']:>10} {entry['rows']:>10,} "
+            + " ".join(f"{rate:>13.1%}" for rate in rates)
+            + f" {ours['lookups_per_s']:>11,.0f} {ours['batch_latency_ms_p50']:>8.2f}"
+            f" {ours['batch_latency_ms_p99']:>8.2f} {host['rows_in']:>10,} {host['bytes_in'] / 1e6:>8.1f}"
+            f" {host['evictions']:>10,}"
+        )
     return "\n".join(lines)
 
 
@@ -114,17 +152,28 @@ def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
     """Hit rate against cache size per policy, as a PNG; False when matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
     shares = [100 * entry["share_of_distinct"] for entry in report["sizes"]]
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(shares, [100 * e["tierstore_lfu"]["hit_rate"] for e in report["sizes"]], marker="o", label="tierstore LFU")
+    axes.plot(
+        shares,
+        [100 * e["tierstore_lfu"]["hit_rate"] for e in report["sizes"]],
+        marker="o",
+        label="tierstore LFU",
+    )
     for policy in policies:
         label = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}[policy]
-        axes.plot(shares, [100 * e[policy]["hit_rate"] for e in report["sizes"]], marker=".",
-                  linestyle="--" if policy == "belady" else "-", label=label)
+        axes.plot(
+            shares,
+            [100 * e[policy]["hit_rate"] for e in report["sizes"]],
+            marker=".",
+            linestyle="--" if policy == "belady" else "-",
+            label=label,
+        )
     axes.set_xlabel("host cache size (% of distinct ids)")
     axes.set_ylabel("hit rate (% of lookups)")
     axes.set_title(report["trace"])

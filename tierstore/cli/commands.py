@@ -33,8 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierstore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (CommandError, TableFileError, TraceError, StoreFormatError, StoreMismatchError, FileExistsError,
-            FileNotFoundError, ValueError, OSError) as error:
+    except (
+        CommandError,
+        TableFileError,
+        TraceError,
+        StoreFormatError,
+        StoreMismatchError,
+        FileExistsError,
+        FileNotFoundError,
+        ValueError,
+        OSError,
+    ) as error:
         print(f"tierstore {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -44,90 +53,158 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     formats = ", ".join(SUFFIXES)
-    command = commands.add_parser("import", help="build a new store from a table file",
-                                  description=f"Build a new store at STORE from the table in SRC ({formats}; "
-                                  "format from the suffix), streaming, atomically (an interrupted import "
-                                  "leaves no store at STORE).")
+    command = commands.add_parser(
+        "import",
+        help="build a new store from a table file",
+        description=f"Build a new store at STORE from the table in SRC ({formats}; "
+        "format from the suffix), streaming, atomically (an interrupted import "
+        "leaves no store at STORE).",
+    )
     command.add_argument("source", metavar="SRC", type=Path)
     command.add_argument("store", metavar="STORE", type=Path)
-    command.add_argument("--ids", type=Path, help="an .npy of int64 ids, one per row of SRC (a sparse id set); "
-                         "without it row i is id i (or SRC's tensor 'ids', if it has one)")
-    command.add_argument("--key", help="the tensor holding the rows in a .pt/.safetensors file "
-                         "(default: its only 2-D float tensor, or the one named 'weight' or '*.weight')")
+    command.add_argument(
+        "--ids",
+        type=Path,
+        help="an .npy of int64 ids, one per row of SRC (a sparse id set); "
+        "without it row i is id i (or SRC's tensor 'ids', if it has one)",
+    )
+    command.add_argument(
+        "--key",
+        help="the tensor holding the rows in a .pt/.safetensors file "
+        "(default: its only 2-D float tensor, or the one named 'weight' or '*.weight')",
+    )
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
-    command.add_argument("--optimizer", choices=list(OPTIMIZER_CHOICES), default="none",
-                         help="room for this optimizer's per-row state, zeroed (as each starts)")
+    command.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_CHOICES),
+        default="none",
+        help="room for this optimizer's per-row state, zeroed (as each starts)",
+    )
     command.add_argument("--seed", type=int, default=0, help="initial rows of ids added later")
     command.add_argument("--chunk-rows", type=int, default=1 << 16)
     command.set_defaults(run=_import)
 
-    command = commands.add_parser("export", help="write a store's rows to a table file",
-                                  description=f"Write every row of STORE to DST ({formats}), streaming. A store whose "
-                                  "ids are 0..N-1 is written dense (row i = id i); any other with its ids.")
+    command = commands.add_parser(
+        "export",
+        help="write a store's rows to a table file",
+        description=f"Write every row of STORE to DST ({formats}), streaming. A store whose "
+        "ids are 0..N-1 is written dense (row i = id i); any other with its ids.",
+    )
     command.add_argument("store", metavar="STORE", type=Path)
     command.add_argument("destination", metavar="DST", type=Path)
-    command.add_argument("--ids", type=Path, help="for .npy: where to write the ids (needed for a sparse store)")
-    command.add_argument("--with-state", action="store_true", help="whole rows: weights, then optimizer state")
+    command.add_argument(
+        "--ids", type=Path, help="for .npy: where to write the ids (needed for a sparse store)"
+    )
+    command.add_argument(
+        "--with-state", action="store_true", help="whole rows: weights, then optimizer state"
+    )
     command.add_argument("--chunk-rows", type=int, default=1 << 16)
     command.set_defaults(run=_export)
 
-    command = commands.add_parser("inspect", help="a store's layout, size and last flush",
-                                  description="Show a store's rows, dim, dtype, optimizer, format version, "
-                                  "size on disk, bytes per row and last flush time.")
+    command = commands.add_parser(
+        "inspect",
+        help="a store's layout, size and last flush",
+        description="Show a store's rows, dim, dtype, optimizer, format version, "
+        "size on disk, bytes per row and last flush time.",
+    )
     command.add_argument("store", metavar="STORE", type=Path)
     command.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     command.set_defaults(run=_inspect)
 
-    command = commands.add_parser("verify", help="check a store; exit 1 on any problem",
-                                  description="Check a store's metadata and structure and that every row "
-                                  "decodes to finite values. Exit 0 if sound, 1 if not.")
+    command = commands.add_parser(
+        "verify",
+        help="check a store; exit 1 on any problem",
+        description="Check a store's metadata and structure and that every row "
+        "decodes to finite values. Exit 0 if sound, 1 if not.",
+    )
     command.add_argument("store", metavar="STORE", type=Path)
     command.set_defaults(run=_verify)
 
     command = commands.add_parser(
-        "bench", help="replay an id trace through a store at several cache sizes",
-        description="Replay an id trace through a store whose host cache takes each of --sizes, and report per "
-        "size: hit rate, rows and bytes moved, evictions, lookups/s and per-batch latency p50/p99, beside the "
-        "hit rates of LRU, FIFO and Belady's MIN (optimal) caches of the same size on the same trace. "
+        "bench",
+        help="replay an id trace through a store at several cache sizes",
+        description="Replay an id trace through a store whose host cache takes each of --sizes, and "
+        "report per size: hit rate, rows and bytes moved, evictions, lookups/s and per-batch latency "
+        "p50/p99, beside the hit rates of LRU, FIFO and Belady's MIN (optimal) caches of the same size "
+        "on the same trace. "
         "Writes a JSON of every figure and a PNG of the hit-rate curve (needs matplotlib: pip install "
-        "'tierstore[plot]').")
-    command.add_argument("trace", metavar="TRACE", help="zipf:alpha=1.05,n=10000000[,length=N,seed=S] | "
-                         "uniform:n=N | drift:n=N,hot=H,period=P | a .npy of ids | a CSV/TSV file (with --columns) "
-                         "| a Criteo Kaggle TSV (with --criteo)")
-    command.add_argument("--columns", help="comma-separated id columns of a CSV/TSV (names from its header, or "
-                         "0-based indices); several fuse into one key space with per-column offsets")
-    command.add_argument("--separate", action="store_true", help="each column its own table, with its own "
-                         "cache of each size (default: one table, columns fused with per-column key offsets)")
-    command.add_argument("--criteo", action="store_true", help="the trace is Criteo Kaggle TSV: use its 26 "
-                         "categorical columns, skip empty fields")
+        "'tierstore[plot]').",
+    )
+    command.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="zipf:alpha=1.05,n=10000000[,length=N,seed=S] | "
+        "uniform:n=N | drift:n=N,hot=H,period=P | a .npy of ids | a CSV/TSV file (with --columns) "
+        "| a Criteo Kaggle TSV (with --criteo)",
+    )
+    command.add_argument(
+        "--columns",
+        help="comma-separated id columns of a CSV/TSV (names from its header, or "
+        "0-based indices); several fuse into one key space with per-column offsets",
+    )
+    command.add_argument(
+        "--separate",
+        action="store_true",
+        help="each column its own table, with its own "
+        "cache of each size (default: one table, columns fused with per-column key offsets)",
+    )
+    command.add_argument(
+        "--criteo",
+        action="store_true",
+        help="the trace is Criteo Kaggle TSV: use its 26 categorical columns, skip empty fields",
+    )
     command.add_argument("--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)")
-    command.add_argument("--sizes", default="1%,5%,10%", help="host cache sizes: shares of the trace's distinct "
-                         "ids (5%%: unlike a store's host_cache budget, where 5%% is a share of RAM), row counts "
-                         "(20000) or bytes (64MiB); default 1%%,5%%,10%%")
-    command.add_argument("--policy", default="lru,fifo,belady", help="reference policies to compare with ours "
-                         "(LFU): any of lru, fifo, belady")
+    command.add_argument(
+        "--sizes",
+        default="1%,5%,10%",
+        help="host cache sizes: shares of the trace's distinct "
+        "ids (5%%: unlike a store's host_cache budget, where 5%% is a share of RAM), row counts "
+        "(20000) or bytes (64MiB); default 1%%,5%%,10%%",
+    )
+    command.add_argument(
+        "--policy",
+        default="lru,fifo,belady",
+        help="reference policies to compare with ours (LFU): any of lru, fifo, belady",
+    )
     command.add_argument("--batch-size", type=int, default=4096, help="ids per lookup batch")
     command.add_argument("--dim", type=int, default=16, help="row width of the store (sets bytes moved)")
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
-    command.add_argument("--out", type=Path, default=Path("tierstore-bench"),
-                         help="prefix of the outputs: OUT.json and OUT.png")
+    command.add_argument(
+        "--out",
+        type=Path,
+        default=Path("tierstore-bench"),
+        help="prefix of the outputs: OUT.json and OUT.png",
+    )
     command.set_defaults(run=_bench)
     return parser
 
 
 def _import(args) -> int:
     source = open_table(args.source, key=args.key, ids_path=args.ids)
-    metadata = import_table(source, args.store, backend=args.backend, optimizer=args.optimizer, seed=args.seed,
-                            chunk_rows=args.chunk_rows)
-    print(f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
-          f"({metadata.backend})")
+    metadata = import_table(
+        source,
+        args.store,
+        backend=args.backend,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        chunk_rows=args.chunk_rows,
+    )
+    print(
+        f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
+        f"({metadata.backend})"
+    )
     return 0
 
 
 def _export(args) -> int:
     _check_store(args.store)
-    count = export_table(args.store, args.destination, ids_path=args.ids, with_state=args.with_state,
-                         chunk_rows=args.chunk_rows)
+    count = export_table(
+        args.store,
+        args.destination,
+        ids_path=args.ids,
+        with_state=args.with_state,
+        chunk_rows=args.chunk_rows,
+    )
     print(f"exported {count:,} rows to {args.destination}")
     return 0
 
@@ -140,7 +217,9 @@ def _inspect(args) -> int:
         return 0
     width = max(map(len, facts))
     for name, value in facts.items():
-        shown = f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else value
+        shown = (
+            f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else value
+        )
         print(f"{name.replace('_', ' '):<{width}}  {shown}")
     return 0
 
@@ -158,7 +237,9 @@ def _bench(args) -> int:
     policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
     unknown = set(policies) - set(REFERENCE_POLICIES)
     if unknown:
-        raise CommandError(f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}")
+        raise CommandError(
+            f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}"
+        )
     if args.batch_size < 1 or args.dim < 1:
         raise CommandError("--batch-size and --dim must be positive")
     columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
@@ -172,7 +253,11 @@ def _bench(args) -> int:
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
         plotted = plot_curve(report, policies, png)
-        print(f"curve: {png}" if plotted else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')")
+        print(
+            f"curve: {png}"
+            if plotted
+            else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')"
+        )
         reports.append(report)
     json_path = args.out.with_name(args.out.name + ".json")
     json_path.write_text(json.dumps({"tables": reports} if args.separate else reports[0], indent=2))

@@ -28,15 +28,29 @@ def inspect_store(path: Path) -> dict:
     with TieredStore(path, read_only=True, host_cache=1) as store:
         rows = len(store)
         flushed = store.last_flush_time()
-    size = sum(file.stat().st_blocks * 512 for file in path.rglob("*") if file.is_file())  # allocated, not holes
-    last_flush = (datetime.datetime.fromtimestamp(flushed, datetime.timezone.utc).isoformat(timespec="seconds")
-                  if flushed is not None else None)
-    return {"path": str(path), "format_version": metadata.format_version, "backend": metadata.backend,
-            "rows": rows, "dim": metadata.dim, "dtype": metadata.dtype,
-            "optimizer": optimizer_name(metadata.optimizer_state_width, metadata.dim),
-            "optimizer_state_width": metadata.optimizer_state_width, "seed": metadata.seed,
-            "row_bytes": metadata.row_bytes, "size_on_disk_bytes": size,
-            "disk_bytes_per_row": size / rows if rows else None, "last_flush_utc": last_flush}
+    size = sum(
+        file.stat().st_blocks * 512 for file in path.rglob("*") if file.is_file()
+    )  # allocated, not holes
+    last_flush = (
+        datetime.datetime.fromtimestamp(flushed, datetime.timezone.utc).isoformat(timespec="seconds")
+        if flushed is not None
+        else None
+    )
+    return {
+        "path": str(path),
+        "format_version": metadata.format_version,
+        "backend": metadata.backend,
+        "rows": rows,
+        "dim": metadata.dim,
+        "dtype": metadata.dtype,
+        "optimizer": optimizer_name(metadata.optimizer_state_width, metadata.dim),
+        "optimizer_state_width": metadata.optimizer_state_width,
+        "seed": metadata.seed,
+        "row_bytes": metadata.row_bytes,
+        "size_on_disk_bytes": size,
+        "disk_bytes_per_row": size / rows if rows else None,
+        "last_flush_utc": last_flush,
+    }
 
 
 def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool = True) -> list[str]:
@@ -55,11 +69,15 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool = True) -
             return problems
         expected = len(store)
         seen = 0
-        with tqdm(total=expected, unit="rows", unit_scale=True, desc="verifying", disable=not progress) as bar:
+        with tqdm(
+            total=expected, unit="rows", unit_scale=True, desc="verifying", disable=not progress
+        ) as bar:
             for ids, rows in store.iter_rows(chunk_rows, with_state=True):
                 bad = ~torch.isfinite(rows).all(dim=1)
                 if bool(bad.any()):
-                    problems.append(f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})")
+                    problems.append(
+                        f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})"
+                    )
                 seen += ids.numel()
                 bar.update(ids.numel())
         if seen != expected:

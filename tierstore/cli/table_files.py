@@ -14,18 +14,27 @@ from __future__ import annotations
 import json
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth")
 SUFFIXES = (".npy", ".safetensors") + CHECKPOINT_SUFFIXES
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class TableFileError(ValueError):
@@ -66,7 +75,9 @@ def open_table(path: Path, key: str | None = None, ids_path: Path | None = None)
         raise TableFileError(f"{path}: unknown format {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
     rows = _as_tensor(rows) if isinstance(rows, np.ndarray) else rows
     if rows.dim() != 2 or not rows.is_floating_point() or rows.shape[1] == 0:
-        raise TableFileError(f"{path}: rows must be a 2-D float array [rows, dim], got {rows.dtype} {tuple(rows.shape)}")
+        raise TableFileError(
+            f"{path}: rows must be a 2-D float array [rows, dim], got {rows.dtype} {tuple(rows.shape)}"
+        )
     if ids_path is not None:
         if ids is not None:
             raise TableFileError(f"{path} holds ids already; leave out the ids file")
@@ -96,7 +107,9 @@ def _load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:  # torch raises many kinds for a bad file
-        raise TableFileError(f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: {error})") from None
+        raise TableFileError(
+            f"{path}: not a readable PyTorch checkpoint ({type(error).__name__}: {error})"
+        ) from None
     if isinstance(loaded, torch.Tensor):
         return {"weight": loaded}
     if not isinstance(loaded, dict):
@@ -141,16 +154,23 @@ class _SafetensorsRows:
         return self._slice[index]
 
 
-def _named_table(path: Path, tensors: dict[str, torch.Tensor], key: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _named_table(
+    path: Path, tensors: dict[str, torch.Tensor], key: str | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     tables = {name: t for name, t in tensors.items() if t.dim() == 2 and t.is_floating_point()}
     if key is None:
         named = [name for name in tables if name == "weight" or name.endswith(".weight")]
         candidates = list(tables) if len(tables) == 1 else named
         if len(candidates) != 1:
-            raise TableFileError(f"{path}: choose the table with --key, one of: {', '.join(tables) or '(no 2-D float tensors)'}")
+            raise TableFileError(
+                f"{path}: choose the table with --key, one of: "
+                f"{', '.join(tables) or '(no 2-D float tensors)'}"
+            )
         key = candidates[0]
     if key not in tensors:
-        raise TableFileError(f"{path}: no tensor named {key!r}; 2-D float tensors: {', '.join(tables) or 'none'}")
+        raise TableFileError(
+            f"{path}: no tensor named {key!r}; 2-D float tensors: {', '.join(tables) or 'none'}"
+        )
     ids = tensors.get("ids")
     return tensors[key], ids if ids is not None and ids.dim() == 1 and not ids.is_floating_point() else None
 
@@ -168,32 +188,54 @@ def _check_ids(ids: torch.Tensor, rows: int, path: Path) -> None:
 
 # -- writing ------------------------------------------------------------------------------------
 
+
 class TableWriter:
     """Writes ``[N, width]`` rows of ``dtype`` (and ``ids`` when ``sparse``) to ``path`` in any order
     of chunks: ``write(position, ids, rows)`` places them at rows ``position..``; ``close()``
     finishes the file. Data goes through a memory-mapped ``.npy`` (never all in RAM)."""
 
-    def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, sparse: bool,
-                 ids_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        rows: int,
+        width: int,
+        dtype: torch.dtype,
+        sparse: bool,
+        ids_path: Path | None = None,
+    ) -> None:
         self.path, self.sparse, self.ids_path = Path(path), sparse, ids_path
         if self.path.suffix not in SUFFIXES:
-            raise TableFileError(f"{path}: unknown format {self.path.suffix!r}; use one of {', '.join(SUFFIXES)}")
+            raise TableFileError(
+                f"{path}: unknown format {self.path.suffix!r}; use one of {', '.join(SUFFIXES)}"
+            )
         if self.path.suffix == ".npy" and sparse and ids_path is None:
-            raise TableFileError("the store's ids are not 0..N-1: give --ids FILE.npy to write them beside the rows")
+            raise TableFileError(
+                "the store's ids are not 0..N-1: give --ids FILE.npy to write them beside the rows"
+            )
         if dtype == torch.bfloat16 and self.path.suffix == ".npy":
             raise TableFileError("numpy has no bfloat16: export a bfloat16 store to .pt or .safetensors")
         self.dtype = dtype
-        numpy_dtype = torch.empty(0, dtype=dtype).view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().dtype
-        self._rows_file = self.path if self.path.suffix == ".npy" else self.path.with_name(self.path.name + ".rows.tmp.npy")
-        self._rows = np.lib.format.open_memmap(self._rows_file, mode="w+", dtype=numpy_dtype, shape=(rows, width))
+        numpy_dtype = (
+            torch.empty(0, dtype=dtype).view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().dtype
+        )
+        self._rows_file = (
+            self.path if self.path.suffix == ".npy" else self.path.with_name(self.path.name + ".rows.tmp.npy")
+        )
+        self._rows = np.lib.format.open_memmap(
+            self._rows_file, mode="w+", dtype=numpy_dtype, shape=(rows, width)
+        )
         self._ids = None
         if sparse:
-            self._ids_file = ids_path if ids_path is not None else self.path.with_name(self.path.name + ".ids.tmp.npy")
+            self._ids_file = (
+                ids_path if ids_path is not None else self.path.with_name(self.path.name + ".ids.tmp.npy")
+            )
             self._ids = np.lib.format.open_memmap(self._ids_file, mode="w+", dtype=np.int64, shape=(rows,))
 
     def write(self, position: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         stop = position + rows.shape[0]
-        self._rows[position:stop] = (rows.view(torch.int16) if self.dtype == torch.bfloat16 else rows).numpy()  # bits
+        self._rows[position:stop] = (
+            rows.view(torch.int16) if self.dtype == torch.bfloat16 else rows
+        ).numpy()  # bits
         if self._ids is not None:
             self._ids[position:stop] = ids.numpy()
 
@@ -223,8 +265,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], chunk_bytes:
     header, offset = {}, 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
@@ -233,4 +278,4 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], chunk_bytes:
         for tensor in tensors.values():
             raw = tensor.reshape(-1).view(torch.uint8)
             for start in range(0, raw.numel(), chunk_bytes):
-                file.write(raw[start:start + chunk_bytes].numpy().tobytes())
+                file.write(raw[start : start + chunk_bytes].numpy().tobytes())

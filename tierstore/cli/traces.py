@@ -44,8 +44,9 @@ class Trace:
     columns: list[tuple[str, int, int]]
 
 
-def load_trace(spec: str, columns: list[str] | None = None, criteo: bool = False,
-               delimiter: str | None = None) -> Trace:
+def load_trace(
+    spec: str, columns: list[str] | None = None, criteo: bool = False, delimiter: str | None = None
+) -> Trace:
     """The trace ``spec`` names: a synthetic spec or a file path (see the module docstring)."""
     kind, _, options = spec.partition(":")
     if kind in ("zipf", "uniform", "drift") and not Path(spec).exists():
@@ -72,12 +73,21 @@ def _options(spec: str, text: str) -> dict[str, float]:
 
 
 def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
-    known = {"zipf": {"alpha", "n", "length", "seed"}, "uniform": {"n", "length", "seed"},
-             "drift": {"n", "hot", "period", "alpha", "length", "seed"}}[kind]
+    known = {
+        "zipf": {"alpha", "n", "length", "seed"},
+        "uniform": {"n", "length", "seed"},
+        "drift": {"n", "hot", "period", "alpha", "length", "seed"},
+    }[kind]
     unknown = set(options) - known
     if unknown or "n" not in options:
-        raise TraceError(f"{kind}: options are {', '.join(sorted(known))} (n required); got {', '.join(sorted(options))}")
-    n, length, seed = int(options["n"]), int(options.get("length", DEFAULT_LENGTH)), int(options.get("seed", 0))
+        raise TraceError(
+            f"{kind}: options are {', '.join(sorted(known))} (n required); got {', '.join(sorted(options))}"
+        )
+    n, length, seed = (
+        int(options["n"]),
+        int(options.get("length", DEFAULT_LENGTH)),
+        int(options.get("seed", 0)),
+    )
     if n < 1 or length < 1:
         raise TraceError(f"{kind}: n and length must be positive")
     if kind == "zipf":
@@ -92,7 +102,9 @@ def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
 
 def _from_file(path: Path, columns: list[str] | None, criteo: bool, delimiter: str | None) -> Trace:
     if not path.is_file():
-        raise TraceError(f"{path}: no such trace file (or an unknown synthetic spec; use zipf:, uniform: or drift:)")
+        raise TraceError(
+            f"{path}: no such trace file (or an unknown synthetic spec; use zipf:, uniform: or drift:)"
+        )
     if path.suffix == ".npy":
         try:
             keys = np.load(path, allow_pickle=False)
@@ -102,7 +114,9 @@ def _from_file(path: Path, columns: list[str] | None, criteo: bool, delimiter: s
             raise TraceError(f"{path}: a trace is a 1-D integer array, got {keys.dtype} {keys.shape}")
         if keys.size and keys.min() < 0:
             raise TraceError(f"{path}: ids must be non-negative")
-        return Trace(keys.astype(np.int64), path.name, [(path.name, 0, int(keys.max()) + 1 if keys.size else 0)])
+        return Trace(
+            keys.astype(np.int64), path.name, [(path.name, 0, int(keys.max()) + 1 if keys.size else 0)]
+        )
     if path.suffix not in (".csv", ".tsv", ".txt"):
         raise TraceError(f"{path}: unknown trace format {path.suffix!r}; use .npy, .csv, .tsv or .txt")
     delimiter = delimiter or ("\t" if criteo or path.suffix == ".tsv" else ",")
@@ -123,17 +137,22 @@ def _from_file(path: Path, columns: list[str] | None, criteo: bool, delimiter: s
     return _fuse(path, names, [_column(path, records, index, criteo) for index in indices])
 
 
-def _choose_columns(path: Path, first: list[str], columns: list[str] | None,
-                    criteo: bool) -> tuple[list[str], list[int], bool]:
+def _choose_columns(
+    path: Path, first: list[str], columns: list[str] | None, criteo: bool
+) -> tuple[list[str], list[int], bool]:
     """``(column names, 0-based indices, whether the first line is a header)``."""
     if criteo:
         if len(first) != 40:
-            raise TraceError(f"{path}: the Criteo layout has 40 tab-separated fields, line 1 has {len(first)}")
+            raise TraceError(
+                f"{path}: the Criteo layout has 40 tab-separated fields, line 1 has {len(first)}"
+            )
         return [f"C{i - 13}" for i in CRITEO_CATEGORICAL], list(CRITEO_CATEGORICAL), False
     header = not any(field.strip().lstrip("-").isdigit() for field in first)
     if not columns:
-        raise TraceError(f"{path}: choose the id columns with --columns (names or 0-based indices; "
-                         f"line 1 is {','.join(first)})")
+        raise TraceError(
+            f"{path}: choose the id columns with --columns (names or 0-based indices; "
+            f"line 1 is {','.join(first)})"
+        )
     indices = []
     for column in columns:
         if column.isdigit():
@@ -141,8 +160,14 @@ def _choose_columns(path: Path, first: list[str], columns: list[str] | None,
         elif header and column in first:
             index = first.index(column)
         else:
-            raise TraceError(f"{path}: unknown column {column!r}; "
-                             f"{'columns are ' + ', '.join(first) if header else 'the file has no header: use 0-based indices'}")
+            raise TraceError(
+                f"{path}: unknown column {column!r}; "
+                + (
+                    "columns are " + ", ".join(first)
+                    if header
+                    else "the file has no header: use 0-based indices"
+                )
+            )
         if index >= len(first):
             raise TraceError(f"{path}: column {index} is past the {len(first)} fields of line 1")
         indices.append(index)

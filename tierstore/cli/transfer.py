@@ -33,24 +33,42 @@ def state_width(optimizer: str, dim: int) -> int:
     return 0 if optimizer == "none" else optim.OPTIMIZERS[optimizer]().state_width(dim)
 
 
-def import_table(source: TableSource, store_path: Path, backend: str = "mmap", optimizer: str = "none",
-                 seed: int = 0, chunk_rows: int = CHUNK_ROWS, progress: bool = True) -> StoreMetadata:
+def import_table(
+    source: TableSource,
+    store_path: Path,
+    backend: str = "mmap",
+    optimizer: str = "none",
+    seed: int = 0,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: bool = True,
+) -> StoreMetadata:
     """Build a new store at ``store_path`` (which must not exist) holding ``source``'s rows, with
     zeroed optimizer state (the state every optimizer here starts from) of ``optimizer``'s width."""
     store_path = Path(store_path)
     if store_path.exists():
         raise FileExistsError(f"{store_path} exists; import into a new path (or remove it first)")
     dim, dtype = source.rows.shape[1], source.rows.dtype
-    metadata = StoreMetadata(backend=backend, dim=dim, dtype=dtype_name(dtype),
-                             optimizer_state_width=state_width(optimizer, dim), seed=seed)
+    metadata = StoreMetadata(
+        backend=backend,
+        dim=dim,
+        dtype=dtype_name(dtype),
+        optimizer_state_width=state_width(optimizer, dim),
+        seed=seed,
+    )
     building = store_path.parent / f".{store_path.name}.importing-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
     try:
-        cold = open_cold_store(backend, building, metadata.row_width, dtype, read_only=False,
-                               index_kernels=host_kernels()[0])
-        with tqdm(total=len(source), unit="rows", unit_scale=True, desc=f"importing {source.path.name}",
-                  disable=not progress) as bar:
+        cold = open_cold_store(
+            backend, building, metadata.row_width, dtype, read_only=False, index_kernels=host_kernels()[0]
+        )
+        with tqdm(
+            total=len(source),
+            unit="rows",
+            unit_scale=True,
+            desc=f"importing {source.path.name}",
+            disable=not progress,
+        ) as bar:
             for ids, rows in source.chunks(chunk_rows):
                 stored = rows
                 if metadata.optimizer_state_width:
@@ -69,8 +87,14 @@ def import_table(source: TableSource, store_path: Path, backend: str = "mmap", o
     return metadata
 
 
-def export_table(store_path: Path, destination: Path, ids_path: Path | None = None, with_state: bool = False,
-                 chunk_rows: int = CHUNK_ROWS, progress: bool = True) -> int:
+def export_table(
+    store_path: Path,
+    destination: Path,
+    ids_path: Path | None = None,
+    with_state: bool = False,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: bool = True,
+) -> int:
     """Write every row of the store at ``store_path`` to ``destination`` (format from its suffix);
     returns the row count. A store whose ids are exactly 0..N-1 is written dense (row i = id i);
     any other is written sparse: ids beside the rows (``ids_path`` for ``.npy``, a tensor ``ids``
@@ -83,8 +107,13 @@ def export_table(store_path: Path, destination: Path, ids_path: Path | None = No
             dense = False  # the caller asked for ids: write them
         writer = TableWriter(destination, count, width, store.dtype, sparse=not dense, ids_path=ids_path)
         position = 0
-        with tqdm(total=count, unit="rows", unit_scale=True, desc=f"exporting to {Path(destination).name}",
-                  disable=not progress) as bar:
+        with tqdm(
+            total=count,
+            unit="rows",
+            unit_scale=True,
+            desc=f"exporting to {Path(destination).name}",
+            disable=not progress,
+        ) as bar:
             for ids, rows in store.iter_rows(chunk_rows, with_state=with_state):
                 if dense:
                     order = torch.argsort(ids)  # dense: rows land at their ids, in runs

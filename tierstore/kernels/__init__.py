@@ -12,5 +12,14 @@ from .build_cache import SOURCE, cache_dir, source_dir
 from .cuda import CudaError, CudaKernels, compile_cubin, device_kernels
 from .host import HostKernels, host_kernels
 
-__all__ = ["SOURCE", "CudaError", "CudaKernels", "HostKernels", "cache_dir", "compile_cubin", "device_kernels",
-           "host_kernels", "source_dir"]
+__all__ = [
+    "SOURCE",
+    "CudaError",
+    "CudaKernels",
+    "HostKernels",
+    "cache_dir",
+    "compile_cubin",
+    "device_kernels",
+    "host_kernels",
+    "source_dir",
+]

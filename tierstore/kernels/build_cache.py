@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 SOURCE = "embedding_cache.cu"
 SHIM = "host_shim.h"

@@ -44,8 +44,9 @@ def compile_cubin(source_name: str = SOURCE, arch: str = "sm_90") -> bytes:
     from cuda.bindings import nvrtc
 
     source = (source_dir() / source_name).read_bytes()
-    program = _check(nvrtc.nvrtcCreateProgram(source, source_name.encode(), 0, [], []),
-                     "nvrtcCreateProgram", source_name)
+    program = _check(
+        nvrtc.nvrtcCreateProgram(source, source_name.encode(), 0, [], []), "nvrtcCreateProgram", source_name
+    )
     try:
         options = [f"--gpu-architecture={arch}".encode(), *(option.encode() for option in NVRTC_OPTIONS)]
         status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
@@ -54,7 +55,9 @@ def compile_cubin(source_name: str = SOURCE, arch: str = "sm_90") -> bytes:
         _check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog", source_name)
         log_text = log.rstrip(b"\x00").decode(errors="replace").strip()
         if int(status) != 0 or log_text:
-            raise CudaError(f"{source_name}: nvrtcCompileProgram for {arch} failed with {status!r}:\n{log_text}")
+            raise CudaError(
+                f"{source_name}: nvrtcCompileProgram for {arch} failed with {status!r}:\n{log_text}"
+            )
         size = _check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize", source_name)
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN", source_name)
@@ -68,7 +71,9 @@ def cached_cubin(source_name: str, arch: str) -> bytes:
     major, minor = nvrtc_version()
     stem = f"{source_name.rsplit('.', 1)[0]}-{arch}-nvrtc{major}.{minor}"
     source = (source_dir() / source_name).read_bytes()
-    path = cached_build(stem, [source], ".cubin", lambda partial: partial.write_bytes(compile_cubin(source_name, arch)))
+    path = cached_build(
+        stem, [source], ".cubin", lambda partial: partial.write_bytes(compile_cubin(source_name, arch))
+    )
     return path.read_bytes()
 
 
@@ -91,7 +96,9 @@ class CudaKernels:
         cu_device = _check(driver.cuDeviceGet(self.device.index or 0), "cuDeviceGet", source_name)
         # The primary context is the one torch uses; it is made current before every call, since
         # autograd runs backward hooks on its own threads.
-        self._context = _check(driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain", source_name)
+        self._context = _check(
+            driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain", source_name
+        )
         _check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", source_name)
         cubin = cached_cubin(source_name, device_arch(self.device))
         self._module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData", source_name)
@@ -100,8 +107,9 @@ class CudaKernels:
 
     def _function(self, name: str):
         if name not in self._functions:
-            self._functions[name] = _check(self._driver.cuModuleGetFunction(self._module, name.encode()),
-                                           "cuModuleGetFunction", name)
+            self._functions[name] = _check(
+                self._driver.cuModuleGetFunction(self._module, name.encode()), "cuModuleGetFunction", name
+            )
         return self._functions[name]
 
     def launch(self, name: str, n: int, *args) -> None:
@@ -112,8 +120,13 @@ class CudaKernels:
         blocks = min(self._max_blocks, -(-n // THREADS_PER_BLOCK))
         stream = self._driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         _check(self._driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent", name)
-        _check(self._driver.cuLaunchKernel(self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream,
-                                           arguments, 0), "cuLaunchKernel", name)
+        _check(
+            self._driver.cuLaunchKernel(
+                self._function(name), blocks, 1, 1, THREADS_PER_BLOCK, 1, 1, 0, stream, arguments, 0
+            ),
+            "cuLaunchKernel",
+            name,
+        )
 
 
 _loaded: dict[torch.device, CudaKernels] = {}

@@ -69,8 +69,9 @@ __device__ __forceinline__ i64 probe(const i64* __restrict__ table_keys, i64 mas
 
 // out_values[i] = value of keys[i], or -1 where absent. Duplicate keys simply find the same value.
 template <typename Value>
-__device__ __forceinline__ void table_find(const i64* __restrict__ table_keys, const Value* __restrict__ table_values,
-                                           i64 mask, const i64* __restrict__ keys, i64 n,
+__device__ __forceinline__ void table_find(const i64* __restrict__ table_keys,
+                                           const Value* __restrict__ table_values, i64 mask,
+                                           const i64* __restrict__ keys, i64 n,
                                            Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
         i64 position = probe(table_keys, mask, keys[i]);
@@ -83,8 +84,9 @@ __device__ __forceinline__ void table_find(const i64* __restrict__ table_keys, c
 // out_status[i]: INSERTED, ALREADY_PRESENT (the key was there, or a duplicate in this batch won
 // the race; its value is not written) or TABLE_FULL.
 template <typename Value>
-__device__ __forceinline__ void table_insert(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
-                                             const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,
+__device__ __forceinline__ void table_insert(i64* __restrict__ table_keys, Value* __restrict__ table_values,
+                                             i64 mask, const i64* __restrict__ keys,
+                                             const Value* __restrict__ values, i64 n,
                                              int* __restrict__ out_status) {
     GRID_STRIDE_LOOP(i, n) {
         i64 key = keys[i];
@@ -112,8 +114,9 @@ __device__ __forceinline__ void table_insert(i64* __restrict__ table_keys, Value
 
 // Remove distinct keys: their positions become tombstones. out_values[i]: the value they held, or -1.
 template <typename Value>
-__device__ __forceinline__ void table_erase(i64* __restrict__ table_keys, const Value* __restrict__ table_values,
-                                            i64 mask, const i64* __restrict__ keys, i64 n,
+__device__ __forceinline__ void table_erase(i64* __restrict__ table_keys,
+                                            const Value* __restrict__ table_values, i64 mask,
+                                            const i64* __restrict__ keys, i64 n,
                                             Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
         i64 position = probe(table_keys, mask, keys[i]);
@@ -122,22 +125,22 @@ __device__ __forceinline__ void table_erase(i64* __restrict__ table_keys, const 
     }
 }
 
-#define HASH_TABLE_KERNELS(prefix, Value)                                                                        \
-    extern "C" __global__ void prefix##_find(const i64* __restrict__ table_keys,                                  \
-                                             const Value* __restrict__ table_values, i64 mask,                    \
-                                             const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) { \
-        table_find(table_keys, table_values, mask, keys, n, out_values);                                          \
-    }                                                                                                             \
-    extern "C" __global__ void prefix##_insert(i64* __restrict__ table_keys, Value* __restrict__ table_values,    \
-                                               i64 mask, const i64* __restrict__ keys,                            \
-                                               const Value* __restrict__ values, i64 n,                           \
-                                               int* __restrict__ out_status) {                                    \
-        table_insert(table_keys, table_values, mask, keys, values, n, out_status);                                \
-    }                                                                                                             \
-    extern "C" __global__ void prefix##_erase(i64* __restrict__ table_keys, const Value* __restrict__ table_values, \
-                                              i64 mask, const i64* __restrict__ keys, i64 n,                      \
-                                              Value* __restrict__ out_values) {                                   \
-        table_erase(table_keys, table_values, mask, keys, n, out_values);                                         \
+#define HASH_TABLE_KERNELS(prefix, Value)                                                     \
+    extern "C" __global__ void prefix##_find(                                                 \
+        const i64* __restrict__ table_keys, const Value* __restrict__ table_values, i64 mask, \
+        const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {                \
+        table_find(table_keys, table_values, mask, keys, n, out_values);                      \
+    }                                                                                         \
+    extern "C" __global__ void prefix##_insert(                                               \
+        i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,             \
+        const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,                \
+        int* __restrict__ out_status) {                                                       \
+        table_insert(table_keys, table_values, mask, keys, values, n, out_status);            \
+    }                                                                                         \
+    extern "C" __global__ void prefix##_erase(                                                \
+        i64* __restrict__ table_keys, const Value* __restrict__ table_values, i64 mask,       \
+        const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {                \
+        table_erase(table_keys, table_values, mask, keys, n, out_values);                     \
     }
 
 HASH_TABLE_KERNELS(cache, int)
@@ -146,33 +149,33 @@ HASH_TABLE_KERNELS(index, i64)
 // LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see tiers/policies.py).
 extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __restrict__ slots,
                                        const float* __restrict__ weights, i64 n) {
-    GRID_STRIDE_LOOP(i, n) {
-        atomicAdd(&scores[slots[i]], weights[i]);
-    }
+    GRID_STRIDE_LOOP(i, n) { atomicAdd(&scores[slots[i]], weights[i]); }
 }
 
 // Eviction candidates: out[s] = scores[s], or `blocked` (+inf) for a free slot (slot_keys < 0) or one
 // the current batch needs (blocked_slots[s] != 0). The lowest `count` are the victims.
-extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
+extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores,
+                                               const i64* __restrict__ slot_keys,
                                                const unsigned char* __restrict__ blocked_slots, float blocked,
                                                i64 slot_count, float* __restrict__ out) {
-    GRID_STRIDE_LOOP(s, slot_count) {
-        out[s] = (slot_keys[s] < 0 || blocked_slots[s]) ? blocked : scores[s];
-    }
+    GRID_STRIDE_LOOP(s, slot_count) { out[s] = (slot_keys[s] < 0 || blocked_slots[s]) ? blocked : scores[s]; }
 }
 
 #ifdef TIERSTORE_OPENMP
 // CPU threads copy whole rows, with the row pointers hoisted so the copy vectorises.
-__device__ __forceinline__ void copy_row(float* __restrict__ target, const float* __restrict__ source, i64 count) {
+__device__ __forceinline__ void copy_row(float* __restrict__ target, const float* __restrict__ source,
+                                         i64 count) {
     for (i64 c = 0; c < count; ++c) target[c] = source[c];
 }
-#define GATHER_ROWS GRID_STRIDE_LOOP(i, n) copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns)
+#define GATHER_ROWS \
+    GRID_STRIDE_LOOP(i, n) copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns)
 #endif
 
 // out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) at a time. Needs row_width
 // and columns divisible by 4 and 16-byte aligned buffers (the launcher checks).
-extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                             i64 n, i64 columns, float* __restrict__ out) {
+extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width,
+                                             const int* __restrict__ slots, i64 n, i64 columns,
+                                             float* __restrict__ out) {
 #ifdef TIERSTORE_OPENMP
     GATHER_ROWS;
 #else
@@ -183,26 +186,24 @@ extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64
 }
 
 // The same, one float at a time, for any widths.
-extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                        i64 n, i64 columns, float* __restrict__ out) {
+extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width,
+                                        const int* __restrict__ slots, i64 n, i64 columns,
+                                        float* __restrict__ out) {
 #ifdef TIERSTORE_OPENMP
     GATHER_ROWS;
 #else
-    FOR_EACH_ROW_ELEMENT(i, c, n, columns) {
-        out[i * columns + c] = rows[(i64)slots[i] * row_width + c];
-    }
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns) { out[i * columns + c] = rows[(i64)slots[i] * row_width + c]; }
 #endif
 }
 
 // rows[slots[i], :columns] = values[i, :columns] (slots distinct).
-extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                         const float* __restrict__ values, i64 n, i64 columns) {
+extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width,
+                                         const int* __restrict__ slots, const float* __restrict__ values,
+                                         i64 n, i64 columns) {
 #ifdef TIERSTORE_OPENMP
     GRID_STRIDE_LOOP(i, n) copy_row(rows + (i64)slots[i] * row_width, values + i * columns, columns);
 #else
-    FOR_EACH_ROW_ELEMENT(i, c, n, columns) {
-        rows[(i64)slots[i] * row_width + c] = values[i * columns + c];
-    }
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns) { rows[(i64)slots[i] * row_width + c] = values[i * columns + c]; }
 #endif
 }
 
@@ -214,18 +215,23 @@ extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width
 
 #ifdef TIERSTORE_OPENMP
 template <typename Step>
-__device__ __forceinline__ void step_row(float* __restrict__ row, const float* __restrict__ g, i64 dim, Step step) {
+__device__ __forceinline__ void step_row(float* __restrict__ row, const float* __restrict__ g, i64 dim,
+                                         Step step) {
     for (i64 c = 0; c < dim; ++c) step(row, g, c, dim);
 }
-#define APPLY_STEP(step) GRID_STRIDE_LOOP(i, n) step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step)
+#define APPLY_STEP(step) \
+    GRID_STRIDE_LOOP(i, n) step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step)
 #else
-#define APPLY_STEP(step) FOR_EACH_ROW_ELEMENT(i, c, n, dim) step(rows + (i64)slots[i] * row_width, grad + i * dim, c, dim)
+#define APPLY_STEP(step) \
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) step(rows + (i64)slots[i] * row_width, grad + i * dim, c, dim)
 #endif
 
 // w -= lr * g.
 struct SgdStep {
     float lr;
-    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64) const { row[c] -= lr * g[c]; }
+    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64) const {
+        row[c] -= lr * g[c];
+    }
 };
 
 // s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
@@ -257,8 +263,9 @@ extern "C" __global__ void update_sgd(float* __restrict__ rows, i64 row_width, c
     APPLY_STEP((SgdStep{lr}));
 }
 
-extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                          const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
+extern "C" __global__ void update_adagrad(float* __restrict__ rows, i64 row_width,
+                                          const int* __restrict__ slots, const float* __restrict__ grad,
+                                          i64 n, i64 dim, float lr, float eps) {
     APPLY_STEP((AdagradStep{lr, eps}));
 }
 
@@ -271,8 +278,10 @@ extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, 
 
 // FBGEMM's exact row-wise Adagrad: m += mean(g * g); w -= lr / (sqrt(m) + eps) * g. State: m (1 value).
 // One thread per row (the mean is a reduction over the row).
-extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
-                                                  const float* __restrict__ grad, i64 n, i64 dim, float lr, float eps) {
+extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 row_width,
+                                                  const int* __restrict__ slots,
+                                                  const float* __restrict__ grad, i64 n, i64 dim, float lr,
+                                                  float eps) {
     GRID_STRIDE_LOOP(i, n) {
         float* row = rows + (i64)slots[i] * row_width;
         const float* g = grad + i * dim;
@@ -292,8 +301,9 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
 // per-sample weight, 1 / bag length for mode "mean", or 1. grad_out [bags, dim], grad_weight [rows, dim].
 #ifdef TIERSTORE_OPENMP
 __device__ __forceinline__ void sum_entries(float* __restrict__ target, const float* __restrict__ grad_out,
-                                            const i64* __restrict__ entries, i64 count, const i64* __restrict__ bag,
-                                            const float* __restrict__ scale, i64 dim) {
+                                            const i64* __restrict__ entries, i64 count,
+                                            const i64* __restrict__ bag, const float* __restrict__ scale,
+                                            i64 dim) {
     for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
     for (i64 e = 0; e < count; ++e) {
         const float* __restrict__ source = grad_out + bag[entries[e]] * dim;
@@ -303,20 +313,22 @@ __device__ __forceinline__ void sum_entries(float* __restrict__ target, const fl
 }
 #endif
 
-extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_out, const i64* __restrict__ order,
-                                               const i64* __restrict__ starts, const i64* __restrict__ bag,
-                                               const float* __restrict__ scale, i64 rows, i64 dim,
-                                               float* __restrict__ grad_weight) {
+extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_out,
+                                               const i64* __restrict__ order, const i64* __restrict__ starts,
+                                               const i64* __restrict__ bag, const float* __restrict__ scale,
+                                               i64 rows, i64 dim, float* __restrict__ grad_weight) {
 #ifdef TIERSTORE_OPENMP
     // Rows differ in entry count by orders of magnitude (skewed ids): threads take rows in chunks as they go.
 #pragma omp parallel for schedule(dynamic, 256)
     for (i64 r = 0; r < rows; ++r) {
-        sum_entries(grad_weight + r * dim, grad_out, order + starts[r], starts[r + 1] - starts[r], bag, scale, dim);
+        sum_entries(grad_weight + r * dim, grad_out, order + starts[r], starts[r + 1] - starts[r], bag, scale,
+                    dim);
     }
 #else
     FOR_EACH_ROW_ELEMENT(r, c, rows, dim) {
         float sum = 0.0f;
-        for (i64 e = starts[r]; e < starts[r + 1]; ++e) sum += scale[order[e]] * grad_out[bag[order[e]] * dim + c];
+        for (i64 e = starts[r]; e < starts[r + 1]; ++e)
+            sum += scale[order[e]] * grad_out[bag[order[e]] * dim + c];
         grad_weight[r * dim + c] = sum;
     }
 #endif

@@ -22,10 +22,24 @@ import torch
 from .build_cache import SHIM, SOURCE, cached_build, source_dir
 from .launch import kernel_arguments
 
-_FLAGS = ["-std=c++17", "-O3", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror",
-          "-DTIERSTORE_HOST_SHIM"]
-_PARALLEL_FLAGS = ["-fopenmp", "-DTIERSTORE_OPENMP", "-Wno-unknown-pragmas", "-march=native",
-                   "-mprefer-vector-width=256"]
+_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fno-strict-aliasing",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-DTIERSTORE_HOST_SHIM",
+]
+_PARALLEL_FLAGS = [
+    "-fopenmp",
+    "-DTIERSTORE_OPENMP",
+    "-Wno-unknown-pragmas",
+    "-march=native",
+    "-mprefer-vector-width=256",
+]
 _CPU = torch.device("cpu")
 
 
@@ -57,14 +71,25 @@ def build(parallel: bool, source_name: str = SOURCE) -> Path:
     """Compile the kernel source for the host into the kernel cache (once per source, flags,
     compiler and, for the tuned build, CPU); returns the library's path."""
     flags = _FLAGS + (_PARALLEL_FLAGS if parallel else [])
-    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    compiler = subprocess.run(
+        ["g++", "--version"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()[0]
     inputs = [(source_dir() / name).read_bytes() for name in (source_name, SHIM)]
     inputs.append(" ".join(flags + [compiler]).encode())
     if parallel:
         inputs.append(_cpu_identity().encode())
 
     def compile_library(partial: Path) -> None:
-        command = ["g++", *flags, f"-I{source_dir()}", "-x", "c++", str(source_dir() / source_name), "-o", str(partial)]
+        command = [
+            "g++",
+            *flags,
+            f"-I{source_dir()}",
+            "-x",
+            "c++",
+            str(source_dir() / source_name),
+            "-o",
+            str(partial),
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"host build of {source_name} failed:\n{result.stderr}")

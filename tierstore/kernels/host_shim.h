@@ -21,7 +21,8 @@ struct float4 {
     float x, y, z, w;
 };
 
-inline unsigned long long atomicCAS(unsigned long long* address, unsigned long long compare, unsigned long long value) {
+inline unsigned long long atomicCAS(unsigned long long* address, unsigned long long compare,
+                                    unsigned long long value) {
     __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return compare;  // the old value, as CUDA's atomicCAS returns
 }
@@ -35,4 +36,3 @@ inline float atomicAdd(float* address, float value) {
     }
     return old;
 }
-

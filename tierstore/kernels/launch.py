@@ -8,16 +8,19 @@ import ctypes
 import torch
 
 
-def kernel_arguments(name: str, args: tuple, device: torch.device,
-                     error: type[Exception] = ValueError) -> tuple[tuple, tuple]:
+def kernel_arguments(
+    name: str, args: tuple, device: torch.device, error: type[Exception] = ValueError
+) -> tuple[tuple, tuple]:
     """``(values, ctypes types)`` of ``args`` for kernel ``name``. Tensors must be contiguous and on
     ``device`` (the kernels read them packed); anything else raises ``error`` naming the kernel."""
     values, types = [], []
     for arg in args:
         if isinstance(arg, torch.Tensor):
             if arg.device != device or not arg.is_contiguous():
-                raise error(f"{name}: a tensor argument is on {arg.device} (contiguous: {arg.is_contiguous()}); "
-                                 f"the kernel needs contiguous tensors on {device}")
+                raise error(
+                    f"{name}: a tensor argument is on {arg.device} (contiguous: {arg.is_contiguous()}); "
+                    f"the kernel needs contiguous tensors on {device}"
+                )
             values.append(arg.data_ptr())
             types.append(ctypes.c_void_p)
         elif isinstance(arg, float):

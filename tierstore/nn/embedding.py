@@ -30,29 +30,54 @@ _STATE_FORMAT = "tierstore-table/1"
 class _TieredTable(nn.Module):
     """What both modules share: the store, the optimizer, local weights and the update hook."""
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
-                 path: str | Path | None, backend: str | None, seed: int, optimizer: SparseOptimizer | None,
-                 missing: str, dtype: torch.dtype | None, device: torch.device | str | None,
-                 tiers: TierConfig | None, tier_settings: dict) -> None:
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None,
+        path: str | Path | None,
+        backend: str | None,
+        seed: int,
+        optimizer: SparseOptimizer | None,
+        missing: str,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        tiers: TierConfig | None,
+        tier_settings: dict,
+    ) -> None:
         super().__init__()
-        if num_embeddings is not None and (isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0):
-            raise ValueError(f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}")
+        if num_embeddings is not None and (
+            isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
+        ):
+            raise ValueError(
+                f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}"
+            )
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
         if missing not in _MISSING:
             raise ValueError(f"missing must be one of {_MISSING}, got {missing!r}")
         self.optimizer = optimizer if optimizer is not None else SGD()
         if not isinstance(self.optimizer, SparseOptimizer):
-            raise TypeError(f"optimizer must be a tierstore.optim optimizer such as tierstore.optim.SGD(lr=0.01), "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be a tierstore.optim optimizer such as tierstore.optim.SGD(lr=0.01), "
+                f"got {type(optimizer).__name__}"
+            )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
         self.missing = missing
         device = torch.device(device if device is not None else "cpu")
-        self.store = TieredStore(path, dim=embedding_dim, dtype=dtype or torch.float32, backend=backend, device=device,
-                                 optimizer_state_width=self.optimizer.state_width(embedding_dim), seed=seed,
-                                 tiers=tiers, **tier_settings)
+        self.store = TieredStore(
+            path,
+            dim=embedding_dim,
+            dtype=dtype or torch.float32,
+            backend=backend,
+            device=device,
+            optimizer_state_width=self.optimizer.state_width(embedding_dim),
+            seed=seed,
+            tiers=tiers,
+            **tier_settings,
+        )
         self.step = 0
         # An empty buffer that follows .to(device): where outputs go.
         self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
@@ -86,7 +111,7 @@ class _TieredTable(nn.Module):
         weight = weight.to(device)
         if training:
             weight.requires_grad_(True)
-            weight.register_hook(lambda grad: self._apply_gradient(unique, slots, grad[:unique.numel()]))
+            weight.register_hook(lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()]))
         return weight, local.reshape(ids.shape).to(device), local_padding
 
     def _gradient_kernels(self, weight: torch.Tensor):
@@ -103,8 +128,10 @@ class _TieredTable(nn.Module):
         known = self.store.contains(unique).to(rows.device)
         if self.missing == "error" and not bool(known.all()):
             absent = unique[~known.cpu()]
-            raise KeyError(f"input holds {absent.numel()} id(s) the table has never seen (first: {int(absent[0])}) "
-                           f"and missing='error'; use missing='init' or 'zero' to look them up anyway")
+            raise KeyError(
+                f"input holds {absent.numel()} id(s) the table has never seen (first: {int(absent[0])}) "
+                f"and missing='error'; use missing='init' or 'zero' to look them up anyway"
+            )
         rows[~known] = 0
         return rows
 
@@ -133,9 +160,15 @@ class _TieredTable(nn.Module):
         rows over, streaming. A temporary store is deleted on ``close()``: give ``path=`` to keep one."""
         if not self.store.read_only:
             self.store.flush()
-        return {"format": _STATE_FORMAT, "path": str(self.store.path.resolve()), "dim": self.embedding_dim,
-                "dtype": str(self.store.dtype), "optimizer": self.optimizer.name,
-                "optimizer_state_width": self.store.metadata.optimizer_state_width, "step": self.step}
+        return {
+            "format": _STATE_FORMAT,
+            "path": str(self.store.path.resolve()),
+            "dim": self.embedding_dim,
+            "dtype": str(self.store.dtype),
+            "optimizer": self.optimizer.name,
+            "optimizer_state_width": self.store.metadata.optimizer_state_width,
+            "step": self.step,
+        }
 
     def set_extra_state(self, state: Any) -> None:
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
@@ -153,8 +186,10 @@ class _TieredTable(nn.Module):
 
     def extra_repr(self) -> str:
         bound = "unbounded" if self.num_embeddings is None else self.num_embeddings
-        return (f"{bound}, {self.embedding_dim}, optimizer={self.optimizer}, store={str(self.store.path)!r}, "
-                f"backend={self.store.metadata.backend!r}")
+        return (
+            f"{bound}, {self.embedding_dim}, optimizer={self.optimizer}, store={str(self.store.path)!r}, "
+            f"backend={self.store.metadata.backend!r}"
+        )
 
 
 class TieredEmbeddingBag(_TieredTable):
@@ -175,32 +210,78 @@ class TieredEmbeddingBag(_TieredTable):
     ``forward(input, offsets=None, per_sample_weights=None)`` -> ``[B, embedding_dim]`` as torch.
     """
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
-                 sparse: bool = False, include_last_offset: bool = False, padding_idx: int | None = None,
-                 *, path: str | Path | None = None, backend: str | None = None, seed: int = 0,
-                 optimizer: SparseOptimizer | None = None, missing: str = "init", dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tiers: TierConfig | None = None,
-                 **tier_settings) -> None:
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        *,
+        path: str | Path | None = None,
+        backend: str | None = None,
+        seed: int = 0,
+        optimizer: SparseOptimizer | None = None,
+        missing: str = "init",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tiers: TierConfig | None = None,
+        **tier_settings,
+    ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, seed, optimizer, missing, dtype,
-                         device, tiers, tier_settings)
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            path,
+            backend,
+            seed,
+            optimizer,
+            missing,
+            dtype,
+            device,
+            tiers,
+            tier_settings,
+        )
         self.mode = mode
         self.include_last_offset = include_last_offset
 
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        input, offsets = check_bag_input(input, offsets, per_sample_weights, self.mode, self.num_embeddings,
-                                         self.store.dtype, self.include_last_offset)
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        input, offsets = check_bag_input(
+            input,
+            offsets,
+            per_sample_weights,
+            self.mode,
+            self.num_embeddings,
+            self.store.dtype,
+            self.include_last_offset,
+        )
         weight, local, local_padding = self._local_weight(input)
         if offsets is not None:
             offsets = offsets.to(local.device)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(local.device)
-        return pooled_lookup.embedding_bag(local, weight, offsets, self.mode, per_sample_weights,
-                                           self.include_last_offset, local_padding, self._gradient_kernels(weight))
+        return pooled_lookup.embedding_bag(
+            local,
+            weight,
+            offsets,
+            self.mode,
+            per_sample_weights,
+            self.include_last_offset,
+            local_padding,
+            self._gradient_kernels(weight),
+        )
 
 
 class TieredEmbedding(_TieredTable):
@@ -210,15 +291,41 @@ class TieredEmbedding(_TieredTable):
     ``forward(input)``: int ids of any shape -> ``[*input.shape, embedding_dim]``.
     """
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, *, path: str | Path | None = None, backend: str | None = None,
-                 seed: int = 0, optimizer: SparseOptimizer | None = None, missing: str = "init",
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 tiers: TierConfig | None = None, **tier_settings) -> None:
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        *,
+        path: str | Path | None = None,
+        backend: str | None = None,
+        seed: int = 0,
+        optimizer: SparseOptimizer | None = None,
+        missing: str = "init",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tiers: TierConfig | None = None,
+        **tier_settings,
+    ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
-        super().__init__(num_embeddings, embedding_dim, padding_idx, path, backend, seed, optimizer, missing, dtype,
-                         device, tiers, tier_settings)
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            path,
+            backend,
+            seed,
+            optimizer,
+            missing,
+            dtype,
+            device,
+            tiers,
+            tier_settings,
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         input = check_lookup_ids(input, self.num_embeddings, "input")
@@ -228,7 +335,9 @@ class TieredEmbedding(_TieredTable):
 
 def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:
     if max_norm is not None:
-        raise NotImplementedError("max_norm is not supported by tiered tables (it rewrites rows during forward)")
+        raise NotImplementedError(
+            "max_norm is not supported by tiered tables (it rewrites rows during forward)"
+        )
     if scale_grad_by_freq:
         raise NotImplementedError("scale_grad_by_freq is not supported by tiered tables")
 

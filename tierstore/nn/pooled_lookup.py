@@ -16,18 +16,37 @@ import torch
 import torch.nn.functional as F
 
 
-def embedding_bag(local: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None, mode: str,
-                  per_sample_weights: torch.Tensor | None, include_last_offset: bool, padding_idx: int | None,
-                  kernels) -> torch.Tensor:
+def embedding_bag(
+    local: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor | None,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+    include_last_offset: bool,
+    padding_idx: int | None,
+    kernels,
+) -> torch.Tensor:
     """``F.embedding_bag`` (same arguments and output); ``kernels`` (a ``CudaKernels`` or
     ``HostKernels`` on ``weight``'s device, or None) computes ``weight``'s gradient where it can."""
-    fused = (kernels is not None and mode in ("sum", "mean") and weight.dtype == torch.float32
-             and (per_sample_weights is None or not per_sample_weights.requires_grad))
+    fused = (
+        kernels is not None
+        and mode in ("sum", "mean")
+        and weight.dtype == torch.float32
+        and (per_sample_weights is None or not per_sample_weights.requires_grad)
+    )
     if not fused:
-        return F.embedding_bag(local, weight, offsets, mode=mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=include_last_offset, padding_idx=padding_idx)
-    return _KernelGradientBag.apply(weight, local, offsets, mode, per_sample_weights, include_last_offset,
-                                    padding_idx, kernels)
+        return F.embedding_bag(
+            local,
+            weight,
+            offsets,
+            mode=mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=include_last_offset,
+            padding_idx=padding_idx,
+        )
+    return _KernelGradientBag.apply(
+        weight, local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, kernels
+    )
 
 
 def embedding(local: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, kernels) -> torch.Tensor:
@@ -42,9 +61,18 @@ def embedding(local: torch.Tensor, weight: torch.Tensor, padding_idx: int | None
 
 class _KernelGradientBag(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, kernels):
-        output = F.embedding_bag(local, weight, offsets, mode=mode, per_sample_weights=per_sample_weights,
-                                 include_last_offset=include_last_offset, padding_idx=padding_idx)
+    def forward(
+        ctx, weight, local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, kernels
+    ):
+        output = F.embedding_bag(
+            local,
+            weight,
+            offsets,
+            mode=mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=include_last_offset,
+            padding_idx=padding_idx,
+        )
         ctx.save_for_backward(local, offsets, per_sample_weights)
         ctx.settings = (weight.shape, mode, include_last_offset, padding_idx, kernels)
         return output
@@ -53,21 +81,38 @@ class _KernelGradientBag(torch.autograd.Function):
     def backward(ctx, grad_output):
         local, offsets, per_sample_weights = ctx.saved_tensors
         (rows, dim), mode, include_last_offset, padding_idx, kernels = ctx.settings
-        bag, scale = _entry_bags_and_scales(local, offsets, mode, per_sample_weights, include_last_offset,
-                                            padding_idx, grad_output.shape[0])
+        bag, scale = _entry_bags_and_scales(
+            local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, grad_output.shape[0]
+        )
         flat = local.reshape(-1)
         order = torch.argsort(flat, stable=True)
         starts = torch.zeros(rows + 1, dtype=torch.int64, device=flat.device)
         torch.cumsum(torch.bincount(flat, minlength=rows), 0, out=starts[1:])
         grad_weight = torch.empty(rows, dim, dtype=torch.float32, device=grad_output.device)
-        kernels.launch("bag_weight_gradient", rows * dim, grad_output.contiguous(), order, starts, bag, scale, rows, dim,
-                       grad_weight)
+        kernels.launch(
+            "bag_weight_gradient",
+            rows * dim,
+            grad_output.contiguous(),
+            order,
+            starts,
+            bag,
+            scale,
+            rows,
+            dim,
+            grad_weight,
+        )
         return grad_weight, None, None, None, None, None, None, None
 
 
-def _entry_bags_and_scales(local: torch.Tensor, offsets: torch.Tensor | None, mode: str,
-                           per_sample_weights: torch.Tensor | None, include_last_offset: bool,
-                           padding_idx: int | None, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _entry_bags_and_scales(
+    local: torch.Tensor,
+    offsets: torch.Tensor | None,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+    include_last_offset: bool,
+    padding_idx: int | None,
+    bags: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bag of each entry int64 [N], its gradient scale float32 [N])``: 0 for padding entries and
     entries in no bag, else the per-sample weight, 1 / (the bag's non-padding entries) for "mean", or 1."""
     device = local.device
@@ -77,7 +122,11 @@ def _entry_bags_and_scales(local: torch.Tensor, offsets: torch.Tensor | None, mo
         in_bag = torch.ones(entries, dtype=torch.bool, device=device)
     else:
         starts = offsets[:bags]
-        ends = torch.cat([offsets[1:bags + 1], offsets.new_full((1,), entries)])[:bags] if bags else offsets[:0]
+        ends = (
+            torch.cat([offsets[1 : bags + 1], offsets.new_full((1,), entries)])[:bags]
+            if bags
+            else offsets[:0]
+        )
         lengths = ends - starts
         bag = torch.repeat_interleave(torch.arange(bags, device=device), lengths)  # offsets[0] is 0
         covered = bag.numel()

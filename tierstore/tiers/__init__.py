@@ -8,5 +8,14 @@ from .contract import CacheTier, ColdStats, Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing
 from .row_cache import RowCache
 
-__all__ = ["CacheTier", "ColdStats", "EvictionPolicy", "KernelRows", "LfuWithAgeing", "RowCache", "Rows",
-           "TierStats", "TorchRows"]
+__all__ = [
+    "CacheTier",
+    "ColdStats",
+    "EvictionPolicy",
+    "KernelRows",
+    "LfuWithAgeing",
+    "RowCache",
+    "Rows",
+    "TierStats",
+    "TorchRows",
+]

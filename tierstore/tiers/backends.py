@@ -32,7 +32,9 @@ class TorchRows:
     def index_nbytes(self, capacity: int) -> int:
         return index_nbytes(capacity, torch.int32)
 
-    def gather(self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
+    def gather(
+        self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
         """``[N, columns]``: the first ``columns`` of ``rows [R, width]`` at ``slots`` (into ``out``)."""
         if out is None:
             return rows[:, :columns].index_select(0, slots)
@@ -45,12 +47,15 @@ class TorchRows:
     def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
         scores.index_add_(0, slots, weights)
 
-    def victim_scores(self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    def victim_scores(
+        self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor
+    ) -> torch.Tensor:
         """``scores``, +inf at free slots (key -1) and ``blocked`` ones (uint8 [capacity])."""
         return scores.masked_fill((slot_keys < 0) | blocked.bool(), float("inf"))
 
-    def optimizer_step(self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor,
-                       step: int) -> None:
+    def optimizer_step(
+        self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int
+    ) -> None:
         """``optimizer``'s update of ``rows`` at ``slots`` (distinct) with ``grad [N, dim]``, in place."""
         buffer = self._update_buffers.get(rows.device)
         if buffer is None or buffer.shape[0] < slots.numel() or buffer.shape[1] != rows.shape[1]:
@@ -72,39 +77,89 @@ class KernelRows:
     def index_nbytes(self, capacity: int) -> int:
         return positions_for(capacity) * (8 + 4)
 
-    def gather(self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None) -> torch.Tensor:
+    def gather(
+        self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
         width = rows.shape[1]
         if out is None:
             out = torch.empty(slots.numel(), columns, dtype=rows.dtype, device=rows.device)
-        vectorised = width % 4 == 0 and columns % 4 == 0 and out.data_ptr() % 16 == 0 and rows.data_ptr() % 16 == 0
+        vectorised = (
+            width % 4 == 0 and columns % 4 == 0 and out.data_ptr() % 16 == 0 and rows.data_ptr() % 16 == 0
+        )
         if vectorised:
-            self.kernels.launch("cache_gather_vec4", slots.numel() * columns // 4, rows, width, _int32(slots),
-                                slots.numel(), columns, out)
+            self.kernels.launch(
+                "cache_gather_vec4",
+                slots.numel() * columns // 4,
+                rows,
+                width,
+                _int32(slots),
+                slots.numel(),
+                columns,
+                out,
+            )
         else:
-            self.kernels.launch("cache_gather", slots.numel() * columns, rows, width, _int32(slots), slots.numel(),
-                                columns, out)
+            self.kernels.launch(
+                "cache_gather",
+                slots.numel() * columns,
+                rows,
+                width,
+                _int32(slots),
+                slots.numel(),
+                columns,
+                out,
+            )
         return out
 
     def scatter(self, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, columns: int) -> None:
-        self.kernels.launch("cache_scatter", slots.numel() * columns, rows, rows.shape[1], _int32(slots),
-                            values.to(rows.device, rows.dtype).contiguous(), slots.numel(), columns)
+        self.kernels.launch(
+            "cache_scatter",
+            slots.numel() * columns,
+            rows,
+            rows.shape[1],
+            _int32(slots),
+            values.to(rows.device, rows.dtype).contiguous(),
+            slots.numel(),
+            columns,
+        )
 
     def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
-        self.kernels.launch("cache_touch", slots.numel(), scores, _int32(slots), weights.contiguous(), slots.numel())
+        self.kernels.launch(
+            "cache_touch", slots.numel(), scores, _int32(slots), weights.contiguous(), slots.numel()
+        )
 
-    def victim_scores(self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    def victim_scores(
+        self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor
+    ) -> torch.Tensor:
         candidates = torch.empty_like(scores)
-        self.kernels.launch("cache_victim_scores", scores.numel(), scores, slot_keys, blocked, float("inf"),
-                            scores.numel(), candidates)
+        self.kernels.launch(
+            "cache_victim_scores",
+            scores.numel(),
+            scores,
+            slot_keys,
+            blocked,
+            float("inf"),
+            scores.numel(),
+            candidates,
+        )
         return candidates
 
-    def optimizer_step(self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor,
-                       step: int) -> None:
+    def optimizer_step(
+        self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int
+    ) -> None:
         name, arguments, per_row = optimizer.kernel(step)
         dim = grad.shape[1]
         grad = grad.to(rows.device, rows.dtype).contiguous()
-        self.kernels.launch(name, slots.numel() if per_row else slots.numel() * dim, rows, rows.shape[1],
-                            _int32(slots), grad, slots.numel(), dim, *arguments)
+        self.kernels.launch(
+            name,
+            slots.numel() if per_row else slots.numel() * dim,
+            rows,
+            rows.shape[1],
+            _int32(slots),
+            grad,
+            slots.numel(),
+            dim,
+            *arguments,
+        )
 
 
 def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
@@ -118,8 +173,10 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
     names = DEVICE_BACKENDS if tier == "device" else HOST_BACKENDS
     if requested not in names:
         auto, kernel, torch_ops = names
-        raise ValueError(f"{tier}_cache_backend must be {auto!r}, {kernel!r} or {torch_ops!r} (or a backend value), "
-                         f"got {requested!r}")
+        raise ValueError(
+            f"{tier}_cache_backend must be {auto!r}, {kernel!r} or {torch_ops!r} (or a backend value), "
+            f"got {requested!r}"
+        )
     if requested == "torch":
         return TorchRows()
     kernel_name = names[1]
@@ -131,8 +188,9 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
         kernels, why_not = host_kernels()
     if kernels is None:
         if requested == kernel_name:
-            raise ValueError(f"{tier}_cache_backend={kernel_name!r} cannot run here ({why_not}); "
-                             f"use 'auto' or 'torch'")
+            raise ValueError(
+                f"{tier}_cache_backend={kernel_name!r} cannot run here ({why_not}); use 'auto' or 'torch'"
+            )
         return TorchRows()
     return KernelRows(kernels, kernel_name)
 

@@ -11,7 +11,8 @@ Each tier counts its own lookups and moves (``stats``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -28,20 +29,22 @@ class Rows:
     def __len__(self) -> int:
         return self.keys.numel()
 
-    def select(self, mask: torch.Tensor | slice) -> "Rows":
+    def select(self, mask: torch.Tensor | slice) -> Rows:
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and bool(mask.all()):
             return self
         return Rows(self.keys[mask], self.rows[mask], self.dirty[mask], self.fresh[mask])
 
-    def to(self, device: torch.device) -> "Rows":
+    def to(self, device: torch.device) -> Rows:
         return Rows(*(tensor.to(device) for tensor in dataclasses.astuple(self)))
 
     @staticmethod
-    def concat(parts: list["Rows"]) -> "Rows":
-        return Rows(*(torch.cat([getattr(part, field.name) for part in parts]) for field in dataclasses.fields(Rows)))
+    def concat(parts: list[Rows]) -> Rows:
+        return Rows(
+            *(torch.cat([getattr(part, field.name) for part in parts]) for field in dataclasses.fields(Rows))
+        )
 
     @staticmethod
-    def merge(mask: torch.Tensor, where_true: "Rows", where_false: "Rows") -> "Rows":
+    def merge(mask: torch.Tensor, where_true: Rows, where_false: Rows) -> Rows:
         """Rows in one order: ``where_true`` where ``mask [N]`` is set, else ``where_false``."""
         merged = []
         for field in dataclasses.fields(Rows):
@@ -111,17 +114,21 @@ class CacheTier(Protocol):
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key (int64 [N]), -1 where absent. Counts nothing."""
 
-    def touch(self, slots: torch.Tensor, counts: torch.Tensor | None = None,
-              missed: torch.Tensor | None = None) -> None:
+    def touch(
+        self, slots: torch.Tensor, counts: torch.Tensor | None = None, missed: torch.Tensor | None = None
+    ) -> None:
         """Record ``counts [N]`` (default one each) lookups of the rows at ``slots [N]`` (distinct when
         ``counts`` is given): the policy's access record and the tier's hit/miss counters;
         ``missed`` (bool [N]) marks rows admitted for these lookups (misses)."""
 
-    def read(self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[N, columns]`` copy of the first ``columns`` (default all) values of rows at ``slots``."""
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
-        """Overwrite the first ``columns`` of rows at ``slots`` (distinct) with ``values``; marks them dirty."""
+        """Overwrite the first ``columns`` of rows at ``slots`` (distinct) with ``values``; marks them
+        dirty."""
 
     def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Fused optimizer step on rows at ``slots`` (distinct) with ``grad [N, dim]``; marks them dirty."""
@@ -150,7 +157,9 @@ class CacheTier(Protocol):
     def fresh_count(self) -> int:
         """Cached rows never written to the cold store."""
 
-    def iter_fresh(self, batch_size: int, columns: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_fresh(
+        self, batch_size: int, columns: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(keys [n], rows [n, columns])`` cached here and never written to the cold store."""
 
     def report(self) -> dict:

@@ -83,7 +83,9 @@ class HashIndex(BatchedHashTable):
     must be distinct within the batch.
     """
 
-    def __init__(self, capacity: int, device: torch.device | str = "cpu", value_dtype: torch.dtype = torch.int64) -> None:
+    def __init__(
+        self, capacity: int, device: torch.device | str = "cpu", value_dtype: torch.dtype = torch.int64
+    ) -> None:
         self.device = torch.device(device)
         self.value_dtype = value_dtype
         self._allocate(buckets_for(capacity))
@@ -148,8 +150,9 @@ class HashIndex(BatchedHashTable):
         self._follow_chains(keys, pending, self._home(keys[pending]), position)
         return position, False
 
-    def _follow_chains(self, keys: torch.Tensor, pending: torch.Tensor, bucket: torch.Tensor,
-                       result: torch.Tensor) -> None:
+    def _follow_chains(
+        self, keys: torch.Tensor, pending: torch.Tensor, bucket: torch.Tensor, result: torch.Tensor
+    ) -> None:
         """Probe the ``_CHAIN_WINDOW`` buckets after ``bucket`` for ``keys[pending]`` (their home
         buckets were full without them), window after window, and fill ``result`` in place."""
         window_offsets = torch.arange(1, _CHAIN_WINDOW + 1, device=self.device)

@@ -33,14 +33,22 @@ class KernelHashTable(BatchedHashTable):
     keys passed to ``insert`` and ``remove`` must be distinct within the batch (``insert``: and absent).
     ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed."""
 
-    def __init__(self, capacity: int, kernels, device: torch.device | str = "cpu",
-                 value_dtype: torch.dtype = torch.int32) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        kernels,
+        device: torch.device | str = "cpu",
+        value_dtype: torch.dtype = torch.int32,
+    ) -> None:
         if value_dtype not in _KERNEL_PREFIX:
             raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
         self.device = torch.device(device)
         self.value_dtype = value_dtype
-        self._kernel = {operation: f"{_KERNEL_PREFIX[value_dtype]}_{operation}" for operation in ("find", "insert", "erase")}
+        self._kernel = {
+            operation: f"{_KERNEL_PREFIX[value_dtype]}_{operation}"
+            for operation in ("find", "insert", "erase")
+        }
         self._allocate(positions_for(capacity))
 
     def _allocate(self, size: int) -> None:
@@ -53,8 +61,16 @@ class KernelHashTable(BatchedHashTable):
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
         keys = keys.to(self.device, torch.int64).contiguous()
         found = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
-        self.kernels.launch(self._kernel["find"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
-                            keys.numel(), found)
+        self.kernels.launch(
+            self._kernel["find"],
+            keys.numel(),
+            self.keys,
+            self.values,
+            self.keys.numel() - 1,
+            keys,
+            keys.numel(),
+            found,
+        )
         return found.to(torch.int64)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -65,25 +81,47 @@ class KernelHashTable(BatchedHashTable):
             self._rebuild(positions_for(2 * (self.live + keys.numel())))
         elif self.live + self.tombstones + keys.numel() > MAX_LOAD * self.keys.numel():
             self._rebuild(self.keys.numel())
-        self._place(keys.to(self.device, torch.int64).contiguous(), values.to(self.device, self.value_dtype).contiguous())
+        self._place(
+            keys.to(self.device, torch.int64).contiguous(),
+            values.to(self.device, self.value_dtype).contiguous(),
+        )
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         status = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
-        self.kernels.launch(self._kernel["insert"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys, values,
-                            keys.numel(), status)
+        self.kernels.launch(
+            self._kernel["insert"],
+            keys.numel(),
+            self.keys,
+            self.values,
+            self.keys.numel() - 1,
+            keys,
+            values,
+            keys.numel(),
+            status,
+        )
         failed = status != 0
         if bool(failed.any()):
             first = int(failed.nonzero()[0, 0])
-            raise ValueError(f"insert: key {int(keys[first])} was {_STATUS[int(status[first])]}; "
-                             f"keys must be distinct and absent")
+            raise ValueError(
+                f"insert: key {int(keys[first])} was {_STATUS[int(status[first])]}; "
+                f"keys must be distinct and absent"
+            )
         self.live += keys.numel()
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
         keys = keys.to(self.device, torch.int64).contiguous()
         former = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
-        self.kernels.launch(self._kernel["erase"], keys.numel(), self.keys, self.values, self.keys.numel() - 1, keys,
-                            keys.numel(), former)
+        self.kernels.launch(
+            self._kernel["erase"],
+            keys.numel(),
+            self.keys,
+            self.values,
+            self.keys.numel() - 1,
+            keys,
+            keys.numel(),
+            former,
+        )
         removed = int((former >= 0).sum())
         self.live -= removed
         self.tombstones += removed

@@ -11,7 +11,7 @@ Slots the current batch needs are passed as ``protected`` and are never chosen a
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,15 +30,26 @@ class RowCache:
     ``policy(capacity, device, backend) -> EvictionPolicy`` (default LFU with ageing at
     ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
 
-    def __init__(self, name: str, capacity: int, row_width: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", half_life: float | None = None, pin_memory: bool = False,
-                 backend=None, policy: Callable[..., EvictionPolicy] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        row_width: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        half_life: float | None = None,
+        pin_memory: bool = False,
+        backend=None,
+        policy: Callable[..., EvictionPolicy] | None = None,
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
         self.backend = backend if backend is not None else TorchRows()
         if dtype != torch.float32 and not isinstance(self.backend, TorchRows):
-            raise ValueError(f"the {self.backend.name} cache backend stores float32 rows, not {dtype}; "
-                             f"use the torch backend")
+            raise ValueError(
+                f"the {self.backend.name} cache backend stores float32 rows, not {dtype}; "
+                f"use the torch backend"
+            )
         self.name = name
         self.capacity = capacity
         self.device = torch.device(device)
@@ -59,8 +70,13 @@ class RowCache:
         return getattr(self.backend, "kernels", None)
 
     @staticmethod
-    def nbytes_for(capacity: int, row_width: int, dtype: torch.dtype, backend=None,
-                   policy: type[EvictionPolicy] = LfuWithAgeing) -> int:
+    def nbytes_for(
+        capacity: int,
+        row_width: int,
+        dtype: torch.dtype,
+        backend=None,
+        policy: type[EvictionPolicy] = LfuWithAgeing,
+    ) -> int:
         """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy)."""
         backend = backend if backend is not None else TorchRows()
         per_slot = row_width * dtype.itemsize + _SLOT_BYTES + policy.bytes_per_slot
@@ -79,15 +95,18 @@ class RowCache:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         return self.index.find(keys.to(self.device))
 
-    def touch(self, slots: torch.Tensor, counts: torch.Tensor | None = None,
-              missed: torch.Tensor | None = None) -> None:
+    def touch(
+        self, slots: torch.Tensor, counts: torch.Tensor | None = None, missed: torch.Tensor | None = None
+    ) -> None:
         self.policy.touch(slots, counts)
         if missed is None:
             self.stats.hits += slots.numel() if counts is None else int(counts.sum())
         else:
             self.stats.count_lookups(~missed, counts)
 
-    def read(self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.backend.gather(self.rows, slots, self.rows.shape[1] if columns is None else columns, out)
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, columns: int | None = None) -> None:
@@ -121,13 +140,13 @@ class RowCache:
         self.policy.reset(slots)
         self.dirty[slots] = False
         self.fresh[slots] = False
-        self._free[self._free_count:self._free_count + slots.numel()] = slots
+        self._free[self._free_count : self._free_count + slots.numel()] = slots
         self._free_count += slots.numel()
 
     def admit(self, incoming: Rows, protected: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
         count = len(incoming)
         from_free = min(count, self._free_count)
-        slots = self._free[self._free_count - from_free:self._free_count].clone()
+        slots = self._free[self._free_count - from_free : self._free_count].clone()
         self._free_count -= from_free
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
         if count > from_free:
@@ -151,7 +170,9 @@ class RowCache:
         try:
             return self.policy.victims(count, self.slot_keys, protected)
         except CacheCapacityError as error:
-            raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows and {error}") from None
+            raise CacheCapacityError(
+                f"the {self.name} cache holds {self.capacity} rows and {error}"
+            ) from None
 
     # -- flush and enumeration -----------------------------------------------------------------
 
@@ -173,15 +194,22 @@ class RowCache:
     def fresh_count(self) -> int:
         return int(self.fresh.sum())
 
-    def iter_fresh(self, batch_size: int, columns: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_fresh(
+        self, batch_size: int, columns: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         fresh = self.fresh.nonzero().squeeze(1)
         for start in range(0, fresh.numel(), batch_size):
-            part = fresh[start:start + batch_size]
+            part = fresh[start : start + batch_size]
             yield self.slot_keys[part].cpu(), self.read(part, columns).cpu()
 
     def report(self) -> dict:
         counters = dict(vars(self.stats))
-        counters.update(capacity_rows=self.capacity, resident_rows=len(self), memory_bytes=self.nbytes,
-                        bytes_in=self.stats.rows_in * self.rows.shape[1] * self.rows.element_size(),
-                        device=str(self.device), backend=self.backend.name)
+        counters.update(
+            capacity_rows=self.capacity,
+            resident_rows=len(self),
+            memory_bytes=self.nbytes,
+            bytes_in=self.stats.rows_in * self.rows.shape[1] * self.rows.element_size(),
+            device=str(self.device),
+            backend=self.backend.name,
+        )
         return counters

@@ -10,7 +10,7 @@ cached row and commits the cold store atomically. Tiers are reached through thei
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -55,8 +55,9 @@ class TierStack:
         top.touch(slots, counts, missed)
         return slots
 
-    def rows_without_growing(self, unique: torch.Tensor, counts: torch.Tensor, width: int,
-                             device: torch.device) -> torch.Tensor:
+    def rows_without_growing(
+        self, unique: torch.Tensor, counts: torch.Tensor, width: int, device: torch.device
+    ) -> torch.Tensor:
         """``[U, width]`` rows of ``unique`` ids on ``device``: held ids through the tiers, the others
         their initial rows, which are not cached (a cached row is always one the table holds)."""
         known = self.contains(unique)
@@ -72,7 +73,9 @@ class TierStack:
 
     def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         metadata = self.metadata
-        return initial_rows(keys, metadata.dim, metadata.optimizer_state_width, metadata.seed, metadata.torch_dtype)
+        return initial_rows(
+            keys, metadata.dim, metadata.optimizer_state_width, metadata.seed, metadata.torch_dtype
+        )
 
     def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int) -> Rows:
         """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below."""

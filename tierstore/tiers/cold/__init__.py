@@ -5,7 +5,9 @@ from .lmdb_store import LmdbColdStore
 from .mmap_store import MmapColdStore
 
 
-def open_cold_store(backend: str, directory, row_width: int, dtype, read_only: bool, index_kernels=None) -> ColdStore:
+def open_cold_store(
+    backend: str, directory, row_width: int, dtype, read_only: bool, index_kernels=None
+) -> ColdStore:
     """Open (or create) the cold store of ``backend`` ("lmdb" or "mmap") in ``directory``.
     ``index_kernels``: see ``MmapColdStore`` (LMDB keeps its own index)."""
     if backend == "mmap":

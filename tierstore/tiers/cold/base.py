@@ -10,7 +10,7 @@ A backend implements ``_get``/``_put`` and the abstract methods; the base counts
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -28,7 +28,9 @@ class ColdStore(ABC):
         self.read_only = read_only
         self.stats = ColdStats()
 
-    def get(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(
+        self, keys: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``keys`` (int64 [N], distinct) -> ``(rows [N, row_width], found bool [N])``,
         counting ``counts [N]`` lookups of each (default one). Rows of keys not found are
         unspecified (the caller initialises them)."""
@@ -65,8 +67,10 @@ class ColdStore(ABC):
     def report(self) -> dict:
         """``stats`` with bytes read and written, as plain values."""
         counters = dict(vars(self.stats))
-        counters.update(bytes_read=self.stats.rows_read * self.row_bytes,
-                        bytes_written=self.stats.rows_written * self.row_bytes)
+        counters.update(
+            bytes_read=self.stats.rows_read * self.row_bytes,
+            bytes_written=self.stats.rows_written * self.row_bytes,
+        )
         return counters
 
     @abstractmethod
@@ -99,4 +103,6 @@ class ColdStore(ABC):
 
     def _check_writable(self) -> None:
         if self.read_only:
-            raise ReadOnlyStoreError("this store was opened with read_only=True; reopen it writable to change it")
+            raise ReadOnlyStoreError(
+                "this store was opened with read_only=True; reopen it writable to change it"
+            )

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import lmdb
 import numpy as np
@@ -40,8 +40,15 @@ DISK_BOUND_SECONDS_PER_KEY = 5e-6  # page-cache hits cost ~1 us per key, SSD rea
 class LmdbColdStore(ColdStore):
     """Cold store in an LMDB environment at ``directory/lmdb``."""
 
-    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
-                 map_size: int = INITIAL_MAP_SIZE, read_threads: int = READ_THREADS) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        row_width: int,
+        dtype: torch.dtype,
+        read_only: bool = False,
+        map_size: int = INITIAL_MAP_SIZE,
+        read_threads: int = READ_THREADS,
+    ) -> None:
         super().__init__(row_width, dtype, read_only)
         path = self._path = Path(directory) / DIRECTORY
         if read_only and not (path / "data.mdb").exists():
@@ -49,8 +56,15 @@ class LmdbColdStore(ColdStore):
         path.mkdir(exist_ok=True)
         try:
             # metasync=False: each commit syncs its data pages; flush() forces a full sync.
-            self._env = lmdb.open(str(path), map_size=map_size, max_dbs=2, readonly=read_only,
-                                  metasync=False, readahead=False, lock=not read_only)
+            self._env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=2,
+                readonly=read_only,
+                metasync=False,
+                readahead=False,
+                lock=not read_only,
+            )
             self._rows = self._env.open_db(b"rows", create=not read_only)
             self._pending = self._env.open_db(b"pending", create=not read_only) if not read_only else None
         except lmdb.Error as error:
@@ -69,6 +83,7 @@ class LmdbColdStore(ColdStore):
     def _values(self, encoded: list[bytes], database, txn: lmdb.Transaction | None) -> list[bytes]:
         """The stored value of each key in ``encoded`` (sorted), ``b""`` where absent; read in
         ``txn``, or in parallel transactions when ``txn`` is None and the reads wait on the disk."""
+
         def read_range(txn: lmdb.Transaction, part: list[bytes]) -> list[bytes]:
             return list(map(txn.get, part, itertools.repeat(b""), itertools.repeat(database)))
 
@@ -83,23 +98,29 @@ class LmdbColdStore(ColdStore):
             with self._env.begin() as txn:
                 values = read_range(txn, encoded)
         else:
+
             def read_own_transaction(bounds: tuple[int, int]) -> list[bytes]:
                 with self._env.begin() as txn:
-                    return read_range(txn, encoded[bounds[0]:bounds[1]])
+                    return read_range(txn, encoded[bounds[0] : bounds[1]])
 
             edges = np.linspace(0, len(encoded), threads + 1).astype(int).tolist()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="lmdb-read")
-            values = list(itertools.chain.from_iterable(
-                self._pool.map(read_own_transaction, zip(edges[:-1], edges[1:]))))
+            values = list(
+                itertools.chain.from_iterable(
+                    self._pool.map(read_own_transaction, zip(edges[:-1], edges[1:]))
+                )
+            )
             self.parallel_reads += 1
         per_key = (time.perf_counter() - start) / len(encoded)
-        self._seconds_per_key = per_key if self._seconds_per_key == float("inf") \
-            else 0.5 * (self._seconds_per_key + per_key)
+        self._seconds_per_key = (
+            per_key if self._seconds_per_key == float("inf") else 0.5 * (self._seconds_per_key + per_key)
+        )
         return values
 
-    def _read(self, txn: lmdb.Transaction | None, keys: torch.Tensor,
-              databases: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(
+        self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins); read in
         ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
@@ -187,6 +208,7 @@ class LmdbColdStore(ColdStore):
     def flush(self) -> None:
         self._check_writable()
         if self._pending_count:
+
             def publish(txn: lmdb.Transaction) -> None:
                 staged = txn.cursor(self._pending).iternext()
                 txn.cursor(self._rows).putmulti(staged)
@@ -204,12 +226,18 @@ class LmdbColdStore(ColdStore):
         value would otherwise fail, or worse, in the row decoder)."""
         try:
             with self._env.begin() as txn:
-                wrong = [(len(key), len(value)) for key, value in txn.cursor(self._rows)
-                         if len(key) != 8 or len(value) != self.row_bytes]
+                wrong = [
+                    (len(key), len(value))
+                    for key, value in txn.cursor(self._rows)
+                    if len(key) != 8 or len(value) != self.row_bytes
+                ]
         except lmdb.Error as error:
             return [f"the LMDB data in {self._path} is damaged: {error}"]
-        problems = [f"an LMDB entry has a {key_length}-byte key and a {value_length}-byte value "
-                    f"(expected 8 and {self.row_bytes})" for key_length, value_length in wrong[:3]]
+        problems = [
+            f"an LMDB entry has a {key_length}-byte key and a {value_length}-byte value "
+            f"(expected 8 and {self.row_bytes})"
+            for key_length, value_length in wrong[:3]
+        ]
         if len(wrong) > 3:
             problems.append(f"... {len(wrong)} malformed LMDB entries in all")
         return problems

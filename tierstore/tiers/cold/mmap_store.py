@@ -21,16 +21,16 @@ import fcntl
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from ...errors import StoreFormatError
+from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
-from ...metadata import fsync_directory, write_json_atomic
 from .base import ColdStore
 from .codec import rows_as_bytes, rows_from_bytes
 
@@ -54,9 +54,16 @@ class GrowableArray:
         size = self.path.stat().st_size
         item = self.width * self.dtype.itemsize
         self.capacity = size // item
-        self.array = (np.memmap(self.path, dtype=self.dtype, mode="r" if self.read_only else "r+",
-                                shape=(self.capacity, self.width)) if self.capacity else
-                      np.empty((0, self.width), dtype=self.dtype))
+        self.array = (
+            np.memmap(
+                self.path,
+                dtype=self.dtype,
+                mode="r" if self.read_only else "r+",
+                shape=(self.capacity, self.width),
+            )
+            if self.capacity
+            else np.empty((0, self.width), dtype=self.dtype)
+        )
 
     def reserve(self, count: int) -> None:
         """Make room for ``count`` items (file grows to the next power of two of items)."""
@@ -100,8 +107,9 @@ class MmapColdStore(ColdStore):
     indexes of the rows and the log (``KernelHashTable``); ``None``: torch ``HashIndex``es.
     """
 
-    def __init__(self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False,
-                 index_kernels=None) -> None:
+    def __init__(
+        self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False, index_kernels=None
+    ) -> None:
         super().__init__(row_width, dtype, read_only)
         self.directory = Path(directory)
         self._index_kernels = index_kernels
@@ -112,7 +120,9 @@ class MmapColdStore(ColdStore):
                 fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self._lock.close()
-                raise RuntimeError(f"store {directory} is already open for writing in another process") from None
+                raise RuntimeError(
+                    f"store {directory} is already open for writing in another process"
+                ) from None
         self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only)
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
@@ -167,8 +177,11 @@ class MmapColdStore(ColdStore):
                 records, checksum = int(commit["records"]), int(commit["crc32"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as error:
                 raise StoreFormatError(f"{commit_path} is damaged ({error!r})") from None
-            if (self._wal_keys.capacity < records or self._wal_rows.capacity < records
-                    or self._wal_checksum(records) != checksum):
+            if (
+                self._wal_keys.capacity < records
+                or self._wal_rows.capacity < records
+                or self._wal_checksum(records) != checksum
+            ):
                 raise StoreFormatError(
                     f"the write-ahead log of the last flush in {self.directory} is damaged "
                     f"(checksum mismatch); the store cannot be recovered to its last flush"
@@ -214,8 +227,8 @@ class MmapColdStore(ColdStore):
             yield keys, rows
         new_keys, new_records = self._wal_only()
         for start in range(0, new_keys.numel(), batch_size):
-            part = new_records[start:start + batch_size]
-            yield new_keys[start:start + batch_size], self._wal_rows_tensor().index_select(0, part)
+            part = new_records[start : start + batch_size]
+            yield new_keys[start : start + batch_size], self._wal_rows_tensor().index_select(0, part)
 
     def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Staged keys not in the committed rows, and their log record numbers."""
