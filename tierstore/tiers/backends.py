@@ -86,28 +86,10 @@ class KernelRows:
         vectorised = (
             width % 4 == 0 and columns % 4 == 0 and out.data_ptr() % 16 == 0 and rows.data_ptr() % 16 == 0
         )
-        if vectorised:
-            self.kernels.launch(
-                "cache_gather_vec4",
-                slots.numel() * columns // 4,
-                rows,
-                width,
-                _int32(slots),
-                slots.numel(),
-                columns,
-                out,
-            )
-        else:
-            self.kernels.launch(
-                "cache_gather",
-                slots.numel() * columns,
-                rows,
-                width,
-                _int32(slots),
-                slots.numel(),
-                columns,
-                out,
-            )
+        name, items = ("cache_gather_vec4", columns // 4) if vectorised else ("cache_gather", columns)
+        self.kernels.launch(
+            name, slots.numel() * items, rows, width, _int32(slots), slots.numel(), columns, out
+        )
         return out
 
     def scatter(self, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, columns: int) -> None:

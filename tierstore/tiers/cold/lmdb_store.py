@@ -32,9 +32,9 @@ from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
-READ_THREADS = 16  # concurrent page faults: an SSD serves many at once (3.4x over one at a time here)
+READ_THREADS = 16  # concurrent page faults: an SSD serves many at once
 MIN_KEYS_PER_THREAD = 512
-DISK_BOUND_SECONDS_PER_KEY = 5e-6  # page-cache hits cost ~1 us per key, SSD reads ~50 us
+DISK_BOUND_SECONDS_PER_KEY = 5e-6  # between a page-cache hit and an SSD read per key
 
 
 class LmdbColdStore(ColdStore):
