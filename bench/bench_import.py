@@ -6,7 +6,7 @@ measured in the same run on the same filesystem.
 The source is an ``.npy`` of ``--rows`` x ``--dim`` float32 rows (written first and read back
 once, so it sits in the page cache as a freshly written table would). The baseline writes the same
 number of bytes to a new file with ``os.write`` in 64 MiB blocks and ``fsync``s it: the disk's
-sequential write bandwidth. Each import (through ``tierstore.transfer.import_table``, as the CLI
+sequential write bandwidth. Each import (through ``tierstore.cli.transfer.import_table``, as the CLI
 runs it) counts until its store is durable and renamed into place. Reported: MB/s of row bytes and
 the ratio import / disk, median over ``--repeats`` turns taken in alternation, per backend. JSON to
 ``--json``.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.table_files import open_table
-from tierstore.transfer import import_table
+from tierstore.cli.table_files import open_table
+from tierstore.cli.transfer import import_table
 
 BLOCK = 64 << 20
 

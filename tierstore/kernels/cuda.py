@@ -132,11 +132,15 @@ class CudaKernels:
 _loaded: dict[torch.device, CudaKernels] = {}
 
 
-def device_kernels(device: torch.device) -> tuple[CudaKernels | None, str]:
-    """``(the kernels loaded on device, "")``, or ``(None, why they cannot run there)``."""
+def device_kernels(
+    device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[CudaKernels | None, str]:
+    """``(the kernels loaded on device, "")``, or ``(None, why they cannot run there for rows of dtype)``."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"the device is {device}, not a CUDA device"
+    if dtype != torch.float32:
+        return None, f"the kernels store float32 rows, not {dtype}"
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
     try:

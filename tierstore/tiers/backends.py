@@ -162,10 +162,10 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
     if requested == "torch":
         return TorchRows()
     kernel_name = names[1]
-    if dtype != torch.float32:
+    if tier == "device":
+        kernels, why_not = device_kernels(device, dtype)
+    elif dtype != torch.float32:
         kernels, why_not = None, f"the kernels store float32 rows, not {dtype}"
-    elif tier == "device":
-        kernels, why_not = device_kernels(device)
     else:
         kernels, why_not = host_kernels()
     if kernels is None:
