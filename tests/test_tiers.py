@@ -168,3 +168,28 @@ def test_optimizer_names_live_in_one_registry():
     assert all(kind.name == name for name, kind in optim.OPTIMIZERS.items())
     assert optimizer_name(1, 16) == "RowWiseAdagrad" and optimizer_name(32, 16) == "Adam"
     assert optimizer_name(7, 16).startswith("unknown")
+
+
+def test_a_store_runs_its_cache_tiers_on_the_policy_it_is_given(tmp_path, backend):
+    """FIFO in both cache tiers (TierConfig.policy): rows move through every tier, values stay a dict's."""
+    rng = np.random.default_rng(5)
+    oracle = {}
+    config = TierConfig(host_cache=10, device_cache=5, policy=FirstInFirstOut)
+    with TieredStore(tmp_path / "s", dim=3, backend=backend, tiers=config) as store:
+        assert all(isinstance(cache.policy, FirstInFirstOut) for cache in store.stack.caches)
+        for step in range(80):
+            ids = torch.from_numpy(rng.integers(0, 40, rng.integers(1, 5)))
+            if step % 2:
+                rows = torch.from_numpy(rng.standard_normal((ids.numel(), 3)).astype(np.float32))
+                store.put(ids, rows)
+                oracle.update(zip(ids.tolist(), rows))
+            got = store.get(ids)
+            for id_, row in zip(ids.tolist(), got):
+                if id_ in oracle:
+                    assert torch.equal(row, oracle[id_])
+        stats = store.stats()
+        assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0
+        for cache in store.stack.caches:
+            assert cache.nbytes == cache.nbytes_for(
+                cache.capacity, 3, torch.float32, cache.backend, FirstInFirstOut
+            )

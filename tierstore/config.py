@@ -21,6 +21,8 @@ class TierConfig:
     device_cache_backend: "cuda" (the kernels on the GPU: a CUDA device, cuda-python, NVRTC,
         float32), "torch", "auto" (the kernels where they can run), or a backend value.
     half_life: LFU ageing, in accesses per tier (default: 4x the tier's capacity).
+    policy: the cache tiers' eviction policy, an ``tiers.policies.EvictionPolicy`` subclass
+        (default ``None``: LFU with ageing at ``half_life``).
     """
 
     host_cache: Budget = "256MiB"
@@ -28,6 +30,7 @@ class TierConfig:
     host_cache_backend: object = "auto"
     device_cache_backend: object = "auto"
     half_life: float | None = None
+    policy: type | None = None
 
     @classmethod
     def from_settings(cls, config: TierConfig | None, settings: dict) -> TierConfig:

@@ -29,49 +29,50 @@ def build_tiers(
 ) -> TierStack:
     """The device tier (on ``device``, if budgeted), the host tier (if budgeted) and the cold store
     at ``path``; raises ``ValueError`` when no cache tier has a budget."""
-    dtype, row_width = metadata.torch_dtype, metadata.row_width
     on_cuda = device.type == "cuda"
+    device_memory = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
+    ram = psutil.virtual_memory().total
     tiers = [
-        (
-            "device",
-            config.device_cache,
-            device,
-            config.device_cache_backend,
-            torch.cuda.get_device_properties(device).total_memory if on_cuda else None,
-        ),
-        (
-            "host",
-            config.host_cache,
-            torch.device("cpu"),
-            config.host_cache_backend,
-            psutil.virtual_memory().total,
-        ),
+        ("device", config.device_cache, device, config.device_cache_backend, device_memory),
+        ("host", config.host_cache, torch.device("cpu"), config.host_cache_backend, ram),
     ]
     caches = []
     for name, budget, tier_device, requested, memory in tiers:
-        backend = backends.resolve(name, requested, device, dtype)
-
-        def nbytes(count: int, backend=backend) -> int:
-            return RowCache.nbytes_for(count, row_width, dtype, backend)
-
-        rows = rows_for_budget(budget, nbytes, memory)
-        if rows:
-            caches.append(
-                RowCache(
-                    name,
-                    rows,
-                    row_width,
-                    dtype,
-                    tier_device,
-                    config.half_life,
-                    pin_memory=on_cuda and name == "host",
-                    backend=backend,
-                )
-            )
+        backend = backends.resolve(name, requested, device, metadata.torch_dtype)
+        cache = _cache_tier(name, budget, memory, tier_device, backend, metadata, config, on_cuda)
+        if cache is not None:
+            caches.append(cache)
     if not caches:
         raise ValueError(
             "at least one cache tier is needed: give host_cache or device_cache a budget above 0"
         )
     index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
-    cold = open_cold_store(metadata.backend, path, row_width, dtype, read_only, index_kernels)
+    cold = open_cold_store(
+        metadata.backend, path, metadata.row_width, metadata.torch_dtype, read_only, index_kernels
+    )
     return TierStack(caches, cold, metadata)
+
+
+def _cache_tier(
+    name: str,
+    budget,
+    memory: int | None,
+    device: torch.device,
+    backend,
+    metadata: StoreMetadata,
+    config: TierConfig,
+    on_cuda: bool,
+) -> RowCache | None:
+    """The ``name`` cache tier on ``device`` with as many rows as ``budget`` pays for (None: none)."""
+    row_width, dtype = metadata.row_width, metadata.torch_dtype
+
+    def nbytes(count: int) -> int:
+        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy)
+
+    rows = rows_for_budget(budget, nbytes, memory)
+    if not rows:
+        return None
+    pin_memory = on_cuda and name == "host"  # page-locked rows copy to the GPU asynchronously
+    return RowCache(
+        name, rows, row_width, dtype, device, config.half_life, pin_memory, backend, config.policy
+    )

@@ -10,8 +10,7 @@ Slots the current batch needs are passed as ``protected`` and are never chosen a
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -26,9 +25,9 @@ _SLOT_BYTES = 8 + 1 + 1 + 8  # key, dirty and fresh flags, free-slot stack
 class RowCache:
     """``capacity`` rows of ``row_width`` values of ``dtype`` on ``device``; see the module docstring.
 
-    ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: a factory
-    ``policy(capacity, device, backend) -> EvictionPolicy`` (default LFU with ageing at
-    ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
+    ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: an
+    ``EvictionPolicy`` subclass, built as ``policy(capacity, device, backend)`` (default: LFU with
+    ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
 
     def __init__(
         self,
@@ -40,7 +39,7 @@ class RowCache:
         half_life: float | None = None,
         pin_memory: bool = False,
         backend=None,
-        policy: Callable[..., EvictionPolicy] | None = None,
+        policy: type[EvictionPolicy] | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
@@ -60,8 +59,10 @@ class RowCache:
         self.fresh = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
-        policy = policy or functools.partial(LfuWithAgeing, half_life=half_life)
-        self.policy = policy(capacity, self.device, self.backend)
+        if policy is None:
+            self.policy = LfuWithAgeing(capacity, self.device, self.backend, half_life)
+        else:
+            self.policy = policy(capacity, self.device, self.backend)
         self.stats = TierStats()
 
     @property
@@ -75,11 +76,11 @@ class RowCache:
         row_width: int,
         dtype: torch.dtype,
         backend=None,
-        policy: type[EvictionPolicy] = LfuWithAgeing,
+        policy: type[EvictionPolicy] | None = None,
     ) -> int:
         """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy)."""
         backend = backend if backend is not None else TorchRows()
-        per_slot = row_width * dtype.itemsize + _SLOT_BYTES + policy.bytes_per_slot
+        per_slot = row_width * dtype.itemsize + _SLOT_BYTES + (policy or LfuWithAgeing).bytes_per_slot
         return capacity * per_slot + backend.index_nbytes(capacity)
 
     @property
