@@ -53,7 +53,7 @@ class SparseOptimizer(abc.ABC):
     ) -> None:
         """Apply ``grad [U, dim]`` (one row per id) to rows ``slots`` (int64 [U], distinct) of
         ``table [R, dim + state_width]``, weights and state, in place. ``buffer``: a reusable
-        ``[>= U, R's width]`` tensor to gather the rows into (a fresh 32 MiB tensor per step costs
+        ``[>= U, R's width]`` tensor to gather the rows into (a fresh tensor per step costs
         more in page faults than the update itself)."""
         rows = (
             table.index_select(0, slots)
