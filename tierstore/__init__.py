@@ -5,6 +5,7 @@ from .config import TierConfig
 from .errors import (
     CacheCapacityError,
     ReadOnlyStoreError,
+    StoreBusyError,
     StoreClosedError,
     StoreFormatError,
     StoreMismatchError,
@@ -25,6 +26,7 @@ __all__ = [
     "ReadOnlyStoreError",
     "StoreClosedError",
     "StoreFormatError",
+    "StoreBusyError",
     "StoreMismatchError",
 ]
 __version__ = "0.1.0"

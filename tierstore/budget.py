@@ -52,6 +52,23 @@ def parse_bytes(text: str, total_memory: int | None = None) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def check_budget(budget: Budget, name: str = "budget") -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``budget`` is ``None``, a
+    non-negative int row count, or a str of bytes or a share of memory that parses."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise TypeError(f"{name} must be an int row count or a str like '64MiB' or '10%', got {budget!r}")
+    if isinstance(budget, int):
+        if budget < 0:
+            raise ValueError(f"{name} must be a non-negative row count, got {budget}")
+        return
+    try:
+        parse_bytes(budget, total_memory=1)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
 def rows_for_budget(
     budget: Budget,
     nbytes_for_rows: Callable[[int], int],
@@ -63,13 +80,10 @@ def rows_for_budget(
     largest row count ``n`` with ``nbytes_for_rows(n) <= budget`` (``nbytes_for_rows`` must be
     non-decreasing). ``None`` or ``0`` means no rows.
     """
+    check_budget(budget)
     if budget is None:
         return 0
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise TypeError(f"budget must be an int row count or a str like '64MiB' or '10%', got {budget!r}")
     if isinstance(budget, int):
-        if budget < 0:
-            raise ValueError(f"budget must be a non-negative row count, got {budget}")
         return budget
     limit = parse_bytes(budget, total_memory)
     low, high = 0, 1

@@ -4,8 +4,11 @@ modules (a store's row layout is ``metadata.StoreMetadata``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from .budget import Budget
+from .budget import Budget, check_budget
+from .tiers.backends import check_setting
+from .tiers.policies import EvictionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,30 @@ class TierConfig:
     host_cache_backend: object = "auto"
     device_cache_backend: object = "auto"
     half_life: float | None = None
-    policy: type | None = None
+    policy: type[EvictionPolicy] | None = None
+
+    def __post_init__(self) -> None:
+        """Every setting is checked here, so a bad one is refused before anything is created."""
+        for name in ("host_cache", "device_cache"):
+            check_budget(getattr(self, name), name)
+        check_setting("host", self.host_cache_backend)
+        check_setting("device", self.device_cache_backend)
+        half_life = self.half_life
+        if half_life is not None and (
+            isinstance(half_life, bool)
+            or not isinstance(half_life, (int, float))
+            or math.isnan(half_life)
+            or half_life <= 0
+        ):
+            raise ValueError(
+                f"half_life must be a positive number of accesses (inf: no ageing) or None, got {half_life!r}"
+            )
+        if self.policy is not None and not (
+            isinstance(self.policy, type) and issubclass(self.policy, EvictionPolicy)
+        ):
+            raise TypeError(
+                f"policy must be a subclass of tierstore.tiers.EvictionPolicy or None, got {self.policy!r}"
+            )
 
     @classmethod
     def from_settings(cls, config: TierConfig | None, settings: dict) -> TierConfig:

@@ -23,3 +23,7 @@ class CacheCapacityError(ValueError):
 
 class StoreClosedError(RuntimeError):
     """An operation was attempted on a store after ``close()``."""
+
+
+class StoreBusyError(RuntimeError):
+    """A store is already open for writing (one writer at a time, on every backend)."""

@@ -57,6 +57,8 @@ class StoreMetadata:
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if self.dim <= 0:
             raise ValueError(f"dim must be positive, got {self.dim}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63) (it seeds an int64 hash), got {self.seed}")
         if self.optimizer_state_width < 0:
             raise ValueError(f"optimizer_state_width must be >= 0, got {self.optimizer_state_width}")
         if self.dtype not in DTYPES:
@@ -107,20 +109,29 @@ def read_metadata(directory: Path) -> StoreMetadata:
         raise StoreFormatError(f"{path} is damaged: {error}") from None
 
 
-def open_metadata(path: Path, requested: dict[str, Any], read_only: bool) -> StoreMetadata:
-    """The metadata of the store at ``path``, checked against ``requested`` settings (``None``: as
-    stored); for a new store (``path`` missing or an empty directory), created from them, unless
-    ``read_only``. Raises ``StoreFormatError`` when ``path`` is not a store directory."""
+def resolve_metadata(
+    path: Path | None, requested: dict[str, Any], read_only: bool
+) -> tuple[StoreMetadata, bool]:
+    """``(metadata, whether the store is new)``: the metadata of the store at ``path``, checked
+    against ``requested`` settings (``None``: as stored), or for a new store (``path`` None, missing
+    or an empty directory, and not ``read_only``) the metadata ``requested`` describes. Writes
+    nothing (``create_store`` does). Raises ``StoreFormatError`` when ``path`` is not a store."""
+    if path is None:
+        return _new_metadata(requested), True
     if path.exists() and not path.is_dir():
         raise StoreFormatError(f"{path} is a file; a store is a directory")
     if (path / METADATA_FILE).exists():
         metadata = read_metadata(path)
         check_matches(metadata, requested, path)
-        return metadata
+        return metadata, False
     if path.is_dir() and any(path.iterdir()):
         raise StoreFormatError(f"{path} is not empty and has no {METADATA_FILE}: not a tierstore store")
     if read_only:
         raise StoreFormatError(f"{path} holds no store to open read-only")
+    return _new_metadata(requested), True
+
+
+def _new_metadata(requested: dict[str, Any]) -> StoreMetadata:
     if requested["dim"] is None:
         raise ValueError("dim is required to create a new store")
     metadata = StoreMetadata(
@@ -130,9 +141,13 @@ def open_metadata(path: Path, requested: dict[str, Any], read_only: bool) -> Sto
         optimizer_state_width=requested["optimizer_state_width"] or 0,
         seed=requested["seed"] or 0,
     )
+    return metadata
+
+
+def create_store(path: Path, metadata: StoreMetadata) -> None:
+    """Make ``path`` a new store directory holding ``metadata``."""
     path.mkdir(parents=True, exist_ok=True)
     write_metadata(path, metadata)
-    return metadata
 
 
 def write_metadata(directory: Path, metadata: StoreMetadata) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from .config import TierConfig
 from .errors import ReadOnlyStoreError, StoreClosedError
-from .metadata import dtype_name, open_metadata
+from .metadata import create_store, dtype_name, resolve_metadata
 from .optim import SparseOptimizer
-from .tiers.build import build_tiers, check_backends
-from .validation import as_ids, as_rows, check_out
+from .tiers.build import build_caches, check_backends, open_tiers
+from .validation import as_device, as_ids, as_rows, check_out
 
 
 class TieredStore:
@@ -56,13 +56,10 @@ class TieredStore:
         tiers: TierConfig | None = None,
         **tier_settings,
     ) -> None:
+        # Everything is checked, and the caches allocated, before anything is created on disk.
         config = TierConfig.from_settings(tiers, tier_settings)
-        self.device = torch.device(device)
-        # Refuse a backend that cannot run before creating anything (a new store's dtype is known here).
+        self.device = as_device(device)
         check_backends(config, self.device, dtype or torch.float32)
-        self._temporary = path is None
-        self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
-        self.read_only = read_only
         requested = {
             "dim": dim,
             "dtype": None if dtype is None else dtype_name(dtype),
@@ -70,12 +67,26 @@ class TieredStore:
             "optimizer_state_width": optimizer_state_width,
             "seed": seed,
         }
-        self.metadata = open_metadata(self.path, requested, read_only)
+        self.metadata, new = resolve_metadata(None if path is None else Path(path), requested, read_only)
+        caches = build_caches(self.metadata, config, self.device)
+        self._temporary = path is None
+        self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
+        self.read_only = read_only
         self.config = config
         self.dim = self.metadata.dim
         self.dtype = self.metadata.torch_dtype
         self.row_width = self.metadata.row_width
-        self.stack = build_tiers(self.path, self.metadata, config, self.device, read_only)  # for inspection
+        existed = self.path.exists()
+        if new:
+            create_store(self.path, self.metadata)
+        try:
+            self.stack = open_tiers(
+                self.path, self.metadata, config, caches, read_only
+            )  # public for inspection
+        except BaseException:
+            if new:  # leave the directory as it was: absent, or empty
+                _remove_contents(self.path, remove_directory=not existed or self._temporary)
+            raise
         self._closed = False
 
     # -- public API --------------------------------------------------------------------------
@@ -112,14 +123,18 @@ class TieredStore:
             return rows if out is None else out.copy_(rows)
         return top.read(slots, width, out=out)
 
-    def put(self, ids: Any, rows: Any) -> None:
+    def put(self, ids: Any, rows: Any, allow_nonfinite: bool = False) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.
 
         For a repeated id the last row wins. Optimizer state is kept when only weights are given.
+        Rows holding NaN or Inf are refused unless ``allow_nonfinite``. Everything is checked before
+        anything changes.
         """
         self._check_writable("put")
         ids = as_ids(ids)
-        rows = as_rows(rows, ids.numel(), (self.dim, self.row_width), self.dtype)
+        rows = as_rows(
+            rows, ids.numel(), (self.dim, self.row_width), self.dtype, allow_nonfinite=allow_nonfinite
+        )
         unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
             0, inverse, torch.arange(ids.numel()), reduce="amax"
@@ -249,3 +264,11 @@ class TieredStore:
             raise ReadOnlyStoreError(
                 f"store {self.path} was opened with read_only=True; reopen it writable to {action}"
             )
+
+
+def _remove_contents(path: Path, remove_directory: bool) -> None:
+    if remove_directory:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for child in path.iterdir():
+        shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)

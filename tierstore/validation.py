@@ -9,16 +9,27 @@ import numpy as np
 import torch
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
     """``ids`` (tensor, numpy array, sequence or int) as a 1-D int64 CPU tensor of non-negative ids.
 
     Raises ``TypeError`` for non-integer input and ``ValueError`` for negative ids or a bad shape.
     """
+    too_big = f"{name} must be int64 ids in [0, 2**63)"
     if isinstance(ids, torch.Tensor):
         tensor = ids
+        if tensor.dtype == torch.uint64 and bool((tensor.view(torch.int64) < 0).any()):
+            big = int(tensor.view(torch.int64)[tensor.view(torch.int64) < 0][0]) + 2**64
+            raise ValueError(f"{too_big}; got {big}")
     elif isinstance(ids, np.ndarray):
-        if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
-            raise ValueError(f"{name} must fit in int64; got {int(ids.max())}")
+        if ids.dtype.kind not in "iub" and ids.dtype.kind != "f":
+            raise TypeError(
+                f"{name} must have an integer dtype (int64 or int32), got a numpy {ids.dtype} array"
+            )
+        if ids.dtype == np.uint64 and ids.size and ids.max() > _INT64_MAX:
+            raise ValueError(f"{too_big}; got {int(ids.max())}")
         tensor = (
             torch.from_numpy(np.ascontiguousarray(ids).astype(np.int64, copy=False))
             if ids.dtype.kind in "iu"
@@ -26,12 +37,16 @@ def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
         )
     elif isinstance(ids, (bool, float)):
         raise TypeError(f"{name} must be integers, got {type(ids).__name__} {ids!r}")
-    elif isinstance(ids, int):
-        tensor = torch.tensor([ids], dtype=torch.int64)
+    elif isinstance(ids, (int, np.integer)):
+        if not -_INT64_MAX - 1 <= int(ids) <= _INT64_MAX:
+            raise ValueError(f"{too_big}; got {int(ids)}")
+        tensor = torch.tensor([int(ids)], dtype=torch.int64)
     else:
         try:
             tensor = torch.as_tensor(ids)
         except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+            if "overflow" in str(error).lower():
+                raise ValueError(f"{too_big}; got a value out of that range") from None
             raise TypeError(
                 f"{name} must be a 1-D integer tensor, array or sequence; got {type(ids).__name__}: {error}"
             ) from None
@@ -48,12 +63,41 @@ def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
     return tensor
 
 
-def as_rows(
-    rows: Any, count: int, widths: tuple[int, ...], dtype: torch.dtype, name: str = "rows"
-) -> torch.Tensor:
-    """``rows`` as a ``[count, w]`` tensor of ``dtype`` with ``w`` in ``widths``.
+def as_device(device: Any, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` the store can use: the CPU, or a CUDA device torch sees."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"{name} must be a torch.device or a string such as 'cpu', 'cuda' or 'cuda:0', "
+            f"got {device!r} ({error})"
+        ) from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be the CPU or a CUDA device, got {resolved}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{name}={str(resolved)!r} cannot run here (torch sees no CUDA device); use device='cpu'"
+        )
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"{name}={str(resolved)!r} but torch sees {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return resolved
 
-    Raises ``TypeError`` for a wrong dtype (no silent casts) and ``ValueError`` for a wrong shape.
+
+def as_rows(
+    rows: Any,
+    count: int,
+    widths: tuple[int, ...],
+    dtype: torch.dtype,
+    name: str = "rows",
+    allow_nonfinite: bool = False,
+) -> torch.Tensor:
+    """``rows`` as a ``[count, w]`` CPU tensor of ``dtype`` with ``w`` in ``widths``, finite unless
+    ``allow_nonfinite``.
+
+    Raises ``TypeError`` for a wrong dtype (no silent casts) and ``ValueError`` for a wrong shape,
+    a device that holds no data (``meta``) or NaN/Inf values.
     """
     if isinstance(rows, np.ndarray):
         rows = torch.from_numpy(rows)
@@ -66,6 +110,15 @@ def as_rows(
     if rows.dim() != 2 or rows.shape[0] != count or rows.shape[1] not in widths:
         expected = " or ".join(f"[{count}, {w}]" for w in widths)
         raise ValueError(f"{name} must have shape {expected} (one row per id), got {tuple(rows.shape)}")
+    if rows.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be on the CPU or a CUDA device, got a tensor on {rows.device}")
+    rows = rows.cpu()
+    if not allow_nonfinite and not bool(torch.isfinite(rows).all()):
+        first = int((~torch.isfinite(rows)).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"{name} hold NaN or Inf (first in row {first}); a table of trained rows should not, so they are "
+            f"refused: pass allow_nonfinite=True to store them anyway"
+        )
     return rows
 
 

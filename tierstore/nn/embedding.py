@@ -180,7 +180,7 @@ class _TieredTable(nn.Module):
         if Path(state["path"]) != Path(mine["path"]):
             with TieredStore(state["path"], read_only=True, host_cache=1) as source:
                 for ids, rows in source.iter_rows(with_state=True):
-                    self.store.put(ids, rows)
+                    self.store.put(ids, rows, allow_nonfinite=True)  # a copy, as it is
             self.store.flush()
         self.step = int(state["step"])
 

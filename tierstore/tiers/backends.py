@@ -144,6 +144,22 @@ class KernelRows:
         )
 
 
+def check_setting(tier: str, requested) -> None:
+    """Raise unless ``requested`` is one of the ``tier``'s backend names or a backend value."""
+    names = DEVICE_BACKENDS if tier == "device" else HOST_BACKENDS
+    if isinstance(requested, str) and requested not in names:
+        auto, kernel, torch_ops = names
+        raise ValueError(
+            f"{tier}_cache_backend must be {auto!r}, {kernel!r} or {torch_ops!r} (or a backend value), "
+            f"got {requested!r}"
+        )
+    if not isinstance(requested, str) and not hasattr(requested, "gather"):
+        raise TypeError(
+            f"{tier}_cache_backend must be a name or a backend value (tierstore.tiers.backends), "
+            f"got {requested!r}"
+        )
+
+
 def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
     """The backend of the ``tier`` ("device" or "host") for rows of ``dtype`` on ``device``.
 
@@ -152,13 +168,8 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
     here) or "auto" (the kernels where they run, else torch)."""
     if not isinstance(requested, str):
         return requested
+    check_setting(tier, requested)
     names = DEVICE_BACKENDS if tier == "device" else HOST_BACKENDS
-    if requested not in names:
-        auto, kernel, torch_ops = names
-        raise ValueError(
-            f"{tier}_cache_backend must be {auto!r}, {kernel!r} or {torch_ops!r} (or a backend value), "
-            f"got {requested!r}"
-        )
     if requested == "torch":
         return TorchRows()
     kernel_name = names[1]

@@ -24,11 +24,9 @@ def check_backends(config: TierConfig, device: torch.device, dtype: torch.dtype)
     backends.resolve("host", config.host_cache_backend, device, dtype)
 
 
-def build_tiers(
-    path: Path, metadata: StoreMetadata, config: TierConfig, device: torch.device, read_only: bool
-) -> TierStack:
-    """The device tier (on ``device``, if budgeted), the host tier (if budgeted) and the cold store
-    at ``path``; raises ``ValueError`` when no cache tier has a budget."""
+def build_caches(metadata: StoreMetadata, config: TierConfig, device: torch.device) -> list[RowCache]:
+    """The device tier (on ``device``, if budgeted) and the host tier (if budgeted), top first;
+    raises ``ValueError`` when no cache tier has a budget. Touches no file."""
     on_cuda = device.type == "cuda"
     device_memory = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
     ram = psutil.virtual_memory().total
@@ -46,6 +44,13 @@ def build_tiers(
         raise ValueError(
             "at least one cache tier is needed: give host_cache or device_cache a budget above 0"
         )
+    return caches
+
+
+def open_tiers(
+    path: Path, metadata: StoreMetadata, config: TierConfig, caches: list[RowCache], read_only: bool
+) -> TierStack:
+    """``caches`` over the cold store at ``path``, whose key indexes follow the host tier's backend."""
     index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
     cold = open_cold_store(
         metadata.backend, path, metadata.row_width, metadata.torch_dtype, read_only, index_kernels

@@ -9,13 +9,38 @@ A backend implements ``_get``/``_put`` and the abstract methods; the base counts
 
 from __future__ import annotations
 
+import fcntl
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-from ...errors import ReadOnlyStoreError
+from ...errors import ReadOnlyStoreError, StoreBusyError
 from ..contract import ColdStats
+
+LOCK_FILE = "lock"
+
+
+class WriterLock:
+    """An exclusive ``flock`` on ``directory/lock``, held while a store is open for writing: one
+    writer at a time on every backend (readers stay allowed). The OS drops it when the process dies."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = open(Path(directory) / LOCK_FILE, "a")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise StoreBusyError(
+                f"store {directory} is already open for writing (in another process, or by another "
+                f"TieredStore in this one); close that one first, or open this one with read_only=True"
+            ) from None
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
 
 
 class ColdStore(ABC):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ...errors import StoreFormatError
-from .base import ColdStore
+from .base import ColdStore, WriterLock
 from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
 
 DIRECTORY = "lmdb"
@@ -50,7 +50,16 @@ class LmdbColdStore(ColdStore):
         read_threads: int = READ_THREADS,
     ) -> None:
         super().__init__(row_width, dtype, read_only)
-        path = self._path = Path(directory) / DIRECTORY
+        self._lock = None if read_only else WriterLock(Path(directory))
+        try:
+            self._open(Path(directory), map_size, read_threads)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _open(self, directory: Path, map_size: int, read_threads: int) -> None:
+        read_only = self.read_only
+        path = self._path = directory / DIRECTORY
         if read_only and not (path / "data.mdb").exists():
             raise StoreFormatError(f"{path} is missing its LMDB data file (data.mdb)")
         path.mkdir(exist_ok=True)
@@ -246,3 +255,9 @@ class LmdbColdStore(ColdStore):
         if self._pool is not None:
             self._pool.shutdown()
         self._env.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

@@ -12,12 +12,11 @@ state of the last completed ``flush``. ``put`` only writes the log; ``flush`` sy
 commits it by renaming ``wal.commit.json`` into place (with a CRC32 of the log), then applies it to
 ``rows.bin``/``keys.bin`` and updates ``state.json``. Opening replays a committed log (replay is
 idempotent) and discards an uncommitted one. One writer at a time: a writable open takes an
-exclusive ``flock`` on ``lock``.
+exclusive ``flock`` on ``lock`` (``base.WriterLock``).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import zlib
@@ -31,12 +30,11 @@ from ...errors import StoreFormatError
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
-from .base import ColdStore
+from .base import ColdStore, WriterLock
 from .codec import rows_as_bytes, rows_from_bytes
 
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
-LOCK_FILE = "lock"
 
 
 class GrowableArray:
@@ -113,16 +111,15 @@ class MmapColdStore(ColdStore):
         super().__init__(row_width, dtype, read_only)
         self.directory = Path(directory)
         self._index_kernels = index_kernels
-        self._lock = None
-        if not read_only:
-            self._lock = open(self.directory / LOCK_FILE, "a")
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._lock.close()
-                raise RuntimeError(
-                    f"store {directory} is already open for writing in another process"
-                ) from None
+        self._lock = None if read_only else WriterLock(self.directory)
+        try:
+            self._open_files()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _open_files(self) -> None:
+        read_only = self.read_only
         self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only)
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
@@ -329,7 +326,9 @@ class MmapColdStore(ColdStore):
     def close(self) -> None:
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
             array.array = None
+        self._release_lock()
+
+    def _release_lock(self) -> None:
         if self._lock is not None:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+            self._lock.release()
             self._lock = None
