@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 _INT64_MAX = np.iinfo(np.int64).max
 
 
