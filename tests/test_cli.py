@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -240,17 +241,112 @@ def test_verify_finds_a_damaged_store_and_exits_1(tmp_path, dense, capsys, backe
     assert message in capsys.readouterr().out
 
 
+CLI = [sys.executable, "-m", "tierstore"]  # the environment's own interpreter, whatever PATH holds
+
+
 def test_every_command_has_help_through_the_console_script():
-    for command in ([], ["import"], ["export"], ["inspect"], ["verify"]):
-        result = subprocess.run(["tierstore", *command, "--help"], capture_output=True, text=True)
-        assert result.returncode == 0 and "usage: tierstore" in result.stdout
+    script = Path(sys.executable).parent / "tierstore"  # where pip puts it, beside the interpreter
+    assert script.exists(), f"pip install should have put the tierstore console script at {script}"
+    for command in ([], ["import"], ["export"], ["inspect"], ["verify"], ["bench"]):
+        for cli in ([str(script)], CLI):
+            result = subprocess.run([*cli, *command, "--help"], capture_output=True, text=True)
+            assert result.returncode == 0 and "usage: tierstore" in result.stdout
 
 
 def test_unknown_store_and_usage_errors_exit_2():
-    result = subprocess.run(["tierstore", "inspect", "/nonexistent/store"], capture_output=True, text=True)
+    result = subprocess.run([*CLI, "inspect", "/nonexistent/store"], capture_output=True, text=True)
     assert (
         result.returncode == 2
         and "no such store directory" in result.stderr
         and "Traceback" not in result.stderr
     )
-    assert subprocess.run(["tierstore", "frobnicate"], capture_output=True).returncode == 2
+    assert subprocess.run([*CLI, "frobnicate"], capture_output=True).returncode == 2
+
+
+# -- every option checked before any work (issue 13) ------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_rows", ["-5", "0", "ten"])
+def test_chunk_rows_must_be_a_positive_whole_number(tmp_path, dense, chunk_rows, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run("import", tmp_path / "dense.npy", tmp_path / "a", "--chunk-rows", chunk_rows)
+    assert exit_.value.code == 2 and "--chunk-rows" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    assert run("import", tmp_path / "dense.npy", tmp_path / "a") == 0
+    with pytest.raises(SystemExit) as exit_:
+        run("export", tmp_path / "a", tmp_path / "out.npy", "--chunk-rows", chunk_rows)
+    assert exit_.value.code == 2 and not (tmp_path / "out.npy").exists()
+
+
+def test_ids_past_int64_are_named_not_a_traceback(tmp_path, dense, capsys):
+    np.save(tmp_path / "ids.npy", np.arange(700, dtype=np.uint64) + np.uint64(2**63 - 3))
+    assert run("import", tmp_path / "dense.npy", tmp_path / "a", "--ids", tmp_path / "ids.npy") == 2
+    assert "ids must be below 2**63 (int64), found 9223372036854775808" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    np.save(tmp_path / "ids.npy", np.arange(700, dtype=np.uint64) * np.uint64(3))  # uint64 that fit: fine
+    assert run("import", tmp_path / "dense.npy", tmp_path / "a", "--ids", tmp_path / "ids.npy") == 0
+    assert torch.equal(stored_rows(tmp_path / "a", [3 * 699]), torch.from_numpy(dense[699:]))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["zipf:n=1000", "--sizes", ","], "--sizes ',' names no size"),
+        (["zipf:n=1000", "--sizes", "5%,lots"], "cache size 'lots' does not parse"),
+        (["zipf:n=1000", "--out", "/proc/no/such/dir/x"], "cannot write /proc/no/such/dir/x.json"),
+        (["drift:n=100,hot=0"], "drift: hot must be a whole number from 1"),
+        (["uniform:n=1e30"], "uniform: n must be a whole number from 1"),
+        (["zipf:n=100,alpha=-1"], "zipf: alpha must be above 0"),
+    ],
+)
+def test_bench_options_are_checked_before_the_run(tmp_path, monkeypatch, capsys, arguments, message):
+    import tierstore.cli.bench as bench
+
+    monkeypatch.setattr(bench, "run_store", lambda *args: pytest.fail("the replay ran despite a bad option"))
+    assert run("bench", *arguments) == 2
+    error = capsys.readouterr().err
+    assert message in error and "Traceback" not in error
+
+
+def _stderr_of(command: list[str], terminal: bool) -> str:
+    """What ``command`` writes to stderr when stderr is a pipe, or a terminal (a pseudo-terminal)."""
+    if not terminal:
+        return subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # a terminal's size
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    written = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed when the process ended
+            break
+        if not chunk:
+            break
+        written += chunk
+    assert process.wait() == 0
+    os.close(leader)
+    return written.decode(errors="replace")
+
+
+def test_progress_bars_show_on_a_terminal_only_and_quiet_silences_them(tmp_path, dense):
+    def importing(name, *flags):
+        return [
+            *CLI,
+            "import",
+            str(tmp_path / "dense.npy"),
+            str(tmp_path / name),
+            "--chunk-rows",
+            "100",
+            *flags,
+        ]
+
+    assert "importing dense.npy" in _stderr_of(importing("a"), terminal=True)
+    assert _stderr_of(importing("b"), terminal=False) == ""  # a log or a pipe: no bar
+    assert "importing" not in _stderr_of(importing("c", "--quiet"), terminal=True)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..budget import parse_bytes
 from ..store import TieredStore
+from .progress import bar as progress_bar
 from .reference_policies import policy_hits
 from .traces import Trace
 
@@ -54,7 +54,9 @@ def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
     return rows
 
 
-def run_store(trace: Trace, rows: int, batch_size: int, dim: int, backend: str, progress: bool) -> dict:
+def run_store(
+    trace: Trace, rows: int, batch_size: int, dim: int, backend: str, progress: bool | None
+) -> dict:
     """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows."""
     keys = torch.from_numpy(trace.keys)
     latencies = []
@@ -63,8 +65,8 @@ def run_store(trace: Trace, rows: int, batch_size: int, dim: int, backend: str, 
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
             start = time.perf_counter()
-            for batch in tqdm(
-                batches, desc=f"store, {rows:,} rows", unit="batch", leave=False, disable=not progress
+            for batch in progress_bar(
+                batches, desc=f"store, {rows:,} rows", unit="batch", leave=False, progress=progress
             ):
                 began = time.perf_counter()
                 store.get(batch, out=out[: batch.numel()])
@@ -89,7 +91,7 @@ def run_bench(
     batch_size: int = 4096,
     dim: int = 16,
     backend: str = "mmap",
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
     rows is replayed in batches of its size."""
@@ -105,8 +107,8 @@ def run_bench(
         "backend": backend,
         "sizes": [],
     }
-    for size in sizes:
-        rows = cache_rows(size, distinct, row_bytes)
+    all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
+    for size, rows in zip(sizes, all_rows):
         batch = min(batch_size, rows)  # a batch's distinct ids must fit in the cache
         entry = {
             "size": size,

@@ -48,13 +48,29 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Tiered embedding store tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument(
+        "--quiet", action="store_true", help="no progress bars (they are shown only on a terminal anyway)"
+    )
 
     formats = ", ".join(SUFFIXES)
     command = commands.add_parser(
         "import",
+        parents=[quiet],
         help="build a new store from a table file",
         description=f"Build a new store at STORE from the table in SRC ({formats}; "
         "format from the suffix), streaming, atomically (an interrupted import "
@@ -81,11 +97,14 @@ def _parser() -> argparse.ArgumentParser:
         help="room for this optimizer's per-row state, zeroed (as each starts)",
     )
     command.add_argument("--seed", type=int, default=0, help="initial rows of ids added later")
-    command.add_argument("--chunk-rows", type=int, default=1 << 16)
+    command.add_argument(
+        "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
+    )
     command.set_defaults(run=_import)
 
     command = commands.add_parser(
         "export",
+        parents=[quiet],
         help="write a store's rows to a table file",
         description=f"Write every row of STORE to DST ({formats}), streaming. A store whose "
         "ids are 0..N-1 is written dense (row i = id i); any other with its ids.",
@@ -98,11 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--with-state", action="store_true", help="whole rows: weights, then optimizer state"
     )
-    command.add_argument("--chunk-rows", type=int, default=1 << 16)
+    command.add_argument(
+        "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
+    )
     command.set_defaults(run=_export)
 
     command = commands.add_parser(
         "inspect",
+        parents=[quiet],
         help="a store's layout, size and last flush",
         description="Show a store's rows, dim, dtype, optimizer, format version, "
         "size on disk, bytes per row and last flush time.",
@@ -113,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 
     command = commands.add_parser(
         "verify",
+        parents=[quiet],
         help="check a store; exit 1 on any problem",
         description="Check a store's metadata and structure and that every row "
         "decodes to finite values. Exit 0 if sound, 1 if not.",
@@ -122,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
 
     command = commands.add_parser(
         "bench",
+        parents=[quiet],
         help="replay an id trace through a store at several cache sizes",
         description="Replay an id trace through a store whose host cache takes each of --sizes, and "
         "report per size: hit rate, rows and bytes moved, evictions, lookups/s and per-batch latency "
@@ -166,8 +190,10 @@ def _parser() -> argparse.ArgumentParser:
         default="lru,fifo,belady",
         help="reference policies to compare with ours (LFU): any of lru, fifo, belady",
     )
-    command.add_argument("--batch-size", type=int, default=4096, help="ids per lookup batch")
-    command.add_argument("--dim", type=int, default=16, help="row width of the store (sets bytes moved)")
+    command.add_argument("--batch-size", type=positive_int, default=4096, help="ids per lookup batch")
+    command.add_argument(
+        "--dim", type=positive_int, default=16, help="row width of the store (sets bytes moved)"
+    )
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
     command.add_argument(
         "--out",
@@ -188,6 +214,7 @@ def _import(args) -> int:
         optimizer=args.optimizer,
         seed=args.seed,
         chunk_rows=args.chunk_rows,
+        progress=_progress(args),
     )
     print(
         f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
@@ -204,6 +231,7 @@ def _export(args) -> int:
         ids_path=args.ids,
         with_state=args.with_state,
         chunk_rows=args.chunk_rows,
+        progress=_progress(args),
     )
     print(f"exported {count:,} rows to {args.destination}")
     return 0
@@ -226,7 +254,7 @@ def _inspect(args) -> int:
 
 def _verify(args) -> int:
     _check_store(args.store)
-    problems = verify_store(args.store)
+    problems = verify_store(args.store, progress=_progress(args))
     for problem in problems:
         print(f"problem: {problem}")
     print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
@@ -240,16 +268,17 @@ def _bench(args) -> int:
         raise CommandError(
             f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}"
         )
-    if args.batch_size < 1 or args.dim < 1:
-        raise CommandError("--batch-size and --dim must be positive")
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not sizes:
+        raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
+    json_path = args.out.with_name(args.out.name + ".json")
+    _check_writable(json_path)  # before the run, not after it
     columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
     trace = load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
-    sizes = [s for s in args.sizes.split(",") if s.strip()]
     tables = split_columns(trace) if args.separate else [trace]
     reports = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for number, table in enumerate(tables):
-        report = run_bench(table, sizes, policies, args.batch_size, args.dim, args.backend)
+        report = run_bench(table, sizes, policies, args.batch_size, args.dim, args.backend, _progress(args))
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
         plotted = plot_curve(report, policies, png)
@@ -259,10 +288,26 @@ def _bench(args) -> int:
             else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')"
         )
         reports.append(report)
-    json_path = args.out.with_name(args.out.name + ".json")
     json_path.write_text(json.dumps({"tables": reports} if args.separate else reports[0], indent=2))
     print(f"figures: {json_path}")
     return 0
+
+
+def _progress(args) -> bool | None:
+    return False if args.quiet else None
+
+
+def _check_writable(path: Path) -> None:
+    """Raise ``CommandError`` unless ``path`` can be written (its folder is made if missing)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 def _check_store(path: Path) -> None:

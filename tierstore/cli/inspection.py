@@ -7,12 +7,12 @@ import datetime
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import read_metadata
 from ..store import TieredStore
+from .progress import bar as progress_bar
 
 
 def optimizer_name(state_width: int, dim: int) -> str:
@@ -53,7 +53,7 @@ def inspect_store(path: Path) -> dict:
     }
 
 
-def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool = True) -> list[str]:
+def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = None) -> list[str]:
     """Problems found in the store at ``path`` (empty: sound). Checks the metadata, the cold store's
     structure (``structure_problems``; the mmap backend checks its row count, key file and
     write-ahead log as it opens), then decodes every row and checks that its values are finite."""
@@ -69,8 +69,8 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool = True) -
             return problems
         expected = len(store)
         seen = 0
-        with tqdm(
-            total=expected, unit="rows", unit_scale=True, desc="verifying", disable=not progress
+        with progress_bar(
+            total=expected, unit="rows", unit_scale=True, desc="verifying", progress=progress
         ) as bar:
             for ids, rows in store.iter_rows(chunk_rows, with_state=True):
                 bad = ~torch.isfinite(rows).all(dim=1)

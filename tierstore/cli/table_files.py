@@ -83,7 +83,7 @@ def open_table(path: Path, key: str | None = None, ids_path: Path | None = None)
             raise TableFileError(f"{path} holds ids already; leave out the ids file")
         ids = _as_tensor(_load_npy(Path(ids_path)))
     if ids is not None:
-        _check_ids(ids, rows.shape[0], ids_path or path)
+        ids = _check_ids(ids, rows.shape[0], ids_path or path)
     return TableSource(rows, ids, path)
 
 
@@ -175,15 +175,23 @@ def _named_table(
     return tensors[key], ids if ids is not None and ids.dim() == 1 and not ids.is_floating_point() else None
 
 
-def _check_ids(ids: torch.Tensor, rows: int, path: Path) -> None:
+def _check_ids(ids: torch.Tensor, rows: int, path: Path) -> torch.Tensor:
+    """``ids`` as signed integers, or ``TableFileError`` saying what is wrong with them."""
     if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise TableFileError(f"{path}: ids must be a 1-D integer array, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.dtype == torch.uint64:
+        past = ids.view(torch.int64) < 0  # at or past 2**63
+        if bool(past.any()):
+            first = int(ids.view(torch.int64)[past][0]) + 2**64
+            raise TableFileError(f"{path}: ids must be below 2**63 (int64), found {first}")
+        ids = ids.view(torch.int64)
     if ids.numel() != rows:
         raise TableFileError(f"{path}: {ids.numel()} ids for {rows} rows; there must be one id per row")
     if ids.numel() and int(ids.min()) < 0:
         raise TableFileError(f"{path}: ids must be non-negative, found {int(ids.min())}")
     if torch.unique(ids).numel() != ids.numel():
         raise TableFileError(f"{path}: ids repeat; each id may have one row")
+    return ids
 
 
 # -- writing ------------------------------------------------------------------------------------

@@ -83,13 +83,26 @@ def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
         raise TraceError(
             f"{kind}: options are {', '.join(sorted(known))} (n required); got {', '.join(sorted(options))}"
         )
+    limits = {
+        "n": (1, 2**62),
+        "length": (1, 2**40),
+        "seed": (0, 2**63 - 1),
+        "hot": (1, 2**62),
+        "period": (1, 2**40),
+    }
+    for name, (low, high) in limits.items():
+        value = options.get(name)
+        if value is not None and not (low <= value <= high and float(value).is_integer()):
+            raise TraceError(f"{kind}: {name} must be a whole number from {low:,} to {high:,}, got {value:g}")
+    if not 0 < options.get("alpha", 1.05) < 100:
+        raise TraceError(
+            f"{kind}: alpha must be above 0 (a Zipf exponent, typically near 1), got {options['alpha']:g}"
+        )
     n, length, seed = (
         int(options["n"]),
         int(options.get("length", DEFAULT_LENGTH)),
         int(options.get("seed", 0)),
     )
-    if n < 1 or length < 1:
-        raise TraceError(f"{kind}: n and length must be positive")
     if kind == "zipf":
         return ZipfIds(n, options.get("alpha", 1.05), seed)(length)
     if kind == "uniform":

@@ -15,13 +15,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import optim
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
 from ..store import TieredStore
 from ..tiers.cold import open_cold_store
+from .progress import bar as progress_bar
 from .table_files import TableFileError, TableSource, TableWriter
 
 CHUNK_ROWS = 1 << 16
@@ -40,7 +40,7 @@ def import_table(
     optimizer: str = "none",
     seed: int = 0,
     chunk_rows: int = CHUNK_ROWS,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> StoreMetadata:
     """Build a new store at ``store_path`` (which must not exist) holding ``source``'s rows, with
     zeroed optimizer state (the state every optimizer here starts from) of ``optimizer``'s width."""
@@ -62,12 +62,12 @@ def import_table(
         cold = open_cold_store(
             backend, building, metadata.row_width, dtype, read_only=False, index_kernels=host_kernels()[0]
         )
-        with tqdm(
+        with progress_bar(
             total=len(source),
             unit="rows",
             unit_scale=True,
             desc=f"importing {source.path.name}",
-            disable=not progress,
+            progress=progress,
         ) as bar:
             for ids, rows in source.chunks(chunk_rows):
                 stored = rows
@@ -93,7 +93,7 @@ def export_table(
     ids_path: Path | None = None,
     with_state: bool = False,
     chunk_rows: int = CHUNK_ROWS,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> int:
     """Write every row of the store at ``store_path`` to ``destination`` (format from its suffix);
     returns the row count. A store whose ids are exactly 0..N-1 is written dense (row i = id i);
@@ -107,12 +107,12 @@ def export_table(
             dense = False  # the caller asked for ids: write them
         writer = TableWriter(destination, count, width, store.dtype, sparse=not dense, ids_path=ids_path)
         position = 0
-        with tqdm(
+        with progress_bar(
             total=count,
             unit="rows",
             unit_scale=True,
             desc=f"exporting to {Path(destination).name}",
-            disable=not progress,
+            progress=progress,
         ) as bar:
             for ids, rows in store.iter_rows(chunk_rows, with_state=with_state):
                 if dense:
