@@ -3,11 +3,14 @@
 import errno
 import os
 import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from host_kernels import parallel_host_kernels
 
+from tierstore import TieredStore
 from tierstore.tiers.cold import LmdbColdStore, open_cold_store
 
 
@@ -171,3 +174,47 @@ def test_a_failed_log_write_loses_nothing_flushed(backend, tmp_path, monkeypatch
     rows, found = store.get(torch.tensor([1, 2, 3]))
     assert found.tolist() == [True, True, False] and bool((rows[:2] == 1).all())
     store.close()
+
+
+FULL_DISK_FLUSH = textwrap.dedent(
+    """
+    import errno, os, sys, torch
+    from tierstore import TieredStore
+    directory = sys.argv[1]
+    store = TieredStore(directory + "/store", dim=64, backend="mmap", host_cache=4096)
+    store.put(torch.arange(100), torch.ones(100, 64))
+    store.flush()
+    with open(directory + "/filler", "wb") as filler:  # fill the disk, all but 700 KiB
+        try:
+            while True:
+                filler.write(b"x" * 65536)
+                filler.flush()
+        except OSError:
+            pass
+    os.truncate(directory + "/filler", os.path.getsize(directory + "/filler") - 700 * 1024)
+    store.put(torch.arange(100, 2100), torch.full((2000, 64), 2.0))  # 512 KiB of log: fits
+    try:
+        store.flush()  # applying it needs room in rows.bin: none left
+        print("flushed")
+    except OSError as error:
+        print("flush failed", errno.errorcode[error.errno], "disk is full" in str(error))
+    os.unlink(directory + "/filler")
+    store.flush()  # space freed: the same flush now completes
+    store.close()
+    print("closed")
+    """
+)
+
+
+def test_a_full_disk_fails_an_mmap_flush_with_enospc_and_a_retry_completes_it(tiny_filesystem):
+    """Before its commit point the flush allocates the room applying the log will take, so a full
+    disk is OSError(ENOSPC) that changes nothing, not a SIGBUS while writing through the map."""
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_FLUSH, str(tiny_filesystem)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr  # a signal would make it negative
+    assert result.stdout.split("\n")[:2] == ["flush failed ENOSPC True", "closed"], result.stdout
+    with TieredStore(tiny_filesystem / "store", read_only=True, host_cache=4096) as store:
+        assert len(store) == 2100
+        assert bool((store.get(torch.arange(100)) == 1).all())
+        assert bool((store.get(torch.arange(100, 2100)) == 2).all())

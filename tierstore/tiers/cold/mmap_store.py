@@ -17,6 +17,7 @@ exclusive ``flock`` on ``lock`` (``base.WriterLock``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zlib
@@ -64,12 +65,32 @@ class GrowableArray:
         )
 
     def reserve(self, count: int) -> None:
-        """Make room for ``count`` items (file grows to the next power of two of items)."""
+        """Make room for ``count`` items: the file grows to the next power of two of items (or to
+        exactly ``count`` when the disk has no room for that), its blocks allocated on disk, so a
+        write through the map never needs a block the disk cannot give (which would be SIGBUS).
+        A full disk raises ``OSError(ENOSPC)`` here and leaves the file as it was."""
         if count <= self.capacity:
             return
-        capacity = 1 << max(10, (count - 1).bit_length())
+        item = self.width * self.dtype.itemsize
+        old_size = self.capacity * item
+        for capacity in (1 << max(10, (count - 1).bit_length()), count):
+            try:
+                with open(self.path, "r+b", buffering=0) as file:
+                    os.posix_fallocate(file.fileno(), old_size, capacity * item - old_size)
+                break
+            except OSError as error:
+                os.truncate(self.path, old_size)
+                if error.errno != errno.ENOSPC or capacity == count:
+                    raise OSError(
+                        error.errno,
+                        f"cannot grow {self.path} to {capacity * item:,} bytes: {os.strerror(error.errno)}"
+                        + (
+                            "; the disk is full: free space and retry (the store keeps its last flush)"
+                            if error.errno == errno.ENOSPC
+                            else ""
+                        ),
+                    ) from None
         self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
-        os.truncate(self.path, capacity * self.width * self.dtype.itemsize)
         self._map()
 
     def truncate(self) -> None:
@@ -287,14 +308,25 @@ class MmapColdStore(ColdStore):
             return
         self._wal_keys.sync()
         self._wal_rows.sync()
+        self._reserve_for_log()  # before the commit point: a full disk fails the flush, changing nothing
         commit = {"records": self._wal_count, "crc32": self._wal_checksum(self._wal_count)}
         write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)  # the flush is durable here
         self._apply_wal()
 
+    def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log's keys, and where each lives in ``rows.bin`` (-1: new, not there yet)."""
+        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
+        return keys, self._index.find(keys)
+
+    def _reserve_for_log(self) -> None:
+        """Allocate the room in ``rows.bin``/``keys.bin`` that applying the log will take."""
+        new_count = int((self._log_keys()[1] < 0).sum())
+        self._rows.reserve(self._count + new_count)
+        self._keys.reserve(self._count + new_count)
+
     def _apply_wal(self) -> None:
         """Copy the committed log into ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
-        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
-        position = self._index.find(keys)
+        keys, position = self._log_keys()
         new = position < 0
         new_count = int(new.sum())
         position[new] = torch.arange(self._count, self._count + new_count)
