@@ -1,6 +1,7 @@
 """The cold-store contract, run against both backends (mmap with both kinds of key index)."""
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -218,3 +219,68 @@ def test_a_full_disk_fails_an_mmap_flush_with_enospc_and_a_retry_completes_it(ti
         assert len(store) == 2100
         assert bool((store.get(torch.arange(100)) == 1).all())
         assert bool((store.get(torch.arange(100, 2100)) == 2).all())
+
+
+FILL_UNTIL_FULL = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from tierstore import TieredStore
+    directory, backend, flush_every = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with open(directory + "/ballast", "wb") as ballast:  # freed after the error, to make room again
+        ballast.write(b"x" * 1024 * 1024)
+    store = TieredStore(directory + "/store", dim=64, backend=backend, host_cache=600, device_cache=200)
+    put = {}
+    error = None
+    for part in range(2000):  # 100 rows a put, each row its put's number: the disk fills on the way
+        ids = torch.arange(part * 100, (part + 1) * 100) % 60_000
+        try:
+            store.put(ids, torch.full((100, 64), float(part)))
+        except OSError as raised:
+            error = raised
+            break
+        put.update(dict.fromkeys(ids.tolist(), float(part)))
+        if part % flush_every == flush_every - 1:
+            try:
+                store.flush()
+            except OSError as raised:
+                error = raised
+                break
+    failed_ids = torch.arange(part * 100, (part + 1) * 100) % 60_000
+    failed_new = [i for i in failed_ids.tolist() if i not in put]
+    print(json.dumps({"error": str(error), "errno": getattr(error, "errno", None), "rows": len(put),
+                      "failed_put_new_ids_held": int(store.contains(failed_new).sum()) if failed_new else 0}))
+    os.unlink(directory + "/ballast")  # reading rows back moves rows between tiers: it needs room
+    ids = torch.tensor(sorted(put))
+    for chunk in ids.split(100):  # every row put before the error, from whatever tier holds it
+        got = store.get(chunk)
+        expected = torch.tensor([put[i] for i in chunk.tolist()])
+        assert torch.equal(got[:, 0], expected), "a row put before the error was lost or changed"
+    if flush_every < 100:  # a store never flushed holds its log and the rows it applies to: 2x the disk
+        store.close()  # flushes
+        with TieredStore(directory + "/store", read_only=True, host_cache=len(put)) as reopened:
+            got = reopened.get(ids)[:, 0]
+            expected = torch.tensor([put[i] for i in ids.tolist()])
+            assert torch.equal(got, expected), "a row did not reach the disk"
+    print("all rows intact", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("flush_every", [10, 10**6], ids=["flushing", "never-flushing"])
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_after_a_full_disk_no_row_put_before_it_is_lost(tiny_filesystem, backend, flush_every):
+    """Rows evicted towards a full disk stay where they were (the failing put changes nothing), so
+    every row put before the error is still served, and the failed put's new ids are not added;
+    whether the disk fills in a flush or in a put that stages evicted rows."""
+    result = subprocess.run(
+        [sys.executable, "-c", FILL_UNTIL_FULL, str(tiny_filesystem), backend, str(flush_every)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr  # no signal, no lost row
+    report = json.loads(result.stdout.splitlines()[0])
+    assert report["errno"] == errno.ENOSPC and "full" in report["error"] or "No space" in report["error"], (
+        report
+    )
+    assert report["rows"] >= 1000 and report["failed_put_new_ids_held"] == 0, report
+    assert result.stdout.splitlines()[1] == "all rows intact"

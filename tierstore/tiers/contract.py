@@ -11,7 +11,7 @@ Each tier counts its own lookups and moves (``stats``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -133,10 +133,17 @@ class CacheTier(Protocol):
     def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Fused optimizer step on rows at ``slots`` (distinct) with ``grad [N, dim]``; marks them dirty."""
 
-    def admit(self, incoming: Rows, protected: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
+    def admit(
+        self,
+        incoming: Rows,
+        protected: torch.Tensor | None = None,
+        before_evicting: Callable[[Rows], None] | None = None,
+    ) -> tuple[torch.Tensor, Rows]:
         """Cache ``incoming`` (keys distinct, absent); returns ``(their slots [N], evicted Rows)``.
         Victims are the policy's choice outside ``protected`` slots; every evicted row is handed
-        back (dirty or not), never dropped. Raises ``CacheCapacityError`` when they cannot fit."""
+        back (dirty or not), never dropped: first to ``before_evicting`` while it is still here,
+        which moves it down; if that raises, the tier is left as it was. Raises
+        ``CacheCapacityError``, changing nothing, when the rows cannot fit."""
 
     def take(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
         """Remove the cached ones of ``keys`` (distinct), counting ``counts`` lookups of each;

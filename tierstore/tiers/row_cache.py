@@ -10,7 +10,7 @@ Slots the current batch needs are passed as ``protected`` and are never chosen a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -144,15 +144,23 @@ class RowCache:
         self._free[self._free_count : self._free_count + slots.numel()] = slots
         self._free_count += slots.numel()
 
-    def admit(self, incoming: Rows, protected: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
+    def admit(
+        self,
+        incoming: Rows,
+        protected: torch.Tensor | None = None,
+        before_evicting: Callable[[Rows], None] | None = None,
+    ) -> tuple[torch.Tensor, Rows]:
         count = len(incoming)
         from_free = min(count, self._free_count)
+        evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
+        victims = self._victims(count - from_free, protected) if count > from_free else None
+        if victims is not None:
+            evicted = self._rows_at(victims)
+            if before_evicting is not None:
+                before_evicting(evicted)  # may raise: nothing here has changed yet
         slots = self._free[self._free_count - from_free : self._free_count].clone()
         self._free_count -= from_free
-        evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
-        if count > from_free:
-            victims = self._victims(count - from_free, protected)
-            evicted = self._rows_at(victims)
+        if victims is not None:
             self.index.remove(evicted.keys)
             slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()

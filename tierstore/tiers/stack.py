@@ -48,10 +48,15 @@ class TierStack:
         if not bool(hit.all()):
             missed = ~hit
             missed_cpu = missed.cpu()
-            fetched = self._fetch(unique[missed_cpu], counts[missed_cpu], level=1)
-            new_slots, evicted = top.admit(fetched, protected=slots[hit])
+            taken: list[tuple[CacheTier, Rows]] = []
+            fetched = self._fetch(unique[missed_cpu], counts[missed_cpu], 1, taken)
+            try:
+                new_slots, _ = top.admit(fetched, slots[hit], lambda victims: self._move_down(victims, 1))
+            except BaseException:  # e.g. a full disk while staging victims: every row stays where it was
+                for cache, rows in taken:
+                    cache.admit(rows)  # into the slots taking them freed
+                raise
             slots[missed] = new_slots
-            self._move_down(evicted, level=1)
         top.touch(slots, counts, missed)
         return slots
 
@@ -77,13 +82,15 @@ class TierStack:
             keys, metadata.dim, metadata.optimizer_state_width, metadata.seed, metadata.torch_dtype
         )
 
-    def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int) -> Rows:
-        """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below."""
+    def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int, taken: list) -> Rows:
+        """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below
+        (each cache tier and the rows taken from it are appended to ``taken``)."""
         if level < len(self.caches):
-            found, taken = self.caches[level].take(keys, counts)
+            found, rows = self.caches[level].take(keys, counts)
+            taken.append((self.caches[level], rows))
             if bool(found.all()):
-                return taken
-            return Rows.merge(found, taken, self._fetch(keys[~found], counts[~found], level + 1))
+                return rows
+            return Rows.merge(found, rows, self._fetch(keys[~found], counts[~found], level + 1, taken))
         rows, found = self.cold.get(keys, counts)
         new = ~found
         if bool(new.any()):
@@ -91,16 +98,18 @@ class TierStack:
         return Rows(keys, rows, new, new.clone())
 
     def _move_down(self, evicted: Rows, level: int) -> None:
-        """Hand rows evicted from tier ``level - 1`` to tier ``level`` (or the cold store)."""
+        """Hand rows being evicted from tier ``level - 1`` to tier ``level`` (or the cold store). Rows
+        that tier evicts in turn go down first, so a failure (a full disk) loses no row."""
         if len(evicted) == 0:
             return
         if level < len(self.caches):
             cache = self.caches[level]
             evicted = evicted.to(cache.device)
             fits = min(len(evicted), cache.capacity)
-            _, pushed_out = cache.admit(evicted.select(slice(0, fits)))
-            overflow = evicted.select(slice(fits, None))
-            self._move_down(Rows.concat([pushed_out, overflow]), level + 1)
+            self._move_down(evicted.select(slice(fits, None)), level + 1)  # more than the tier holds
+            cache.admit(
+                evicted.select(slice(0, fits)), None, lambda victims: self._move_down(victims, level + 1)
+            )
         else:
             self._stage_in_cold(evicted.select(evicted.dirty.cpu()))
 

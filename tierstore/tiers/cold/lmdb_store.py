@@ -16,7 +16,9 @@ is retried.
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,7 @@ DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
 READ_THREADS = 16  # concurrent page faults: an SSD serves many at once
 MIN_KEYS_PER_THREAD = 512
+LOW_DISK_BYTES = 16 * 2**20  # a failed write with less free than this is taken for a full disk
 DISK_BOUND_SECONDS_PER_KEY = 5e-6  # between a page-cache hit and an SSD read per key
 
 
@@ -195,7 +198,8 @@ class LmdbColdStore(ColdStore):
     # -- writes ------------------------------------------------------------------------------
 
     def _write(self, work) -> None:
-        """Run ``work(txn)`` in one write transaction, doubling the map while it is full."""
+        """Run ``work(txn)`` in one write transaction, doubling the map while it is full. A
+        transaction that fails leaves the data as it was; a full disk is ``OSError(ENOSPC)``."""
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -203,6 +207,20 @@ class LmdbColdStore(ColdStore):
                 return
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except lmdb.Error as error:
+                raise self._as_os_error(error) from None
+
+    def _as_os_error(self, error: lmdb.Error) -> OSError:
+        """LMDB reports a full disk as an I/O error of its commit: say which it was."""
+        space = os.statvfs(self._path)
+        free = space.f_bavail * space.f_frsize
+        if free < LOW_DISK_BYTES:
+            return OSError(
+                errno.ENOSPC,
+                f"the disk holding {self._path} is full ({free:,} bytes free; LMDB: {error}); free space "
+                f"and retry: the store keeps its last flush, and rows not yet written stay cached",
+            )
+        return OSError(errno.EIO, f"LMDB could not write to {self._path}: {error}")
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         order = torch.argsort(keys)
@@ -225,7 +243,10 @@ class LmdbColdStore(ColdStore):
 
             self._write(publish)
             self._pending_count = 0
-        self._env.sync(True)
+        try:
+            self._env.sync(True)
+        except lmdb.Error as error:
+            raise self._as_os_error(error) from None
 
     def last_flush_time(self) -> float | None:
         return (self._path / "data.mdb").stat().st_mtime
