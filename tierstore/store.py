@@ -80,9 +80,7 @@ class TieredStore:
         if new:
             create_store(self.path, self.metadata)
         try:
-            self.stack = open_tiers(
-                self.path, self.metadata, config, caches, read_only
-            )  # public for inspection
+            self.stack = open_tiers(self.path, self.metadata, config, caches, read_only, new)  # public
         except BaseException:
             if new:  # leave the directory as it was: absent, or empty
                 _remove_contents(self.path, remove_directory=not existed or self._temporary)

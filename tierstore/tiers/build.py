@@ -48,12 +48,18 @@ def build_caches(metadata: StoreMetadata, config: TierConfig, device: torch.devi
 
 
 def open_tiers(
-    path: Path, metadata: StoreMetadata, config: TierConfig, caches: list[RowCache], read_only: bool
+    path: Path,
+    metadata: StoreMetadata,
+    config: TierConfig,
+    caches: list[RowCache],
+    read_only: bool,
+    new: bool,
 ) -> TierStack:
-    """``caches`` over the cold store at ``path``, whose key indexes follow the host tier's backend."""
+    """``caches`` over the cold store at ``path`` (``new``: create its files), whose key indexes
+    follow the host tier's backend."""
     index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
     cold = open_cold_store(
-        metadata.backend, path, metadata.row_width, metadata.torch_dtype, read_only, index_kernels
+        metadata.backend, path, metadata.row_width, metadata.torch_dtype, read_only, index_kernels, new
     )
     return TierStack(caches, cold, metadata)
 

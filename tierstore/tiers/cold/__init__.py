@@ -6,14 +6,15 @@ from .mmap_store import MmapColdStore
 
 
 def open_cold_store(
-    backend: str, directory, row_width: int, dtype, read_only: bool, index_kernels=None
+    backend: str, directory, row_width: int, dtype, read_only: bool, index_kernels=None, create: bool = True
 ) -> ColdStore:
-    """Open (or create) the cold store of ``backend`` ("lmdb" or "mmap") in ``directory``.
+    """Open the cold store of ``backend`` ("lmdb" or "mmap") in ``directory``, creating its files if
+    ``create`` (a new store); for an existing store a missing data file is ``StoreFormatError``.
     ``index_kernels``: see ``MmapColdStore`` (LMDB keeps its own index)."""
     if backend == "mmap":
-        return MmapColdStore(directory, row_width, dtype, read_only=read_only, index_kernels=index_kernels)
+        return MmapColdStore(directory, row_width, dtype, read_only, index_kernels, create)
     if backend == "lmdb":
-        return LmdbColdStore(directory, row_width, dtype, read_only=read_only)
+        return LmdbColdStore(directory, row_width, dtype, read_only=read_only, create=create)
     raise ValueError(f"unknown cold store backend {backend!r}; use 'lmdb' or 'mmap'")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,37 @@ LOW_DISK_BYTES = 16 * 2**20  # a failed write with less free than this is taken 
 DISK_BOUND_SECONDS_PER_KEY = 5e-6  # between a page-cache hit and an SSD read per key
 
 
+_META_MAGIC = 0xBEEFC0DE
+
+
+def check_data_file(data_file: Path) -> None:
+    """Raise ``StoreFormatError`` naming ``data_file`` unless its two LMDB meta pages hold the
+    magic number and a page size, and the file reaches the last page the newer meta page uses (a
+    truncated file would kill the process with SIGBUS when LMDB reads past its end)."""
+    size = data_file.stat().st_size
+    with open(data_file, "rb") as file:
+        first = file.read(160)
+        page_size = struct.unpack_from("<I", first, 40)[0] if len(first) == 160 else 0
+        if page_size not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+            raise StoreFormatError(f"{data_file} is damaged: its first page is not an LMDB meta page")
+        file.seek(page_size)
+        metas = [first, file.read(160)]
+    valid = []
+    for meta in metas:
+        if len(meta) == 160 and struct.unpack_from("<I", meta, 16)[0] == _META_MAGIC:
+            last_page, txnid = struct.unpack_from("<QQ", meta, 136)
+            valid.append((txnid, last_page))
+    if not valid:
+        raise StoreFormatError(f"{data_file} is damaged: neither LMDB meta page is valid")
+    _, last_page = max(valid)
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        raise StoreFormatError(
+            f"{data_file} is truncated: {size:,} bytes, but its last committed page ends at {needed:,}; "
+            f"restore the store from a backup"
+        )
+
+
 class LmdbColdStore(ColdStore):
     """Cold store in an LMDB environment at ``directory/lmdb``."""
 
@@ -51,8 +83,10 @@ class LmdbColdStore(ColdStore):
         read_only: bool = False,
         map_size: int = INITIAL_MAP_SIZE,
         read_threads: int = READ_THREADS,
+        create: bool = True,
     ) -> None:
         super().__init__(row_width, dtype, read_only)
+        self._create = create
         self._lock = None if read_only else WriterLock(Path(directory))
         try:
             self._open(Path(directory), map_size, read_threads)
@@ -63,8 +97,13 @@ class LmdbColdStore(ColdStore):
     def _open(self, directory: Path, map_size: int, read_threads: int) -> None:
         read_only = self.read_only
         path = self._path = directory / DIRECTORY
-        if read_only and not (path / "data.mdb").exists():
-            raise StoreFormatError(f"{path} is missing its LMDB data file (data.mdb)")
+        if (path / "data.mdb").exists():
+            check_data_file(path / "data.mdb")  # before LMDB maps it: a short file would be SIGBUS
+        elif read_only or not self._create:
+            raise StoreFormatError(
+                f"{path} is missing its LMDB data file (data.mdb): the store's rows are gone; restore the "
+                f"directory from a backup (opening it would start an empty table)"
+            )
         path.mkdir(exist_ok=True)
         try:
             # metasync=False: each commit syncs its data pages; flush() forces a full sync.

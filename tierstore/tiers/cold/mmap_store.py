@@ -41,11 +41,14 @@ WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", 
 class GrowableArray:
     """A file-backed ``np.memmap`` of ``[capacity, width]`` items that doubles when it must grow."""
 
-    def __init__(self, path: Path, width: int, dtype: np.dtype, read_only: bool) -> None:
+    def __init__(self, path: Path, width: int, dtype: np.dtype, read_only: bool, create: bool = True) -> None:
         self.path, self.width, self.dtype, self.read_only = path, width, np.dtype(dtype), read_only
         if not path.exists():
-            if read_only:
-                raise StoreFormatError(f"{path} is missing")
+            if read_only or not create:
+                raise StoreFormatError(
+                    f"{path} is missing: the store's rows are gone; restore the directory from a backup "
+                    f"(opening it would start an empty table)"
+                )
             path.touch()
         self._map()
 
@@ -127,10 +130,17 @@ class MmapColdStore(ColdStore):
     """
 
     def __init__(
-        self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool = False, index_kernels=None
+        self,
+        directory: Path,
+        row_width: int,
+        dtype: torch.dtype,
+        read_only: bool = False,
+        index_kernels=None,
+        create: bool = True,
     ) -> None:
         super().__init__(row_width, dtype, read_only)
         self.directory = Path(directory)
+        self._create = create
         self._index_kernels = index_kernels
         self._lock = None if read_only else WriterLock(self.directory)
         try:
@@ -141,8 +151,9 @@ class MmapColdStore(ColdStore):
 
     def _open_files(self) -> None:
         read_only = self.read_only
-        self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only)
-        self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only)
+        create = self._create
+        self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only, create)
+        self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only, create)
         self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
@@ -164,15 +175,24 @@ class MmapColdStore(ColdStore):
     def _read_state(self) -> int:
         path = self.directory / STATE_FILE
         if not path.exists():
-            if self.read_only:
-                raise StoreFormatError(f"{path} is missing")
-            write_json_atomic(path, {"rows": 0})
+            if self.read_only or not self._create:
+                raise StoreFormatError(
+                    f"{path} is missing: the store's row count is gone; restore it from a backup"
+                )
+            self._write_state(0)
         try:
-            count = json.loads(path.read_text())["rows"]
+            state = json.loads(path.read_text())
+            count = state["rows"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
             raise StoreFormatError(f"{path} is damaged ({error!r}); restore it from a backup") from None
         if not isinstance(count, int) or count < 0:
             raise StoreFormatError(f"{path} is damaged: rows is {count!r}")
+        if state.get("row_bytes", self.row_bytes) != self.row_bytes:
+            raise StoreFormatError(
+                f"{path} says its rows are {state['row_bytes']} bytes but the store's metadata says "
+                f"{self.row_bytes} (dim, dtype and optimizer state): tierstore.json was edited or belongs to "
+                f"another store"
+            )
         for array, name in ((self._rows, ROWS_FILE), (self._keys, KEYS_FILE)):
             if array.capacity < count:
                 raise StoreFormatError(
@@ -302,7 +322,7 @@ class MmapColdStore(ColdStore):
         if self._appended:
             self._rows.sync()
             self._keys.sync()
-            write_json_atomic(self.directory / STATE_FILE, {"rows": self._count})
+            self._write_state(self._count)
             self._appended = False
         if not self._wal_count:
             return
@@ -338,7 +358,7 @@ class MmapColdStore(ColdStore):
         self._keys.sync()
         self._index.insert(keys[new], position[new])
         self._count += new_count
-        write_json_atomic(self.directory / STATE_FILE, {"rows": self._count})
+        self._write_state(self._count)
         self._reset_wal()
 
     def _reset_wal(self) -> None:
@@ -350,6 +370,10 @@ class MmapColdStore(ColdStore):
         self._wal_keys.truncate()
         self._wal_index = self._make_index(1024)
         self._wal_count = 0
+
+    def _write_state(self, count: int) -> None:
+        """The committed row count, and the row size the files were written with (checked at open)."""
+        write_json_atomic(self.directory / STATE_FILE, {"rows": count, "row_bytes": self.row_bytes})
 
     def last_flush_time(self) -> float | None:
         state = self.directory / STATE_FILE
