@@ -185,14 +185,14 @@ FULL_DISK_FLUSH = textwrap.dedent(
     store = TieredStore(directory + "/store", dim=64, backend="mmap", host_cache=4096)
     store.put(torch.arange(100), torch.ones(100, 64))
     store.flush()
-    with open(directory + "/filler", "wb") as filler:  # fill the disk, all but 700 KiB
+    with open(directory + "/filler", "wb") as filler:  # fill the disk, all but 500 KiB
         try:
             while True:
                 filler.write(b"x" * 65536)
                 filler.flush()
         except OSError:
             pass
-    os.truncate(directory + "/filler", os.path.getsize(directory + "/filler") - 700 * 1024)
+    os.truncate(directory + "/filler", os.path.getsize(directory + "/filler") - 500 * 1024)
     store.put(torch.arange(100, 2100), torch.full((2000, 64), 2.0))  # 512 KiB of log: fits
     try:
         store.flush()  # applying it needs room in rows.bin: none left

@@ -166,3 +166,53 @@ def test_ids_out_of_range_or_of_the_wrong_kind_are_named(store_path, ids, error,
 def test_numpy_integer_ids_are_accepted(store_path):
     with TieredStore(store_path, dim=2, host_cache=8) as store:
         assert store.get(np.int64(5)).shape == (1, 2) and 5 in store
+
+
+# -- readers beside a writer ------------------------------------------------------------------------
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from tierstore import TieredStore
+    store = TieredStore(sys.argv[1], dim=16, backend=sys.argv[2], host_cache=500)
+    for round_ in range(1, 41):  # each flush applies a log of 2,000 rows to the row file
+        for part in torch.arange(2000).split(400):
+            store.put(part, torch.full((part.numel(), 16), float(round_)))
+        store.flush()
+    store.close()
+    """
+)
+
+READER = textwrap.dedent(
+    """
+    import sys, torch
+    from tierstore import TieredStore
+    opened = 0
+    while opened < 40:
+        with TieredStore(sys.argv[1], read_only=True, host_cache=2000) as store:
+            rows = store.get(torch.arange(2000))
+            assert bool((rows == rows[:, :1]).all()), "a torn row"
+            opened += 1
+    print("read", opened)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_readers_opening_while_a_writer_flushes_never_crash(store_path, backend):
+    with TieredStore(store_path, dim=16, backend=backend, host_cache=2000) as store:
+        store.put(torch.arange(2000), torch.zeros(2000, 16))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(store_path), backend], stderr=subprocess.PIPE
+    )
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", READER, str(store_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    assert writer.wait() == 0, writer.stderr.read()
+    for reader in readers:
+        out, err = reader.communicate()
+        assert reader.returncode == 0, err  # SIGBUS would be -7
+        assert out.strip() == b"read 40"

@@ -3,8 +3,10 @@
 Files in the store directory:
 
 - ``rows.bin``: row ``i`` at byte ``i * row_bytes``; ``keys.bin``: int64 id of row ``i``.
-- ``state.json``: ``{"rows": n}``, the committed row count (rows past it are ignored).
-- ``wal.keys.bin`` / ``wal.rows.bin``: rows staged since the last flush (a write-ahead log).
+- ``state.json``: ``{"rows": n, "row_bytes": b}``, the committed row count (rows past it are
+  ignored) and the row size the files hold.
+- ``wal.keys.bin`` / ``wal.rows.bin``: rows staged since the last flush (a write-ahead log; its
+  records past the count are stale).
 - ``wal.commit.json``: written atomically when a flush's log is durable, removed once applied.
 
 Guarantee (the same as LMDB's): after a crash or kill at any moment, reopening yields exactly the
@@ -13,6 +15,12 @@ commits it by renaming ``wal.commit.json`` into place (with a CRC32 of the log),
 ``rows.bin``/``keys.bin`` and updates ``state.json``. Opening replays a committed log (replay is
 idempotent) and discards an uncommitted one. One writer at a time: a writable open takes an
 exclusive ``flock`` on ``lock`` (``base.WriterLock``).
+
+Readers (``read_only=True``, other processes) never crash: no file a reader may have mapped ever
+shrinks (files grow with ``posix_fallocate``; the log is reset by its count, not truncated). A
+reader sees the flush that was current when it opened, except that a later flush's log, applied
+in place, may show through in rows it had not read yet: it is not a snapshot. Reopen for the
+newest flush.
 """
 
 from __future__ import annotations
@@ -94,11 +102,6 @@ class GrowableArray:
                         ),
                     ) from None
         self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
-        self._map()
-
-    def truncate(self) -> None:
-        self.array = None
-        os.truncate(self.path, 0)
         self._map()
 
     def sync(self) -> None:
@@ -366,8 +369,8 @@ class MmapColdStore(ColdStore):
         if commit_path.exists():
             commit_path.unlink()
             fsync_directory(self.directory)
-        self._wal_rows.truncate()
-        self._wal_keys.truncate()
+        # The log's files keep their size (their records past the count are ignored): a reader may
+        # have them mapped, and touching a mapped page past a file's end is SIGBUS.
         self._wal_index = self._make_index(1024)
         self._wal_count = 0
 
