@@ -25,6 +25,8 @@ newest flush.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import json
 import os
@@ -46,6 +48,11 @@ ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # FALLOC_FL_* from linux/falloc.h
+
+
 class GrowableArray:
     """A file-backed ``np.memmap`` of ``[capacity, width]`` items that doubles when it must grow."""
 
@@ -58,6 +65,7 @@ class GrowableArray:
                     f"(opening it would start an empty table)"
                 )
             path.touch()
+        self._allocated = 0  # items known to have their blocks on disk (checked again when reserved)
         self._map()
 
     def _map(self) -> None:
@@ -76,33 +84,41 @@ class GrowableArray:
         )
 
     def reserve(self, count: int) -> None:
-        """Make room for ``count`` items: the file grows to the next power of two of items (or to
-        exactly ``count`` when the disk has no room for that), its blocks allocated on disk, so a
-        write through the map never needs a block the disk cannot give (which would be SIGBUS).
-        A full disk raises ``OSError(ENOSPC)`` here and leaves the file as it was."""
-        if count <= self.capacity:
-            return
+        """Make room for items ``0..count``: the file's size doubles as needed (sparse, never
+        shrinking: a reader may have it mapped), and the blocks of the items up to ``count`` are
+        allocated on disk, so a write through the map never needs a block the disk cannot give
+        (which would be SIGBUS). A full disk raises ``OSError(ENOSPC)`` here, before any write."""
         item = self.width * self.dtype.itemsize
-        old_size = self.capacity * item
-        for capacity in (1 << max(10, (count - 1).bit_length()), count):
-            try:
-                with open(self.path, "r+b", buffering=0) as file:
-                    os.posix_fallocate(file.fileno(), old_size, capacity * item - old_size)
-                break
-            except OSError as error:
-                os.truncate(self.path, old_size)
-                if error.errno != errno.ENOSPC or capacity == count:
-                    raise OSError(
-                        error.errno,
-                        f"cannot grow {self.path} to {capacity * item:,} bytes: {os.strerror(error.errno)}"
-                        + (
-                            "; the disk is full: free space and retry (the store keeps its last flush)"
-                            if error.errno == errno.ENOSPC
-                            else ""
-                        ),
-                    ) from None
-        self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
-        self._map()
+        if count > self.capacity:
+            self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
+            os.truncate(self.path, (1 << max(10, (count - 1).bit_length())) * item)
+            self._map()
+        if count <= self._allocated:
+            return
+        try:
+            with open(self.path, "r+b", buffering=0) as file:
+                os.posix_fallocate(file.fileno(), self._allocated * item, (count - self._allocated) * item)
+        except OSError as error:
+            full = "; the disk is full: free space and retry (the store keeps its last flush)"
+            raise OSError(
+                error.errno,
+                f"cannot allocate {(count - self._allocated) * item:,} bytes in {self.path}: "
+                f"{os.strerror(error.errno)}" + (full if error.errno == errno.ENOSPC else ""),
+            ) from None
+        self._allocated = count
+
+    def release(self) -> None:
+        """Free the blocks of every item (the file keeps its size: a reader may have it mapped;
+        its pages then read as zeros). Where the file system cannot punch holes, they stay."""
+        with open(self.path, "r+b", buffering=0) as file:
+            result = _LIBC.fallocate(
+                file.fileno(),
+                _PUNCH_HOLE | _KEEP_SIZE,
+                ctypes.c_int64(0),
+                ctypes.c_int64(self.path.stat().st_size),
+            )
+        if result == 0:
+            self._allocated = 0
 
     def sync(self) -> None:
         if isinstance(self.array, np.memmap):
@@ -369,8 +385,10 @@ class MmapColdStore(ColdStore):
         if commit_path.exists():
             commit_path.unlink()
             fsync_directory(self.directory)
-        # The log's files keep their size (their records past the count are ignored): a reader may
-        # have them mapped, and touching a mapped page past a file's end is SIGBUS.
+        # The log's files keep their size (a reader may have them mapped, and touching a mapped page
+        # past a file's end is SIGBUS); their blocks are freed.
+        self._wal_rows.release()
+        self._wal_keys.release()
         self._wal_index = self._make_index(1024)
         self._wal_count = 0
 
