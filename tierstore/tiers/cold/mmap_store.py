@@ -17,7 +17,9 @@ idempotent) and discards an uncommitted one. One writer at a time: a writable op
 exclusive ``flock`` on ``lock`` (``base.WriterLock``).
 
 Readers (``read_only=True``, other processes) never crash: no file a reader may have mapped ever
-shrinks (files grow with ``posix_fallocate``; the log is reset by its count, not truncated). A
+shrinks (files grow sparse, and the blocks of rows about to be written are allocated first with
+``posix_fallocate``; after a flush the log's blocks are punched out, its files keeping their
+size). A
 reader sees the flush that was current when it opened, except that a later flush's log, applied
 in place, may show through in rows it had not read yet: it is not a snapshot. Reopen for the
 newest flush.
