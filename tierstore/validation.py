@@ -23,7 +23,7 @@ def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
             big = int(tensor.view(torch.int64)[tensor.view(torch.int64) < 0][0]) + 2**64
             raise ValueError(f"{too_big}; got {big}")
     elif isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iub" and ids.dtype.kind != "f":
+        if ids.dtype.kind not in "iubf":  # bool and float reach the dtype check below
             raise TypeError(
                 f"{name} must have an integer dtype (int64 or int32), got a numpy {ids.dtype} array"
             )

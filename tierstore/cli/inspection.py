@@ -59,8 +59,7 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = 
     write-ahead log as it opens), then decodes every row and checks that its values are finite."""
     path = Path(path)
     try:
-        read_metadata(path)
-        store = TieredStore(path, read_only=True, host_cache=1)
+        store = TieredStore(path, read_only=True, host_cache=1)  # reads and checks the metadata
     except (StoreFormatError, OSError) as error:
         return [f"cannot open the store: {error}"]
     with store:

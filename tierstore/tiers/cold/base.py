@@ -46,12 +46,32 @@ class WriterLock:
 class ColdStore(ABC):
     """Durable map ``int64 id -> row [row_width]`` of ``dtype``, read and written in batches."""
 
-    def __init__(self, row_width: int, dtype: torch.dtype, read_only: bool) -> None:
+    def __init__(
+        self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool, create: bool
+    ) -> None:
+        """Takes the writer lock (unless ``read_only``); a backend then opens its files through
+        ``_open_locked``. ``create``: the files may be created (a new store)."""
+        self.directory = Path(directory)
         self.row_width = row_width
         self.dtype = dtype
         self.row_bytes = row_width * dtype.itemsize
         self.read_only = read_only
+        self._create = create
         self.stats = ColdStats()
+        self._lock = None if read_only else WriterLock(self.directory)
+
+    def _open_locked(self, open_files) -> None:
+        """Run ``open_files()``; if it raises, release the writer lock before passing the error on."""
+        try:
+            open_files()
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def get(
         self, keys: torch.Tensor, counts: torch.Tensor | None = None

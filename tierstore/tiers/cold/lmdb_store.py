@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ...errors import StoreFormatError
-from .base import ColdStore, WriterLock
+from .base import ColdStore
 from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
 
 DIRECTORY = "lmdb"
@@ -85,18 +85,12 @@ class LmdbColdStore(ColdStore):
         read_threads: int = READ_THREADS,
         create: bool = True,
     ) -> None:
-        super().__init__(row_width, dtype, read_only)
-        self._create = create
-        self._lock = None if read_only else WriterLock(Path(directory))
-        try:
-            self._open(Path(directory), map_size, read_threads)
-        except BaseException:
-            self._release_lock()
-            raise
+        super().__init__(directory, row_width, dtype, read_only, create)
+        self._open_locked(lambda: self._open(map_size, read_threads))
 
-    def _open(self, directory: Path, map_size: int, read_threads: int) -> None:
+    def _open(self, map_size: int, read_threads: int) -> None:
         read_only = self.read_only
-        path = self._path = directory / DIRECTORY
+        path = self._path = self.directory / DIRECTORY
         if (path / "data.mdb").exists():
             check_data_file(path / "data.mdb")  # before LMDB maps it: a short file would be SIGBUS
         elif read_only or not self._create:
@@ -316,8 +310,3 @@ class LmdbColdStore(ColdStore):
             self._pool.shutdown()
         self._env.close()
         self._release_lock()
-
-    def _release_lock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None

@@ -28,7 +28,6 @@ newest flush.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -43,14 +42,14 @@ from ...errors import StoreFormatError
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
-from .base import ColdStore, WriterLock
+from .base import ColdStore
 from .codec import rows_as_bytes, rows_from_bytes
 
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
 _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # FALLOC_FL_* from linux/falloc.h
 
@@ -159,16 +158,9 @@ class MmapColdStore(ColdStore):
         index_kernels=None,
         create: bool = True,
     ) -> None:
-        super().__init__(row_width, dtype, read_only)
-        self.directory = Path(directory)
-        self._create = create
+        super().__init__(directory, row_width, dtype, read_only, create)
         self._index_kernels = index_kernels
-        self._lock = None if read_only else WriterLock(self.directory)
-        try:
-            self._open_files()
-        except BaseException:
-            self._release_lock()
-            raise
+        self._open_locked(self._open_files)
 
     def _open_files(self) -> None:
         read_only = self.read_only
@@ -406,8 +398,3 @@ class MmapColdStore(ColdStore):
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
             array.array = None
         self._release_lock()
-
-    def _release_lock(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
