@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tierstore import TieredStore
 from tierstore.cli import main
 from tierstore.errors import StoreFormatError
+from tierstore.metadata import FORMAT_VERSION
 
 
 def run(*args):
@@ -188,7 +189,9 @@ def test_inspect_reports_the_layout_as_a_table_and_as_json(tmp_path, dense, caps
     assert facts["rows"] == 700 and facts["dim"] == 6 and facts["dtype"] == "float32"
     assert facts["optimizer"] == "RowWiseAdagrad" and facts["optimizer_state_width"] == 1
     assert (
-        facts["format_version"] == 1 and facts["row_bytes"] == 28 and facts["size_on_disk_bytes"] >= 700 * 28
+        facts["format_version"] == FORMAT_VERSION
+        and facts["row_bytes"] == 28
+        and facts["size_on_disk_bytes"] >= 700 * 28
     )
     assert facts["last_flush_utc"].startswith("20")
     assert run("inspect", tmp_path / "a") == 0
@@ -204,9 +207,25 @@ def test_verify_passes_a_sound_store(tmp_path, dense, backend, capsys):
 
 
 def _nan_row(store):
+    with TieredStore(store) as opened:
+        opened.put([5], torch.full((1, 6), float("nan")), allow_nonfinite=True)
+
+
+def _random_bytes_in_rows(store):
     with open(store / "rows.bin", "r+b") as file:
-        file.seek(5 * 24)
-        file.write(np.full(6, np.nan, np.float32).tobytes())
+        file.seek(5 * 28 + 3)
+        file.write(bytes([0x5A]) * 8)
+
+
+def _random_bytes_in_lmdb_values(store):
+    env = lmdb.open(str(store / "lmdb"), max_dbs=2)
+    with env.begin(write=True) as txn:
+        rows = env.open_db(b"rows", txn=txn)
+        key = (9).to_bytes(8, "big")
+        value = bytearray(txn.get(key, db=rows))
+        value[2] ^= 0xFF
+        txn.put(key, bytes(value), db=rows)
+    env.close()
 
 
 def _truncated_rows(store):
@@ -228,6 +247,9 @@ def _wrong_length_lmdb_value(store):
     "backend, damage, message",
     [
         ("mmap", _nan_row, "non-finite values (first id: 5)"),
+        ("lmdb", _nan_row, "non-finite values (first id: 5)"),
+        ("mmap", _random_bytes_in_rows, "fail their checksum (first id: 5)"),
+        ("lmdb", _random_bytes_in_lmdb_values, "fail their checksum (first id: 9)"),
         ("mmap", _truncated_rows, "truncated"),
         ("mmap", _bad_metadata, "tierstore.json"),
         ("lmdb", _wrong_length_lmdb_value, "5-byte value"),

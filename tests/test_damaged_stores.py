@@ -91,3 +91,115 @@ def test_metadata_edited_to_another_row_size_is_refused(tmp_path):
     metadata_file.write_text(json.dumps(metadata))
     with pytest.raises(StoreFormatError, match="state.json says its rows are 32 bytes but .* says 16"):
         TieredStore(tmp_path / "s", host_cache=16)
+
+
+READ_AND_COMPARE = (
+    "import sys, torch\nfrom tierstore import TieredStore, StoreFormatError\n"
+    "try:\n"
+    "    with TieredStore(sys.argv[1], read_only=True, host_cache=64) as store:\n"
+    "        ids = torch.arange(3000)\n"
+    "        rows = torch.cat([store.get(part) for part in ids.split(50)])\n"
+    "    expected = torch.arange(3000 * 8, dtype=torch.float32).reshape(3000, 8)\n"
+    "    print('correct' if torch.equal(rows, expected) else 'WRONG')\n"
+    "except StoreFormatError as error:\n"
+    "    print('StoreFormatError', error)\n"
+)
+
+
+def read_in_subprocess(path):
+    result = subprocess.run(
+        [sys.executable, "-c", READ_AND_COMPARE, str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr  # a signal would be negative
+    return result.stdout.strip()
+
+
+def pages_holding(data_file, needle, page_size=4096):
+    data = data_file.read_bytes()
+    return sorted({offset // page_size for offset in _occurrences(data, needle)} - {0, 1})  # not the metas
+
+
+def _occurrences(data, needle):
+    offset = data.find(needle)
+    while offset >= 0:
+        yield offset
+        offset = data.find(needle, offset + 1)
+
+
+@pytest.mark.parametrize("damage", ["node bytes", "whole page"])
+def test_scribbled_lmdb_pages_are_format_errors_never_wrong_or_new_rows(tmp_path, damage):
+    """Every page holding id 1234's key (its live leaf, and copies in freed pages) is overwritten
+    with random bytes: reading the table must raise, not serve wrong rows or an initial row."""
+    make_store(tmp_path / "s", "lmdb")
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    pages = pages_holding(data_file, (1234).to_bytes(8, "big"))
+    assert pages
+    with open(data_file, "r+b") as file:
+        for page in pages:
+            start = page * 4096 + (16 if damage == "node bytes" else 0)  # keep or lose the page header
+            file.seek(start)
+            file.write(os.urandom((page + 1) * 4096 - start))
+    outcome = read_in_subprocess(tmp_path / "s")
+    assert outcome.startswith("StoreFormatError") and "data.mdb is damaged" in outcome, outcome
+
+
+def test_a_damaged_lmdb_value_is_a_format_error(tmp_path):
+    make_store(tmp_path / "s", "lmdb")
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    value = torch.arange(1234 * 8, 1235 * 8, dtype=torch.float32).numpy().tobytes()
+    for offset in _occurrences(bytes(data), value):  # every copy of the row: one bit flipped
+        data[offset + 5] ^= 0x10
+    data_file.write_bytes(bytes(data))
+    outcome = read_in_subprocess(tmp_path / "s")
+    assert "fail their checksum (first id: 1234)" in outcome, outcome
+
+
+def test_random_bytes_in_mmap_rows_are_a_format_error(tmp_path):
+    make_store(tmp_path / "s", "mmap")
+    with open(tmp_path / "s" / "rows.bin", "r+b") as file:
+        file.seek(1000 * 36 + 7)  # a stored row is 8 float32 and a 4-byte check
+        file.write(os.urandom(16))
+    outcome = read_in_subprocess(tmp_path / "s")
+    assert "rows.bin is damaged: 1 stored row(s) fail their checksum" in outcome, outcome
+
+
+@pytest.mark.parametrize("damage", ["a key overwritten", "the row count lowered"])
+def test_damaged_mmap_keys_or_count_are_refused_at_open(tmp_path, damage):
+    make_store(tmp_path / "s", "mmap")
+    if damage == "a key overwritten":
+        with open(tmp_path / "s" / "keys.bin", "r+b") as file:
+            file.seek(8 * 700)
+            file.write((999_999).to_bytes(8, "little"))
+    else:
+        state_file = tmp_path / "s" / "state.json"
+        state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "rows": 2000}))
+    for read_only in (True, False):
+        with pytest.raises(StoreFormatError, match="keys.bin does not match"):
+            TieredStore(tmp_path / "s", read_only=read_only)
+
+
+def test_stores_of_format_version_1_without_checksums_still_open_and_train(tmp_path):
+    from tierstore.metadata import StoreMetadata, create_store
+    from tierstore.tiers.cold import open_cold_store
+
+    for backend in ("lmdb", "mmap"):
+        path = tmp_path / backend
+        create_store(
+            path,
+            StoreMetadata(
+                backend=backend, dim=8, dtype="float32", optimizer_state_width=0, seed=0, format_version=1
+            ),
+        )
+        open_cold_store(
+            backend, path, 8, torch.float32, read_only=False, checksums=False
+        ).close()  # as v1 made it
+        make_store(path, backend)
+        with TieredStore(path, host_cache=64) as store:
+            assert store.metadata.format_version == 1 and not store.stack.cold.codec.check_bytes
+            expected = torch.arange(3000 * 8, dtype=torch.float32).reshape(3000, 8)
+            assert torch.equal(
+                torch.cat([store.get(part) for part in torch.arange(3000).split(50)]), expected
+            )
+    assert (tmp_path / "mmap" / "rows.bin").stat().st_size >= 3000 * 32
+    assert read_in_subprocess(tmp_path / "lmdb") == "correct"

@@ -216,3 +216,45 @@ def test_readers_opening_while_a_writer_flushes_never_crash(store_path, backend)
         out, err = reader.communicate()
         assert reader.returncode == 0, err  # SIGBUS would be -7
         assert out.strip() == b"read 40"
+
+
+FLUSH_TWICE = textwrap.dedent(
+    """
+    import sys, torch
+    from tierstore import TieredStore
+    with TieredStore(sys.argv[1], host_cache=64) as store:
+        for value in (1.0, 2.0):  # two flushes, each rewriting every row
+            for part in torch.arange(2000).split(50):
+                store.put(part, torch.full((part.numel(), 16), value))
+            store.flush()
+        print(getattr(store.stack.cold, "deferred_applies", 0))
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_a_reader_sees_one_flush_until_it_refreshes(store_path, backend):
+    with TieredStore(store_path, dim=16, backend=backend, host_cache=2000) as store:
+        store.put(torch.arange(2000), torch.zeros(2000, 16))
+    ids = torch.arange(2000)
+
+    def read_all(reader):  # in parts through a 64-row cache: most rows come from the cold store
+        return torch.cat([reader.get(part) for part in ids.split(50)])
+
+    reader = TieredStore(store_path, read_only=True, host_cache=64)
+    assert bool((read_all(reader) == 0).all())
+    writer = subprocess.run(
+        [sys.executable, "-c", FLUSH_TWICE, str(store_path)], capture_output=True, text=True
+    )
+    assert writer.returncode == 0, writer.stderr
+    if backend == "mmap":
+        assert int(writer.stdout) == 2  # the log stayed unapplied while the reader was open
+    assert bool((read_all(reader) == 0).all()) and len(reader) == 2000  # still the snapshot
+    reader.refresh()
+    assert bool((read_all(reader) == 2).all())
+    reader.close()
+    with TieredStore(store_path, host_cache=64) as writer:  # no reader now: the log is applied
+        assert bool((read_all(writer) == 2).all())
+    assert not (store_path / "wal.commit.json").exists()
+    with TieredStore(store_path, read_only=True, host_cache=64) as reader:
+        assert bool((read_all(reader) == 2).all())

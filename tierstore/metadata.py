@@ -18,7 +18,7 @@ import torch
 from .errors import StoreFormatError, StoreMismatchError
 
 FORMAT_NAME = "tierstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: stored rows carry a checksum (1 is still read and written)
 METADATA_FILE = "tierstore.json"
 BACKENDS = ("lmdb", "mmap")
 DTYPES = {
@@ -70,6 +70,11 @@ class StoreMetadata:
         return self.dim + self.optimizer_state_width
 
     @property
+    def row_checksums(self) -> bool:
+        """Whether the cold store's rows carry checks (format version 2 on)."""
+        return self.format_version >= 2
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -94,6 +99,8 @@ def read_metadata(directory: Path) -> StoreMetadata:
     version = document.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise StoreFormatError(f"{path} is damaged: format_version is {version!r}, expected an int")
+    if version < 1:
+        raise StoreFormatError(f"{path} is damaged: format_version is {version}, expected 1 or above")
     if version > FORMAT_VERSION:
         raise StoreFormatError(
             f"{path} has format version {version}, but this tierstore reads versions up to "

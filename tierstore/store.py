@@ -32,7 +32,8 @@ class TieredStore:
             or defaulted (float32, "lmdb", 0, 0) for a new store; for an existing store ``None``
             means "as stored" and any other value must match it.
         device: where the device cache lives and where ``get`` returns rows.
-        read_only: open without writing; ``put``/``flush`` raise, unseen ids are not added.
+        read_only: open without writing; ``put``/``flush`` raise, unseen ids are not added. It sees
+            one flush, a snapshot, until ``refresh()``, whatever a writer does meanwhile.
         tiers: the cache tiers' budgets and backends (``TierConfig``); its fields may also be
             given as keywords (``host_cache="2GiB"``, ``device_cache=...``, ``host_cache_backend=``,
             ``device_cache_backend=``, ``half_life=``), which replace the ones in ``tiers``.
@@ -192,6 +193,13 @@ class TieredStore:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
         self._check_writable("flush")
         self.stack.flush()
+
+    def refresh(self) -> None:
+        """Move a read-only store to the newest completed flush. A read-only store sees one flush
+        (a snapshot, whatever a writer does meanwhile) from its open until ``refresh``; a writable
+        store always sees its own newest rows, so this does nothing there."""
+        self._check_open()
+        self.stack.refresh()
 
     def close(self) -> None:
         """Flush (unless read-only) and release the store; a temporary store is deleted."""

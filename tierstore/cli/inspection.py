@@ -56,7 +56,8 @@ def inspect_store(path: Path) -> dict:
 def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = None) -> list[str]:
     """Problems found in the store at ``path`` (empty: sound). Checks the metadata, the cold store's
     structure (``structure_problems``; the mmap backend checks its row count, key file and
-    write-ahead log as it opens), then decodes every row and checks that its values are finite."""
+    write-ahead log as it opens), then reads every row, checking it against its checksum (format
+    version 2 on) and that its values are finite."""
     path = Path(path)
     try:
         store = TieredStore(path, read_only=True, host_cache=1)  # reads and checks the metadata
@@ -71,14 +72,17 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = 
         with progress_bar(
             total=expected, unit="rows", unit_scale=True, desc="verifying", progress=progress
         ) as bar:
-            for ids, rows in store.iter_rows(chunk_rows, with_state=True):
-                bad = ~torch.isfinite(rows).all(dim=1)
-                if bool(bad.any()):
-                    problems.append(
-                        f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})"
-                    )
-                seen += ids.numel()
-                bar.update(ids.numel())
+            try:
+                for ids, rows in store.iter_rows(chunk_rows, with_state=True):
+                    bad = ~torch.isfinite(rows).all(dim=1)
+                    if bool(bad.any()):
+                        problems.append(
+                            f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})"
+                        )
+                    seen += ids.numel()
+                    bar.update(ids.numel())
+            except StoreFormatError as error:  # a row that fails its checksum, a damaged page
+                return problems + [str(error)]
         if seen != expected:
             problems.append(f"the store counts {expected} rows but {seen} were read")
     return problems

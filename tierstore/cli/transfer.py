@@ -60,7 +60,13 @@ def import_table(
     building.mkdir(parents=True)
     try:
         cold = open_cold_store(
-            backend, building, metadata.row_width, dtype, read_only=False, index_kernels=host_kernels()[0]
+            backend,
+            building,
+            metadata.row_width,
+            dtype,
+            read_only=False,
+            index_kernels=host_kernels()[0],
+            checksums=metadata.row_checksums,
         )
         with progress_bar(
             total=len(source),

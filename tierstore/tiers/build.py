@@ -59,7 +59,14 @@ def open_tiers(
     follow the host tier's backend."""
     index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
     cold = open_cold_store(
-        metadata.backend, path, metadata.row_width, metadata.torch_dtype, read_only, index_kernels, new
+        metadata.backend,
+        path,
+        metadata.row_width,
+        metadata.torch_dtype,
+        read_only,
+        index_kernels,
+        new,
+        checksums=metadata.row_checksums,
     )
     return TierStack(caches, cold, metadata)
 

@@ -152,6 +152,9 @@ class CacheTier(Protocol):
     def holds(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether ``slots [N]`` still hold ``keys [N]``."""
 
+    def clear(self) -> None:
+        """Drop every cached row, counting nothing (a read-only store's rows, all clean)."""
+
     def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
         """Slots and Rows of every dirty row."""
 

@@ -123,6 +123,11 @@ class RowCache:
 
     # -- movement ------------------------------------------------------------------------------
 
+    def clear(self) -> None:
+        slots = (self.slot_keys >= 0).nonzero().squeeze(1)
+        self.index.remove(self.slot_keys[slots])
+        self._release(slots)
+
     def _rows_at(self, slots: torch.Tensor) -> Rows:
         return Rows(self.slot_keys[slots], self.read(slots), self.dirty[slots], self.fresh[slots])
 

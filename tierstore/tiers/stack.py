@@ -126,6 +126,14 @@ class TierStack:
         for cache, (slots, _) in zip(self.caches, dirty):
             cache.mark_clean(slots)
 
+    def refresh(self) -> None:
+        """A read-only stack moves to the cold store's newest flush: its cached rows (of the old
+        one) are dropped. A writable stack holds its newest rows already."""
+        if self.cold.read_only:
+            for cache in self.caches:
+                cache.clear()
+            self.cold.refresh()
+
     def __len__(self) -> int:
         return len(self.cold) + sum(cache.fresh_count() for cache in self.caches)
 

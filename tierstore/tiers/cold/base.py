@@ -18,6 +18,7 @@ import torch
 
 from ...errors import ReadOnlyStoreError, StoreBusyError
 from ..contract import ColdStats
+from .codec import RowCodec
 
 LOCK_FILE = "lock"
 
@@ -47,14 +48,22 @@ class ColdStore(ABC):
     """Durable map ``int64 id -> row [row_width]`` of ``dtype``, read and written in batches."""
 
     def __init__(
-        self, directory: Path, row_width: int, dtype: torch.dtype, read_only: bool, create: bool
+        self,
+        directory: Path,
+        row_width: int,
+        dtype: torch.dtype,
+        read_only: bool,
+        create: bool,
+        checksums: bool = True,
     ) -> None:
         """Takes the writer lock (unless ``read_only``); a backend then opens its files through
-        ``_open_locked``. ``create``: the files may be created (a new store)."""
+        ``_open_locked``. ``create``: the files may be created (a new store). ``checksums``: stored
+        rows carry a check (``codec.RowCodec``; stores of format version 1 have none)."""
         self.directory = Path(directory)
         self.row_width = row_width
         self.dtype = dtype
         self.row_bytes = row_width * dtype.itemsize
+        self.codec = RowCodec(row_width, dtype, checksums)
         self.read_only = read_only
         self._create = create
         self.stats = ColdStats()
@@ -104,6 +113,12 @@ class ColdStore(ABC):
         self.put(keys, rows)
         self.flush()  # bounded staging memory
 
+    def refresh(self) -> None:
+        """Move a read-only store to the newest completed flush. A reader sees one flush (a
+        snapshot) from its open until ``refresh``; a writer always sees its own newest rows."""
+        if self.read_only:
+            self._refresh()
+
     def structure_problems(self) -> list[str]:
         """What is malformed in the committed data (empty: sound), found without decoding rows.
         Backends whose opening already checks their structure find nothing more here."""
@@ -125,6 +140,10 @@ class ColdStore(ABC):
     @abstractmethod
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """``put`` of a non-empty batch on a writable store, without counting."""
+
+    @abstractmethod
+    def _refresh(self) -> None:
+        """``refresh`` of a read-only store."""
 
     @abstractmethod
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

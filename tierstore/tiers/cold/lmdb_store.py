@@ -1,4 +1,9 @@
-"""LMDB cold store: key = 8-byte big-endian id, value = the row's raw bytes.
+"""LMDB cold store: key = 8-byte big-endian id, value = the stored row (its bytes and check).
+
+Every row read is checked (``codec.RowCodec``), and a key not found is confirmed absent by
+checking the entry after it (a page damaged where the key should be gives a successor that fails
+its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's own
+errors from damaged pages; ``tierstore verify`` reads and checks every entry.
 
 Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
 into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
@@ -10,12 +15,15 @@ faults overlap and the SSD's queue stays busy. A read served from the page cache
 thread, where the GIL would make threads slower. Which regime holds is measured, not guessed:
 a moving average of the seconds per key of recent reads decides. The transactions of one
 parallel read can differ only if another process commits meanwhile; this process never writes
-during a read. The memory map doubles whenever a write transaction finds it full, and the write
-is retried.
+during a read. A read-only store reads one snapshot (one read transaction, on one thread) from
+its open until ``refresh()``; a snapshot held long keeps the writer from reusing the pages it
+holds, so the file grows (LMDB's rule for long read transactions). The memory map doubles
+whenever a write transaction finds it full, and the write is retried.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -31,7 +39,7 @@ import torch
 
 from ...errors import StoreFormatError
 from .base import ColdStore
-from .codec import decode_keys, encode_keys, encode_rows, rows_from_bytes
+from .codec import decode_keys, encode_keys
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
@@ -84,13 +92,15 @@ class LmdbColdStore(ColdStore):
         map_size: int = INITIAL_MAP_SIZE,
         read_threads: int = READ_THREADS,
         create: bool = True,
+        checksums: bool = True,
     ) -> None:
-        super().__init__(directory, row_width, dtype, read_only, create)
+        super().__init__(directory, row_width, dtype, read_only, create, checksums)
         self._open_locked(lambda: self._open(map_size, read_threads))
 
     def _open(self, map_size: int, read_threads: int) -> None:
         read_only = self.read_only
         path = self._path = self.directory / DIRECTORY
+        self._data_file = path / "data.mdb"
         if (path / "data.mdb").exists():
             check_data_file(path / "data.mdb")  # before LMDB maps it: a short file would be SIGBUS
         elif read_only or not self._create:
@@ -108,7 +118,7 @@ class LmdbColdStore(ColdStore):
                 readonly=read_only,
                 metasync=False,
                 readahead=False,
-                lock=not read_only,
+                lock=True,  # readers register, so the writer never reuses pages a reader's snapshot holds
             )
             self._rows = self._env.open_db(b"rows", create=not read_only)
             self._pending = self._env.open_db(b"pending", create=not read_only) if not read_only else None
@@ -118,6 +128,7 @@ class LmdbColdStore(ColdStore):
             with self._env.begin(write=True) as txn:
                 txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
         self._pending_count = 0
+        self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
         self._read_threads = read_threads
         self._pool: ThreadPoolExecutor | None = None
         self._seconds_per_key = float("inf")  # assume the disk until a read shows otherwise
@@ -125,49 +136,72 @@ class LmdbColdStore(ColdStore):
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _values(self, encoded: list[bytes], database, txn: lmdb.Transaction | None) -> list[bytes]:
-        """The stored value of each key in ``encoded`` (sorted), ``b""`` where absent; read in
-        ``txn``, or in parallel transactions when ``txn`` is None and the reads wait on the disk."""
+    def _values(
+        self, encoded: list[bytes], database, txn: lmdb.Transaction | None
+    ) -> tuple[np.ndarray, bytes]:
+        """``(sizes, values)``: the stored value's size of each key in ``encoded`` (sorted), 0 where
+        absent, and the values of the keys found, joined in order. Read in ``txn``, or in parallel
+        transactions when ``txn`` is None and the reads wait on the disk. Values are checked to be
+        ``stored_bytes`` long before they are copied out of the map (a damaged length could
+        reach past the end of the file)."""
 
-        def read_range(txn: lmdb.Transaction, part: list[bytes]) -> list[bytes]:
-            return list(map(txn.get, part, itertools.repeat(b""), itertools.repeat(database)))
+        def read_range(txn: lmdb.Transaction, part: list[bytes]) -> tuple[np.ndarray, bytes]:
+            values = list(map(txn.get, part, itertools.repeat(b""), itertools.repeat(database)))
+            sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+            if bool(((sizes != 0) & (sizes != self.codec.stored_bytes)).any()):
+                raise StoreFormatError(
+                    f"{self._data_file} holds rows that are not {self.codec.stored_bytes} bytes: the "
+                    f"store is damaged or its metadata (dim, dtype) does not describe it"
+                )
+            return sizes, b"".join(values)
 
         if txn is not None:
             return read_range(txn, encoded)
         threads = min(self._read_threads, len(encoded) // MIN_KEYS_PER_THREAD)
         if threads < 2:  # too small to split, or to time fairly
-            with self._env.begin() as txn:
+            with self._begin() as txn:
                 return read_range(txn, encoded)
         start = time.perf_counter()
         if self._seconds_per_key < DISK_BOUND_SECONDS_PER_KEY:
-            with self._env.begin() as txn:
-                values = read_range(txn, encoded)
+            with self._begin() as txn:
+                sizes, values = read_range(txn, encoded)
         else:
 
-            def read_own_transaction(bounds: tuple[int, int]) -> list[bytes]:
-                with self._env.begin() as txn:
+            def read_own_transaction(bounds: tuple[int, int]) -> tuple[np.ndarray, bytes]:
+                with self._begin() as txn:
                     return read_range(txn, encoded[bounds[0] : bounds[1]])
 
             edges = np.linspace(0, len(encoded), threads + 1).astype(int).tolist()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="lmdb-read")
-            values = list(
-                itertools.chain.from_iterable(
-                    self._pool.map(read_own_transaction, zip(edges[:-1], edges[1:]))
-                )
-            )
+            parts = list(self._pool.map(read_own_transaction, zip(edges[:-1], edges[1:])))
+            sizes = np.concatenate([part[0] for part in parts])
+            values = b"".join(part[1] for part in parts)
             self.parallel_reads += 1
         per_key = (time.perf_counter() - start) / len(encoded)
         self._seconds_per_key = (
             per_key if self._seconds_per_key == float("inf") else 0.5 * (self._seconds_per_key + per_key)
         )
-        return values
+        return sizes, values
+
+    def _begin(self):
+        """A read transaction whose values are views into the map (copied once checked): a
+        reader's snapshot, or a new one (as a context manager)."""
+        if self._snapshot is not None:
+            return contextlib.nullcontext(self._snapshot)
+        return self._env.begin(buffers=True)
+
+    def _refresh(self) -> None:
+        self._snapshot.abort()
+        self._snapshot = self._env.begin(buffers=True)
 
     def _read(
         self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins); read in
-        ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None."""
+        ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None. Every row
+        is checked; a key absent from ``rows`` is confirmed absent by checking the entry after it
+        (``_check_successors``), so a damaged page is an error, not a silently new row."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         if keys.numel() == 0:
@@ -176,22 +210,54 @@ class LmdbColdStore(ColdStore):
         order = np.argsort(key_array, kind="stable")
         sorted_keys = key_array[order]
         encoded = encode_keys(sorted_keys)
-        for database in databases:
-            values = self._values(encoded, database, txn)
-            sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-            hit = sizes > 0
-            if not hit.any():
-                continue
-            if bool((sizes[hit] != self.row_bytes).any()):
-                raise StoreFormatError(
-                    f"LMDB rows are not {self.row_bytes} bytes each: the store is damaged or its "
-                    f"metadata (dim/dtype) does not describe it"
+        txn = self._snapshot if txn is None else txn  # a reader reads its snapshot, on one thread
+        try:
+            for database in databases:
+                sizes, values = self._values(encoded, database, txn)
+                hit = sizes > 0
+                if database is self._rows and not hit.all():
+                    self._check_successors(txn, [key for key, held in zip(encoded, hit.tolist()) if not held])
+                if not hit.any():
+                    continue
+                stored = np.frombuffer(values, dtype=np.uint8).reshape(
+                    int(hit.sum()), self.codec.stored_bytes
                 )
-            raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(int(hit.sum()), self.row_bytes)
-            where = torch.from_numpy(order[hit])
-            rows[where] = rows_from_bytes(raw, self.dtype)
-            found[where] = True
+                where = torch.from_numpy(order[hit])
+                rows[where] = self.codec.decode(sorted_keys[hit], stored, self._data_file)
+                found[where] = True
+        except lmdb.Error as error:
+            raise self._damaged(error) from None
         return rows, found
+
+    def _check_successors(self, txn: lmdb.Transaction | None, absent: list[bytes]) -> None:
+        """Check the committed entry that follows each of the ``absent`` keys (sorted): a page
+        damaged where a key should be yields a successor that fails its check, or is not after it."""
+        if not absent:
+            return
+        with contextlib.ExitStack() as stack:
+            if txn is None:
+                txn = stack.enter_context(self._begin())
+            cursor = txn.cursor(self._rows)
+
+            def successor(key: bytes) -> tuple[bytes, bytes]:
+                return (bytes(cursor.key()), bytes(cursor.value())) if cursor.set_range(key) else (key, b"")
+
+            following = [item for item in map(successor, absent) if item[1]]
+        if not following:
+            return
+        keys, values = zip(*following)
+        if any(len(value) != self.codec.stored_bytes for value in values) or any(
+            after <= before for before, after in zip(absent, keys)
+        ):
+            raise StoreFormatError(f"{self._data_file} is damaged: its entries are out of order or malformed")
+        stored = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.codec.stored_bytes)
+        self.codec.decode(decode_keys(keys), stored, self._data_file)
+
+    def _damaged(self, error: lmdb.Error) -> StoreFormatError:
+        return StoreFormatError(
+            f"{self._data_file} is damaged (LMDB: {error}); restore the store from a backup, or export "
+            f"what still reads and re-import it"
+        )
 
     def _databases(self) -> list:
         return [self._rows, self._pending] if self._pending_count else [self._rows]
@@ -200,7 +266,13 @@ class LmdbColdStore(ColdStore):
         return self._read(None, keys, self._databases())
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        with self._env.begin() as txn:
+        try:
+            yield from self._iter_rows(batch_size)
+        except lmdb.Error as error:
+            raise self._damaged(error) from None
+
+    def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        with self._begin() as txn:
             items = txn.cursor(self._rows).iternext()
             while chunk := list(itertools.islice(items, batch_size)):
                 keys, rows = self._decode(chunk)
@@ -216,16 +288,23 @@ class LmdbColdStore(ColdStore):
                     yield keys[~committed], rows[~committed]
 
     def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked ``(keys, rows)`` of a chunk of ``(key, value)`` entries (map views)."""
         keys, values = zip(*chunk)
-        raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.row_bytes)
-        return torch.from_numpy(decode_keys(keys)), rows_from_bytes(raw.copy(), self.dtype)
+        if any(len(key) != 8 for key in keys) or any(
+            len(value) != self.codec.stored_bytes for value in values
+        ):
+            raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed entries")
+        stored = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.codec.stored_bytes)
+        ids = decode_keys([bytes(key) for key in keys])
+        return torch.from_numpy(ids), self.codec.decode(ids, stored, self._data_file)
 
     def __len__(self) -> int:
-        with self._env.begin() as txn:
+        with self._begin() as txn:
             committed = txn.stat(self._rows)["entries"]
             if not self._pending_count:
                 return committed
-            staged = torch.from_numpy(decode_keys(list(txn.cursor(self._pending).iternext(values=False))))
+            staged_keys = [bytes(key) for key in txn.cursor(self._pending).iternext(values=False)]
+            staged = torch.from_numpy(decode_keys(staged_keys))
             return committed + int((~self._read(txn, staged, [self._rows])[1]).sum())
 
     # -- writes ------------------------------------------------------------------------------
@@ -257,7 +336,11 @@ class LmdbColdStore(ColdStore):
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         order = torch.argsort(keys)
-        items = list(zip(encode_keys(keys[order].numpy()), encode_rows(rows[order])))
+        sorted_keys = keys[order].numpy()
+        stored = np.ascontiguousarray(self.codec.encode(sorted_keys, rows[order]))
+        items = list(
+            zip(encode_keys(sorted_keys), stored.view(f"V{self.codec.stored_bytes}").ravel().tolist())
+        )
 
         def stage(txn: lmdb.Transaction) -> None:
             txn.cursor(self._pending).putmulti(items)
@@ -285,20 +368,20 @@ class LmdbColdStore(ColdStore):
         return (self._path / "data.mdb").stat().st_mtime
 
     def structure_problems(self) -> list[str]:
-        """Committed entries whose key is not 8 bytes or whose value is not ``row_bytes`` (a short
-        value would otherwise fail, or worse, in the row decoder)."""
+        """Committed entries whose key is not 8 bytes or whose value is not ``stored_bytes`` (a
+        short value would otherwise fail, or worse, in the row decoder)."""
         try:
-            with self._env.begin() as txn:
+            with self._begin() as txn:
                 wrong = [
                     (len(key), len(value))
                     for key, value in txn.cursor(self._rows)
-                    if len(key) != 8 or len(value) != self.row_bytes
+                    if len(key) != 8 or len(value) != self.codec.stored_bytes
                 ]
         except lmdb.Error as error:
             return [f"the LMDB data in {self._path} is damaged: {error}"]
         problems = [
             f"an LMDB entry has a {key_length}-byte key and a {value_length}-byte value "
-            f"(expected 8 and {self.row_bytes})"
+            f"(expected 8 and {self.codec.stored_bytes})"
             for key_length, value_length in wrong[:3]
         ]
         if len(wrong) > 3:
@@ -308,5 +391,7 @@ class LmdbColdStore(ColdStore):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+        if self._snapshot is not None:
+            self._snapshot.abort()
         self._env.close()
         self._release_lock()

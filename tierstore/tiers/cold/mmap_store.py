@@ -2,33 +2,42 @@
 
 Files in the store directory:
 
-- ``rows.bin``: row ``i`` at byte ``i * row_bytes``; ``keys.bin``: int64 id of row ``i``.
-- ``state.json``: ``{"rows": n, "row_bytes": b}``, the committed row count (rows past it are
-  ignored) and the row size the files hold.
-- ``wal.keys.bin`` / ``wal.rows.bin``: rows staged since the last flush (a write-ahead log; its
-  records past the count are stale).
-- ``wal.commit.json``: written atomically when a flush's log is durable, removed once applied.
+- ``rows.bin``: stored row ``i`` (its bytes and check, ``codec.RowCodec``) at byte
+  ``i * stored_bytes``; ``keys.bin``: int64 id of row ``i``.
+- ``state.json``: ``{"rows": n, "row_bytes": b, "keys_crc32": c}``, the committed row count (rows
+  past it are ignored), the row size the files hold and the CRC32 of the committed ids, checked
+  at open (a damaged key file, or a count edited by hand, is ``StoreFormatError``). Each row read
+  is checked against its id.
+- ``wal.keys.bin`` / ``wal.rows.bin``: an append-only write-ahead log of rows written since
+  ``rows.bin`` was last brought up to date (a key's last record wins; records past the count are
+  stale).
+- ``wal.commit.json``: ``{"records": n, "keys_crc32": a, "rows_crc32": b}``, written atomically
+  when a flush's log is durable: its first ``n`` records are committed, and never change again.
+- ``readers.lock``: each reader holds a shared ``flock`` on it; the writer changes ``rows.bin``
+  only while it holds it exclusively (no reader open).
 
 Guarantee (the same as LMDB's): after a crash or kill at any moment, reopening yields exactly the
 state of the last completed ``flush``. ``put`` only writes the log; ``flush`` syncs the log, then
-commits it by renaming ``wal.commit.json`` into place (with a CRC32 of the log), then applies it to
-``rows.bin``/``keys.bin`` and updates ``state.json``. Opening replays a committed log (replay is
-idempotent) and discards an uncommitted one. One writer at a time: a writable open takes an
-exclusive ``flock`` on ``lock`` (``base.WriterLock``).
+commits it by renaming ``wal.commit.json`` into place (with CRC32s of the log), then, when no
+reader is open, applies it to ``rows.bin``/``keys.bin``, updates ``state.json`` and empties the
+log. Opening replays a committed log (replay is idempotent) and discards an uncommitted one. One
+writer at a time: a writable open takes an exclusive ``flock`` on ``lock`` (``base.WriterLock``).
 
-Readers (``read_only=True``, other processes) never crash: no file a reader may have mapped ever
-shrinks (files grow sparse, and the blocks of rows about to be written are allocated first with
-``posix_fallocate``; after a flush the log's blocks are punched out, its files keeping their
-size). A
-reader sees the flush that was current when it opened, except that a later flush's log, applied
-in place, may show through in rows it had not read yet: it is not a snapshot. Reopen for the
-newest flush.
+Readers (``read_only=True``, any process) see one flush, a snapshot: ``rows.bin`` and the log's
+committed records as they were at open (or at ``refresh()``), since neither changes while a reader
+is open: the writer keeps appending its flushes to the log until no reader is left, and then
+applies it. A reader open for long therefore lets the log grow (as a long read transaction does
+in LMDB): refresh or reopen readers now and then. Readers never crash: no file a reader may have
+mapped ever shrinks (files grow sparse, and the blocks of rows about to be written are allocated
+first with ``posix_fallocate``; an applied log's blocks are punched out, its files keeping their
+size).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import zlib
@@ -43,15 +52,42 @@ from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .base import ColdStore
-from .codec import rows_as_bytes, rows_from_bytes
+from .codec import rows_from_bytes
 
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
+READERS_FILE = "readers.lock"
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
 _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _KEEP_SIZE, _PUNCH_HOLE = 0x01, 0x02  # FALLOC_FL_* from linux/falloc.h
+
+
+class ReadersLock:
+    """``directory/readers.lock``: readers hold it shared while open; the writer changes the files
+    readers read only while it holds it exclusively."""
+
+    def __init__(self, directory: Path, reader: bool) -> None:
+        self._file = open(Path(directory) / READERS_FILE, "a")
+        if reader:
+            fcntl.flock(self._file, fcntl.LOCK_SH)  # waits out a writer applying its log
+
+    def try_exclusive(self) -> bool:
+        """Take it exclusively if no reader holds it (without waiting)."""
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.release()
+        self._file.close()
 
 
 class GrowableArray:
@@ -157,24 +193,29 @@ class MmapColdStore(ColdStore):
         read_only: bool = False,
         index_kernels=None,
         create: bool = True,
+        checksums: bool = True,
     ) -> None:
-        super().__init__(directory, row_width, dtype, read_only, create)
+        super().__init__(directory, row_width, dtype, read_only, create, checksums)
         self._index_kernels = index_kernels
         self._open_locked(self._open_files)
 
     def _open_files(self) -> None:
         read_only = self.read_only
         create = self._create
-        self._rows = GrowableArray(self.directory / ROWS_FILE, self.row_bytes, np.uint8, read_only, create)
+        self._readers = ReadersLock(self.directory, reader=read_only)
+        stored_bytes = self.codec.stored_bytes
+        self._rows = GrowableArray(self.directory / ROWS_FILE, stored_bytes, np.uint8, read_only, create)
         self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only, create)
-        self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, self.row_bytes, np.uint8, read_only)
+        self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, stored_bytes, np.uint8, read_only)
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
         self._appended = False  # rows written by bulk_load since the last flush
         self._index = self._make_index(self._count)
         self._load_index()
         self._wal_index = self._make_index(1024)
-        self._wal_count = 0
+        self._wal_count = self._wal_committed = 0
+        self._log_crcs = (0, 0)  # CRC32s of the committed log's keys and rows
+        self.deferred_applies = 0  # flushes whose log stayed unapplied because a reader was open
         self._recover()
 
     # -- opening ----------------------------------------------------------------------------
@@ -192,10 +233,12 @@ class MmapColdStore(ColdStore):
                 raise StoreFormatError(
                     f"{path} is missing: the store's row count is gone; restore it from a backup"
                 )
+            self._keys_crc = 0
             self._write_state(0)
         try:
             state = json.loads(path.read_text())
             count = state["rows"]
+            self._keys_crc = state.get("keys_crc32")
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
             raise StoreFormatError(f"{path} is damaged ({error!r}); restore it from a backup") from None
         if not isinstance(count, int) or count < 0:
@@ -206,6 +249,8 @@ class MmapColdStore(ColdStore):
                 f"{self.row_bytes} (dim, dtype and optimizer state): tierstore.json was edited or belongs to "
                 f"another store"
             )
+        if self.codec.check_bytes and not isinstance(self._keys_crc, int):
+            raise StoreFormatError(f"{path} is damaged: keys_crc32 is {self._keys_crc!r}")
         for array, name in ((self._rows, ROWS_FILE), (self._keys, KEYS_FILE)):
             if array.capacity < count:
                 raise StoreFormatError(
@@ -216,6 +261,12 @@ class MmapColdStore(ColdStore):
 
     def _load_index(self) -> None:
         keys = torch.from_numpy(np.array(self._keys.array[: self._count, 0]))
+        if self._keys_crc is not None and zlib.crc32(keys.numpy()) != self._keys_crc:
+            raise StoreFormatError(
+                f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
+                f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
+                f"from a backup"
+            )
         if keys.numel() and (bool((keys < 0).any()) or torch.unique(keys).numel() != keys.numel()):
             raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative or repeated ids")
         self._index.insert(keys, torch.arange(self._count))
@@ -225,67 +276,81 @@ class MmapColdStore(ColdStore):
         if commit_path.exists():
             try:
                 commit = json.loads(commit_path.read_text())
-                records, checksum = int(commit["records"]), int(commit["crc32"])
+                records = int(commit["records"])
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as error:
                 raise StoreFormatError(f"{commit_path} is damaged ({error!r})") from None
-            if (
-                self._wal_keys.capacity < records
-                or self._wal_rows.capacity < records
-                or self._wal_checksum(records) != checksum
-            ):
+            if self._wal_keys.capacity < records or self._wal_rows.capacity < records:
+                raise StoreFormatError(f"the write-ahead log in {self.directory} is truncated")
+            self._log_crcs = self._wal_checksums(0, records, (0, 0))
+            if [commit.get("keys_crc32"), commit.get("rows_crc32")] != list(self._log_crcs) and commit.get(
+                "crc32"  # the one CRC32 of keys then rows that stores of format version 1 wrote
+            ) != zlib.crc32(self._wal_rows.bytes_of(records), self._log_crcs[0]):
                 raise StoreFormatError(
                     f"the write-ahead log of the last flush in {self.directory} is damaged "
                     f"(checksum mismatch); the store cannot be recovered to its last flush"
                 )
-            self._wal_count = records
-            keys = torch.from_numpy(np.array(self._wal_keys.array[:records, 0]))
-            self._wal_index.insert(keys, torch.arange(records))
+            self._wal_count = self._wal_committed = records
+            keys = self._wal_keys.array[:records, 0]
+            last = records - 1 - np.unique(keys[::-1], return_index=True)[1]  # a key's last record wins
+            self._wal_index.insert(torch.from_numpy(keys[last]), torch.from_numpy(last))
             if not self.read_only:
-                self._apply_wal()
+                self._try_apply()
         elif not self.read_only:
-            self._reset_wal()  # never committed: discard
+            self._reset_wal()  # never committed: discard (no reader reads an uncommitted log)
 
     # -- reads -------------------------------------------------------------------------------
 
     def _main_rows(self) -> torch.Tensor:
-        return rows_from_bytes(self._rows.array, self.dtype)
+        """uint8 [capacity, stored_bytes]: ``rows.bin`` through its map."""
+        return rows_from_bytes(self._rows.array, torch.uint8)
 
     def _wal_rows_tensor(self) -> torch.Tensor:
-        return rows_from_bytes(self._wal_rows.array, self.dtype)
+        return rows_from_bytes(self._wal_rows.array, torch.uint8)
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
+        stored = torch.empty(keys.numel(), self.codec.stored_bytes, dtype=torch.uint8)
         position = self._index.find(keys)
         found = position >= 0
-        if self._count:  # one gather for all keys; absent keys read row 0, overwritten or unspecified
-            torch.index_select(self._main_rows(), 0, position.clamp(min=0), out=rows)
+        if self._count:  # one gather for all keys; absent keys read row 0, then left out
+            torch.index_select(self._main_rows(), 0, position.clamp(min=0), out=stored)
         if self._wal_count:
             staged = self._wal_index.find(keys)
             in_wal = (staged >= 0).nonzero().squeeze(1)
-            rows.index_copy_(0, in_wal, self._wal_rows_tensor().index_select(0, staged[in_wal]))
+            stored.index_copy_(0, in_wal, self._wal_rows_tensor().index_select(0, staged[in_wal]))
             found[in_wal] = True
+        rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
+        hit = found.nonzero().squeeze(1)
+        rows[hit] = self.codec.decode(keys[hit].numpy(), stored[hit].numpy(), self.directory / ROWS_FILE)
         return rows, found
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, self._count, batch_size):
             stop = min(start + batch_size, self._count)
             keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
-            rows = self._main_rows()[start:stop].clone()
+            stored = self._main_rows()[start:stop].clone()
             if self._wal_count:
                 staged = self._wal_index.find(keys)
                 in_wal = staged >= 0
-                rows[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
-            yield keys, rows
+                stored[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
+            yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / ROWS_FILE)
         new_keys, new_records = self._wal_only()
         for start in range(0, new_keys.numel(), batch_size):
-            part = new_records[start : start + batch_size]
-            yield new_keys[start : start + batch_size], self._wal_rows_tensor().index_select(0, part)
+            keys = new_keys[start : start + batch_size]
+            stored = self._wal_rows_tensor().index_select(0, new_records[start : start + batch_size])
+            yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / WAL_ROWS_FILE)
 
     def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staged keys not in the committed rows, and their log record numbers."""
-        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
+        """Keys in the log but not in ``rows.bin``, and their last record numbers."""
+        keys, records = self._log_latest()
         new = self._index.find(keys) < 0
-        return keys[new], torch.arange(self._wal_count)[new]
+        return keys[new], records[new]
+
+    def _log_latest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each key in the log once, with its last record number (the one that holds its row)."""
+        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
+        records = torch.arange(self._wal_count)
+        latest = self._wal_index.find(keys) == records
+        return keys[latest], records[latest]
 
     def __len__(self) -> int:
         return self._count + self._wal_only()[0].numel()
@@ -294,16 +359,19 @@ class MmapColdStore(ColdStore):
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         record = self._wal_index.find(keys)
-        staged = record >= 0  # staged since the last flush: rewritten in place
-        new = (~staged).nonzero().squeeze(1)  # appended to the log, in this order
+        staged = record >= self._wal_committed  # staged since the last flush: rewritten in place
+        new = (~staged).nonzero().squeeze(1)  # appended in this order: committed records never change
         start = self._wal_count
         self._wal_rows.reserve(start + new.numel())
         self._wal_keys.reserve(start + new.numel())
+        stored = self.codec.encode(keys.numpy(), rows)
         if bool(staged.any()):
-            self._wal_rows.array[record[staged].numpy()] = rows_as_bytes(rows[staged])
-        new_rows = rows if new.numel() == keys.numel() else rows[new]
-        self._wal_rows.write(start, rows_as_bytes(new_rows))
+            self._wal_rows.array[record[staged].numpy()] = stored[staged.numpy()]
+        new_stored = stored if new.numel() == keys.numel() else stored[new.numpy()]
+        self._wal_rows.write(start, new_stored)
         self._wal_keys.write(start, keys[new].numpy()[:, None])
+        superseded = record[new] >= 0  # keys whose last record is committed: they move to a new one
+        self._wal_index.remove(keys[new][superseded])
         self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
         self._wal_count += new.numel()
 
@@ -320,15 +388,18 @@ class MmapColdStore(ColdStore):
         start, count = self._count, keys.numel()
         self._rows.reserve(start + count)
         self._keys.reserve(start + count)
-        self._rows.write(start, rows_as_bytes(rows))
+        self._rows.write(start, self.codec.encode(keys.numpy(), rows))
         self._keys.write(start, keys.numpy()[:, None])
+        self._keys_crc = self._extend_keys_crc(keys.numpy())
         self._index.insert(keys, torch.arange(start, start + count))
         self._count += count
         self._appended = True
 
-    def _wal_checksum(self, records: int) -> int:
-        checksum = zlib.crc32(self._wal_keys.bytes_of(records))
-        return zlib.crc32(self._wal_rows.bytes_of(records), checksum)
+    def _wal_checksums(self, start: int, stop: int, crcs: tuple[int, int]) -> tuple[int, int]:
+        """``crcs`` (CRC32s of the log's keys and rows before ``start``) extended to ``stop``."""
+        keys = memoryview(np.ascontiguousarray(self._wal_keys.array[start:stop])).cast("B")
+        rows = memoryview(np.ascontiguousarray(self._wal_rows.array[start:stop])).cast("B")
+        return zlib.crc32(keys, crcs[0]), zlib.crc32(rows, crcs[1])
 
     def flush(self) -> None:
         self._check_writable()
@@ -337,38 +408,51 @@ class MmapColdStore(ColdStore):
             self._keys.sync()
             self._write_state(self._count)
             self._appended = False
-        if not self._wal_count:
-            return
-        self._wal_keys.sync()
-        self._wal_rows.sync()
-        self._reserve_for_log()  # before the commit point: a full disk fails the flush, changing nothing
-        commit = {"records": self._wal_count, "crc32": self._wal_checksum(self._wal_count)}
-        write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)  # the flush is durable here
-        self._apply_wal()
+        if self._wal_count > self._wal_committed:
+            self._wal_keys.sync()
+            self._wal_rows.sync()
+            self._reserve_for_log()  # before the commit point: a full disk fails the flush, changing nothing
+            crcs = self._wal_checksums(self._wal_committed, self._wal_count, self._log_crcs)
+            commit = {"records": self._wal_count, "keys_crc32": crcs[0], "rows_crc32": crcs[1]}
+            write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)  # the flush is durable here
+            self._wal_committed, self._log_crcs = self._wal_count, crcs
+        if self._wal_committed:
+            self._try_apply()
 
-    def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log's keys, and where each lives in ``rows.bin`` (-1: new, not there yet)."""
-        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
-        return keys, self._index.find(keys)
+    def _try_apply(self) -> None:
+        """Apply the committed log unless a reader is open (then it waits for a later flush)."""
+        if not self._readers.try_exclusive():
+            self.deferred_applies += 1
+            return
+        try:
+            self._apply_wal()
+        finally:
+            self._readers.release()
+
+    def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new)."""
+        keys, records = self._log_latest()
+        return keys, records, self._index.find(keys)
 
     def _reserve_for_log(self) -> None:
         """Allocate the room in ``rows.bin``/``keys.bin`` that applying the log will take."""
-        new_count = int((self._log_keys()[1] < 0).sum())
+        new_count = int((self._log_keys()[2] < 0).sum())
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
 
     def _apply_wal(self) -> None:
         """Copy the committed log into ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
-        keys, position = self._log_keys()
+        keys, records, position = self._log_keys()
         new = position < 0
         new_count = int(new.sum())
         position[new] = torch.arange(self._count, self._count + new_count)
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
-        self._rows.array[position.numpy()] = self._wal_rows.array[: self._wal_count]
+        self._rows.array[position.numpy()] = self._wal_rows.array[records.numpy()]
         self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
         self._rows.sync()
         self._keys.sync()
+        self._keys_crc = self._extend_keys_crc(keys[new].numpy())
         self._index.insert(keys[new], position[new])
         self._count += new_count
         self._write_state(self._count)
@@ -384,17 +468,34 @@ class MmapColdStore(ColdStore):
         self._wal_rows.release()
         self._wal_keys.release()
         self._wal_index = self._make_index(1024)
-        self._wal_count = 0
+        self._wal_count = self._wal_committed = 0
+        self._log_crcs = (0, 0)
+
+    def _extend_keys_crc(self, appended: np.ndarray) -> int | None:
+        """The CRC32 of the committed ids once ``appended`` (int64 [n]) follow them."""
+        return None if self._keys_crc is None else zlib.crc32(np.ascontiguousarray(appended), self._keys_crc)
 
     def _write_state(self, count: int) -> None:
-        """The committed row count, and the row size the files were written with (checked at open)."""
-        write_json_atomic(self.directory / STATE_FILE, {"rows": count, "row_bytes": self.row_bytes})
+        """The committed row count, the row size the files were written with and the CRC32 of the
+        committed ids (both checked at open)."""
+        state = {"rows": count, "row_bytes": self.row_bytes}
+        if self._keys_crc is not None:
+            state["keys_crc32"] = self._keys_crc
+        write_json_atomic(self.directory / STATE_FILE, state)
 
     def last_flush_time(self) -> float | None:
         state = self.directory / STATE_FILE
         return state.stat().st_mtime if state.exists() else None
 
-    def close(self) -> None:
+    def _refresh(self) -> None:
+        self._close_files()
+        self._open_files()
+
+    def _close_files(self) -> None:
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
             array.array = None
+        self._readers.close()
+
+    def close(self) -> None:
+        self._close_files()
         self._release_lock()
