@@ -71,9 +71,17 @@ def run_backend(backend: str, args: argparse.Namespace, directory: Path) -> dict
 
     def flush(store: TieredStore) -> None:
         before = status_kib("RssAnon") * 1024
+        index_before = store.stats()["cold"].get("index_bytes", 0)
         with PeakSampler() as peak:
             store.flush()
-        flushes.append({"anon_peak_above_before": peak.anon - before, "file_peak": peak.file})
+        index_growth = store.stats()["cold"].get("index_bytes", 0) - index_before
+        flushes.append(
+            {
+                "anon_peak_above_before": peak.anon - before,
+                "file_peak": peak.file,
+                "index_growth": index_growth,
+            }
+        )
 
     store = TieredStore(directory, dim=args.dim, backend=backend, host_cache=args.host_cache)
     order = rng.permutation(args.ids)
@@ -91,6 +99,7 @@ def run_backend(backend: str, args: argparse.Namespace, directory: Path) -> dict
         ids = torch.from_numpy(np.unique(rng.integers(0, args.ids, args.batch)))
         store.put(ids, torch.randn(ids.numel(), args.dim))
     flush(store)
+    index_bytes = store.stats()["cold"].get("index_bytes", 0)
     store.close()
     after_updates = disk_bytes(directory)
     worst = max(flushes, key=lambda item: item["anon_peak_above_before"])
@@ -103,6 +112,9 @@ def run_backend(backend: str, args: argparse.Namespace, directory: Path) -> dict
         "flush_file_peak_MiB": max(item["file_peak"] for item in flushes) / 2**20,
         "cache_budget_MiB": parse_bytes(args.host_cache) / 2**20,
         "flushes": len(flushes),
+        "flush_anon_peaks_MiB": [round(item["anon_peak_above_before"] / 2**20) for item in flushes],
+        "flush_index_growth_MiB": [round(item["index_growth"] / 2**20) for item in flushes],
+        "index_MiB_at_end": index_bytes / 2**20,
     }
 
 
@@ -123,13 +135,16 @@ def main() -> None:
     for backend in args.backends.split(","):
         with tempfile.TemporaryDirectory(dir=".") as directory:
             results.append(run_backend(backend, args, Path(directory) / "store"))
-    columns = list(results[0])
+    columns = [name for name in results[0] if not name.startswith("flush_") or name.endswith("MiB")]
     print(" | ".join(columns))
     for result in results:
+        cells = [result[name] for name in columns]
+        print(" | ".join(f"{cell:.3g}" if isinstance(cell, float) else str(cell) for cell in cells))
+    for result in results:
+        print(f"{result['backend']}: each flush's anonymous peak (MiB):", result["flush_anon_peaks_MiB"])
         print(
-            " | ".join(
-                f"{value:.3g}" if isinstance(value, float) else str(value) for value in result.values()
-            )
+            f"{result['backend']}: each flush's growth of the key index (MiB):",
+            result["flush_index_growth_MiB"],
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -284,3 +284,22 @@ def test_after_a_full_disk_no_row_put_before_it_is_lost(tiny_filesystem, backend
     )
     assert report["rows"] >= 1000 and report["failed_put_new_ids_held"] == 0, report
     assert result.stdout.splitlines()[1] == "all rows intact"
+
+
+def test_puts_and_flushes_below_past_and_among_held_keys_match_a_dict(backend, tmp_path):
+    store = open_store(backend, tmp_path)
+    oracle = {}
+    generator = torch.Generator().manual_seed(0)
+    for keys in ([50, 10, 90], [30, 95, 120, 60, 10], [200, 201], [5, 6, 300], [1000, 7, 95]):
+        for half in torch.tensor(keys).split(2):  # two puts per flush: staged keys interleave too
+            rows = torch.randn(half.numel(), 3, generator=generator)
+            store.put(half, rows)
+            oracle.update(zip(half.tolist(), rows))
+        store.flush()
+    store.close()
+    store = open_store(backend, tmp_path, read_only=True)
+    keys = torch.tensor(sorted(oracle))
+    rows, found = store.get(keys)
+    assert bool(found.all()) and len(store) == len(oracle)
+    assert torch.equal(rows, torch.stack([oracle[key] for key in keys.tolist()]))
+    store.close()

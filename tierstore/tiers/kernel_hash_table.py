@@ -57,6 +57,10 @@ class KernelHashTable(BatchedHashTable):
         self.live = 0
         self.tombstones = 0
 
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
         keys = keys.to(self.device, torch.int64).contiguous()

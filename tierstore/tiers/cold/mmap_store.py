@@ -57,6 +57,7 @@ from .codec import rows_from_bytes
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 READERS_FILE = "readers.lock"
+APPLY_CHUNK_ROWS = 65536  # log records copied into rows.bin at once
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
@@ -448,7 +449,8 @@ class MmapColdStore(ColdStore):
         position[new] = torch.arange(self._count, self._count + new_count)
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
-        self._rows.array[position.numpy()] = self._wal_rows.array[records.numpy()]
+        for part in torch.arange(records.numel()).split(APPLY_CHUNK_ROWS):  # bounded copies
+            self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
         self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
         self._rows.sync()
         self._keys.sync()
@@ -486,6 +488,11 @@ class MmapColdStore(ColdStore):
     def last_flush_time(self) -> float | None:
         state = self.directory / STATE_FILE
         return state.stat().st_mtime if state.exists() else None
+
+    def report(self) -> dict:
+        """The base counters, and ``index_bytes``: the memory of the key indexes (of ``rows.bin``
+        and of the log), which this backend keeps in RAM (it grows with the table)."""
+        return {**super().report(), "index_bytes": self._index.nbytes + self._wal_index.nbytes}
 
     def _refresh(self) -> None:
         self._close_files()
