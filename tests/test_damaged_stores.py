@@ -203,3 +203,16 @@ def test_stores_of_format_version_1_without_checksums_still_open_and_train(tmp_p
             )
     assert (tmp_path / "mmap" / "rows.bin").stat().st_size >= 3000 * 32
     assert read_in_subprocess(tmp_path / "lmdb") == "correct"
+
+
+def test_an_lmdb_key_overwritten_is_a_format_error_not_a_new_row(tmp_path):
+    """The 8 key bytes of id 1234's entries become other bytes: the id is no longer found, and
+    the entry left in its place fails its check as its neighbour."""
+    make_store(tmp_path / "s", "lmdb")
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    for offset in list(_occurrences(bytes(data), (1234).to_bytes(8, "big"))):
+        data[offset : offset + 8] = (1152).to_bytes(8, "big")  # an id held elsewhere, out of place here
+    data_file.write_bytes(bytes(data))
+    outcome = read_in_subprocess(tmp_path / "s")
+    assert outcome.startswith("StoreFormatError") and "data.mdb is damaged" in outcome, outcome

@@ -227,7 +227,7 @@ FLUSH_TWICE = textwrap.dedent(
             for part in torch.arange(2000).split(50):
                 store.put(part, torch.full((part.numel(), 16), value))
             store.flush()
-        print(getattr(store.stack.cold, "deferred_applies", 0))
+        print(store.stats()["cold"].get("deferred_applies", 0))
     """
 )
 

@@ -1,9 +1,10 @@
 """LMDB cold store: key = 8-byte big-endian id, value = the stored row (its bytes and check).
 
 Every row read is checked (``codec.RowCodec``), and a key not found is confirmed absent by
-checking the entry after it (a page damaged where the key should be gives a successor that fails
-its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's own
-errors from damaged pages; ``tierstore verify`` reads and checks every entry.
+checking the entries on either side of it (a page damaged where the key should be gives a
+neighbour that fails its check), so damage found by a read is ``StoreFormatError`` naming the
+file, as are LMDB's own errors from damaged pages; ``tierstore verify`` reads and checks every
+entry.
 
 Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
 into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
@@ -200,8 +201,8 @@ class LmdbColdStore(ColdStore):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins); read in
         ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None. Every row
-        is checked; a key absent from ``rows`` is confirmed absent by checking the entry after it
-        (``_check_successors``), so a damaged page is an error, not a silently new row."""
+        is checked; a key absent from ``rows`` is confirmed absent by checking the entries beside it
+        (``_check_neighbours``), so a damaged page is an error, not a silently new row."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         if keys.numel() == 0:
@@ -216,7 +217,7 @@ class LmdbColdStore(ColdStore):
                 sizes, values = self._values(encoded, database, txn)
                 hit = sizes > 0
                 if database is self._rows and not hit.all():
-                    self._check_successors(txn, [key for key, held in zip(encoded, hit.tolist()) if not held])
+                    self._check_neighbours(txn, [key for key, held in zip(encoded, hit.tolist()) if not held])
                 if not hit.any():
                     continue
                 stored = np.frombuffer(values, dtype=np.uint8).reshape(
@@ -229,9 +230,10 @@ class LmdbColdStore(ColdStore):
             raise self._damaged(error) from None
         return rows, found
 
-    def _check_successors(self, txn: lmdb.Transaction | None, absent: list[bytes]) -> None:
-        """Check the committed entry that follows each of the ``absent`` keys (sorted): a page
-        damaged where a key should be yields a successor that fails its check, or is not after it."""
+    def _check_neighbours(self, txn: lmdb.Transaction | None, absent: list[bytes]) -> None:
+        """Check the committed entries on either side of each of the ``absent`` keys (sorted): a
+        page damaged where a key should be yields a neighbour that fails its check, or is on the
+        wrong side of it."""
         if not absent:
             return
         with contextlib.ExitStack() as stack:
@@ -239,19 +241,28 @@ class LmdbColdStore(ColdStore):
                 txn = stack.enter_context(self._begin())
             cursor = txn.cursor(self._rows)
 
-            def successor(key: bytes) -> tuple[bytes, bytes]:
-                return (bytes(cursor.key()), bytes(cursor.value())) if cursor.set_range(key) else (key, b"")
+            def item() -> tuple[bytes, bytes]:
+                return bytes(cursor.key()), bytes(cursor.value())
 
-            following = [item for item in map(successor, absent) if item[1]]
-        if not following:
+            def neighbours(key: bytes) -> tuple[bytes, tuple | None, tuple | None]:
+                after = item() if cursor.set_range(key) else None
+                before = item() if (cursor.prev() if after else cursor.last()) else None
+                return key, before, after
+
+            found = list(map(neighbours, absent))
+        pairs = [(key, entry, entry[0] > key) for key, before, _ in found if (entry := before)]
+        pairs += [(key, entry, entry[0] < key) for key, _, after in found if (entry := after)]
+        if not pairs:
             return
-        keys, values = zip(*following)
-        if any(len(value) != self.codec.stored_bytes for value in values) or any(
-            after <= before for before, after in zip(absent, keys)
-        ):
+        _, entries, wrong_side = zip(*pairs)
+        if any(wrong_side) or any(len(value) != self.codec.stored_bytes for _, value in entries):
             raise StoreFormatError(f"{self._data_file} is damaged: its entries are out of order or malformed")
-        stored = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.codec.stored_bytes)
-        self.codec.decode(decode_keys(keys), stored, self._data_file)
+        stored = np.frombuffer(b"".join(value for _, value in entries), dtype=np.uint8)
+        self.codec.decode(
+            decode_keys([key for key, _ in entries]),
+            stored.reshape(len(entries), self.codec.stored_bytes),
+            self._data_file,
+        )
 
     def _damaged(self, error: lmdb.Error) -> StoreFormatError:
         return StoreFormatError(

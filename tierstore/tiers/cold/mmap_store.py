@@ -490,9 +490,14 @@ class MmapColdStore(ColdStore):
         return state.stat().st_mtime if state.exists() else None
 
     def report(self) -> dict:
-        """The base counters, and ``index_bytes``: the memory of the key indexes (of ``rows.bin``
-        and of the log), which this backend keeps in RAM (it grows with the table)."""
-        return {**super().report(), "index_bytes": self._index.nbytes + self._wal_index.nbytes}
+        """The base counters; ``index_bytes``: the memory of the key indexes (of ``rows.bin`` and of
+        the log), which this backend keeps in RAM (it grows with the table); ``deferred_applies``:
+        flushes whose log stayed unapplied because a reader was open."""
+        return {
+            **super().report(),
+            "index_bytes": self._index.nbytes + self._wal_index.nbytes,
+            "deferred_applies": self.deferred_applies,
+        }
 
     def _refresh(self) -> None:
         self._close_files()
