@@ -63,19 +63,24 @@ class KernelHashTable(BatchedHashTable):
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
+        return self._per_key("find", keys).to(torch.int64)
+
+    def _per_key(self, operation: str, keys: torch.Tensor) -> torch.Tensor:
+        """Run the ``find`` or ``erase`` kernel over ``keys``: each key's value (before an erase),
+        -1 where absent, in the table's value dtype."""
         keys = keys.to(self.device, torch.int64).contiguous()
-        found = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
+        values = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
         self.kernels.launch(
-            self._kernel["find"],
+            self._kernel[operation],
             keys.numel(),
             self.keys,
             self.values,
             self.keys.numel() - 1,
             keys,
             keys.numel(),
-            found,
+            values,
         )
-        return found.to(torch.int64)
+        return values
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, absent) with ``values``; rebuilds or grows the table first when needed."""
@@ -114,18 +119,7 @@ class KernelHashTable(BatchedHashTable):
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
-        keys = keys.to(self.device, torch.int64).contiguous()
-        former = torch.empty(keys.numel(), dtype=self.value_dtype, device=self.device)
-        self.kernels.launch(
-            self._kernel["erase"],
-            keys.numel(),
-            self.keys,
-            self.values,
-            self.keys.numel() - 1,
-            keys,
-            keys.numel(),
-            former,
-        )
+        former = self._per_key("erase", keys)
         removed = int((former >= 0).sum())
         self.live -= removed
         self.tombstones += removed

@@ -250,19 +250,21 @@ class LmdbColdStore(ColdStore):
                 return key, before, after
 
             found = list(map(neighbours, absent))
-        pairs = [(key, entry, entry[0] > key) for key, before, _ in found if (entry := before)]
-        pairs += [(key, entry, entry[0] < key) for key, _, after in found if (entry := after)]
-        if not pairs:
-            return
-        _, entries, wrong_side = zip(*pairs)
-        if any(wrong_side) or any(len(value) != self.codec.stored_bytes for _, value in entries):
-            raise StoreFormatError(f"{self._data_file} is damaged: its entries are out of order or malformed")
-        stored = np.frombuffer(b"".join(value for _, value in entries), dtype=np.uint8)
-        self.codec.decode(
-            decode_keys([key for key, _ in entries]),
-            stored.reshape(len(entries), self.codec.stored_bytes),
-            self._data_file,
-        )
+        if any(before and before[0] > key for key, before, _ in found) or any(
+            after and after[0] < key for key, _, after in found
+        ):
+            raise StoreFormatError(f"{self._data_file} is damaged: its entries are out of order")
+        entries = dict(entry for _, *pair in found for entry in pair if entry)  # each neighbour once
+        if entries:
+            self._checked_rows(decode_keys(list(entries)), list(entries.values()))
+
+    def _checked_rows(self, ids: np.ndarray, values: list) -> torch.Tensor:
+        """Rows ``[n, row_width]`` of ``ids`` from their stored ``values`` (bytes or map views),
+        each checked; a value of the wrong length is ``StoreFormatError``."""
+        if any(len(value) != self.codec.stored_bytes for value in values):
+            raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed entries")
+        stored = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.codec.stored_bytes)
+        return self.codec.decode(ids, stored, self._data_file)
 
     def _damaged(self, error: lmdb.Error) -> StoreFormatError:
         return StoreFormatError(
@@ -301,13 +303,10 @@ class LmdbColdStore(ColdStore):
     def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked ``(keys, rows)`` of a chunk of ``(key, value)`` entries (map views)."""
         keys, values = zip(*chunk)
-        if any(len(key) != 8 for key in keys) or any(
-            len(value) != self.codec.stored_bytes for value in values
-        ):
+        if any(len(key) != 8 for key in keys):
             raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed entries")
-        stored = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), self.codec.stored_bytes)
         ids = decode_keys([bytes(key) for key in keys])
-        return torch.from_numpy(ids), self.codec.decode(ids, stored, self._data_file)
+        return torch.from_numpy(ids), self._checked_rows(ids, list(values))
 
     def __len__(self) -> int:
         with self._begin() as txn:

@@ -175,8 +175,9 @@ class GrowableArray:
                 written = os.pwrite(file.fileno(), data, offset)
                 data, offset = data[written:], offset + written
 
-    def bytes_of(self, count: int) -> memoryview:
-        return memoryview(np.ascontiguousarray(self.array[:count])).cast("B")
+    def bytes_of(self, start: int, stop: int) -> memoryview:
+        """The bytes of items ``start..stop``."""
+        return memoryview(np.ascontiguousarray(self.array[start:stop])).cast("B")
 
 
 class MmapColdStore(ColdStore):
@@ -285,7 +286,7 @@ class MmapColdStore(ColdStore):
             self._log_crcs = self._wal_checksums(0, records, (0, 0))
             if [commit.get("keys_crc32"), commit.get("rows_crc32")] != list(self._log_crcs) and commit.get(
                 "crc32"  # the one CRC32 of keys then rows that stores of format version 1 wrote
-            ) != zlib.crc32(self._wal_rows.bytes_of(records), self._log_crcs[0]):
+            ) != zlib.crc32(self._wal_rows.bytes_of(0, records), self._log_crcs[0]):
                 raise StoreFormatError(
                     f"the write-ahead log of the last flush in {self.directory} is damaged "
                     f"(checksum mismatch); the store cannot be recovered to its last flush"
@@ -398,8 +399,7 @@ class MmapColdStore(ColdStore):
 
     def _wal_checksums(self, start: int, stop: int, crcs: tuple[int, int]) -> tuple[int, int]:
         """``crcs`` (CRC32s of the log's keys and rows before ``start``) extended to ``stop``."""
-        keys = memoryview(np.ascontiguousarray(self._wal_keys.array[start:stop])).cast("B")
-        rows = memoryview(np.ascontiguousarray(self._wal_rows.array[start:stop])).cast("B")
+        keys, rows = self._wal_keys.bytes_of(start, stop), self._wal_rows.bytes_of(start, stop)
         return zlib.crc32(keys, crcs[0]), zlib.crc32(rows, crcs[1])
 
     def flush(self) -> None:
