@@ -14,7 +14,7 @@ import torch
 
 from ...errors import StoreFormatError
 
-_CHUNK_ROWS = 16384  # rows hashed at once: bounds the hash's temporary memory
+_CHUNK_ROWS = 4096  # rows hashed at once: bounds the hash's temporary memory
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -56,20 +56,22 @@ def _mix(values: np.ndarray) -> np.ndarray:
 
 def row_hashes(keys: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """uint64 [N]: a hash of each row's bytes ``raw`` (uint8 [N, B]) and its id ``keys`` (int64 [N]).
-    The bytes, as 32-bit words, are summed with odd per-position multipliers (any change to one
-    word changes the sum), then mixed with the id."""
+    The bytes, as 32-bit words, are summed modulo 2**32 with odd per-position multipliers (any
+    change to one word changes the sum), then mixed with the id."""
     count, width = raw.shape
     padding = (-width) % 4
     words = (width + padding) // 4
-    multipliers = _mix(np.arange(1, words + 1, dtype=np.uint64) * _GOLDEN) | np.uint64(1)
-    sums = np.empty(count, dtype=np.uint64)
+    multipliers = (_mix(np.arange(1, words + 1, dtype=np.uint64) * _GOLDEN) | np.uint64(1)).astype(np.uint32)
+    sums = np.empty(count, dtype=np.uint32)
     for start in range(0, count, _CHUNK_ROWS):
         part = raw[start : start + _CHUNK_ROWS]
         if padding:
             part = np.concatenate([part, np.zeros((part.shape[0], padding), np.uint8)], axis=1)
-        part = np.ascontiguousarray(part).view("<u4").astype(np.uint64)
-        sums[start : start + _CHUNK_ROWS] = (part * multipliers).sum(axis=1, dtype=np.uint64)
-    return _mix(sums ^ (keys.astype(np.uint64) * _GOLDEN))
+        if part.strides[1] != 1 or part.strides[0] % 4:
+            part = np.ascontiguousarray(part)
+        part = part.view("<u4")  # a row prefix of stored rows is viewed in place, not copied
+        sums[start : start + _CHUNK_ROWS] = (part * multipliers).sum(axis=1, dtype=np.uint32)
+    return _mix(sums.astype(np.uint64) ^ (keys.astype(np.uint64) * _GOLDEN))
 
 
 class RowCodec:

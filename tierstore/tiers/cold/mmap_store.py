@@ -320,6 +320,10 @@ class MmapColdStore(ColdStore):
             in_wal = (staged >= 0).nonzero().squeeze(1)
             stored.index_copy_(0, in_wal, self._wal_rows_tensor().index_select(0, staged[in_wal]))
             found[in_wal] = True
+        if bool(found.all()):
+            return self.codec.decode(
+                keys.numpy(), stored.numpy(), self.directory / ROWS_FILE
+            ).contiguous(), found
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         hit = found.nonzero().squeeze(1)
         rows[hit] = self.codec.decode(keys[hit].numpy(), stored[hit].numpy(), self.directory / ROWS_FILE)
