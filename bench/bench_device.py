@@ -9,13 +9,19 @@
 2. Training steps (4,096 samples x 26 ids, SGD) with the device cache holding ``--device-share`` of
    the rows (host cache ``--host-share``, the rest in the mmap cold store), for the cuda and the
    torch device backends, vs ``nn.EmbeddingBag(sparse=True)`` + SGD with the whole table in HBM.
+   The cold tier first holds every row and warm-up runs until the device tier is full, so timed
+   steps move and evict rows as a long run does; ``--fresh`` times a table that starts empty
+   instead (every miss a new id). ``--profile`` says where the cuda backend's step spends its time.
 JSON to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tierstore import TieredEmbeddingBag, TieredStore, optim
+from tierstore import TieredEmbeddingBag, TieredStore, initial_rows, optim
 from tierstore.workloads import ZipfIds
 
 FEATURES = 26
@@ -79,10 +85,17 @@ def bench_lookups(args, directory: Path) -> dict:
             seconds = gpu_seconds(
                 lambda: [cache.read(cache.find(b), args.dim, out=out) for b in batches], args.repeats
             )
+            slots = [cache.find(b) for b in batches]
+            find_seconds = gpu_seconds(lambda: [cache.find(b) for b in batches], args.repeats)
+            gather_seconds = gpu_seconds(
+                lambda: [cache.read(s, args.dim, out=out) for s in slots], args.repeats
+            )
         results[backend] = {
             "keys_per_s": rows / seconds,
             "gb_per_s": rows * args.dim * 4 / seconds / 1e9,
             "ratio_index_select": baseline / seconds,
+            "find_share": find_seconds / (find_seconds + gather_seconds),
+            "gather_ratio_index_select": baseline / gather_seconds,
         }
     results["index_select_keys_per_s"] = rows / baseline
     results["copy_gb_per_s"] = copy_bandwidth(args.repeats) / 1e9
@@ -91,32 +104,69 @@ def bench_lookups(args, directory: Path) -> dict:
     return results
 
 
+def preload(path: Path, args) -> None:
+    """A store whose cold tier (mmap) holds all ``args.ids`` rows, as a table trained for a while
+    does: misses read rows instead of making new ones."""
+    with TieredStore(path, dim=args.dim, backend="mmap", host_cache=1) as store:
+        for ids in torch.arange(args.ids).split(1 << 20):
+            store.stack.cold.bulk_load(ids, initial_rows(ids, args.dim, 0, 0, torch.float32))
+
+
+def steady_table(args, path: Path, backend: str, sample: ZipfIds, offsets: torch.Tensor):
+    """The preloaded table at ``path`` with the device tier on ``backend``, trained (SGD) until its
+    device tier is full, so timed steps evict as a long run does. -> (table, warm-up steps)."""
+    table = TieredEmbeddingBag(
+        None,
+        args.dim,
+        mode="sum",
+        path=path,
+        backend="mmap",
+        host_cache=int(args.ids * args.host_share),
+        device="cuda",
+        device_cache=int(args.ids * args.device_share),
+        device_cache_backend=backend,
+        optimizer=optim.SGD(lr=0.01),
+    )
+    steps = 0
+    while steps < args.warm_up or (
+        not args.fresh
+        and table.store.stats()["device"]["resident_rows"] < table.store.stats()["device"]["capacity_rows"]
+        and steps < 20 * args.warm_up
+    ):
+        table(torch.from_numpy(sample(offsets.numel() * FEATURES)).cuda(), offsets).sum().backward()
+        steps += 1
+    torch.cuda.synchronize()
+    return table, steps
+
+
 def bench_training(args, directory: Path) -> dict:
     sample = ZipfIds(args.ids, args.alpha, seed=1)
     offsets = torch.arange(0, 4096 * FEATURES, FEATURES, device="cuda")
-    stream = [
-        torch.from_numpy(sample(4096 * FEATURES)).cuda() for _ in range(args.warm_up + args.repeats + 1)
-    ]
-    warm_up, timed = stream[: args.warm_up], stream[args.warm_up :]  # every timed step sees a fresh batch
+    timed = [torch.from_numpy(sample(4096 * FEATURES)).cuda() for _ in range(args.repeats + 1)]
+    if not args.fresh:
+        preload(directory / "train", args)
     results = {}
     for backend in ("cuda", "torch"):
-        table = TieredEmbeddingBag(
-            None,
-            args.dim,
-            mode="sum",
-            path=directory / f"train-{backend}",
-            backend="mmap",
-            host_cache=int(args.ids * args.host_share),
-            device="cuda",
-            device_cache=int(args.ids * args.device_share),
-            device_cache_backend=backend,
-            optimizer=optim.SGD(lr=0.01),
-        )
-        for ids in warm_up:
-            table(ids, offsets).sum().backward()
-        torch.cuda.synchronize()
+        path = directory / ("train" if not args.fresh else f"train-{backend}")
+        table, warm_up_steps = steady_table(args, path, backend, sample, offsets)
+        before = table.store.stats()
         batches = iter(timed)
         results[backend] = gpu_seconds(lambda: table(next(batches), offsets).sum().backward(), args.repeats)
+        after = table.store.stats()
+        steps = args.repeats + 1
+        results[f"{backend}_per_step"] = {
+            "warm_up_steps": warm_up_steps,
+            "device_miss_share": (after["device"]["misses"] - before["device"]["misses"])
+            / max(
+                1,
+                after["device"]["hits"]
+                + after["device"]["misses"]
+                - before["device"]["hits"]
+                - before["device"]["misses"],
+            ),
+            "rows_into_device": (after["device"]["rows_in"] - before["device"]["rows_in"]) / steps,
+            "rows_from_cold": (after["cold"]["rows_read"] - before["cold"]["rows_read"]) / steps,
+        }
         table.close()
     reference = nn.EmbeddingBag(args.ids, args.dim, mode="sum", sparse=True, device="cuda")
     sgd = torch.optim.SGD(reference.parameters(), lr=0.01)
@@ -135,6 +185,39 @@ def bench_training(args, directory: Path) -> dict:
     return results
 
 
+def profile_training(args, directory: Path) -> None:
+    """Where a training step's time goes (cuda backend): the host side by function (cProfile, the
+    step synchronised so waits for the GPU are counted where they happen) and the GPU by kernel
+    (torch.profiler)."""
+    sample = ZipfIds(args.ids, args.alpha, seed=1)
+    offsets = torch.arange(0, 4096 * FEATURES, FEATURES, device="cuda")
+    if not args.fresh:
+        preload(directory / "profile", args)
+    table, _ = steady_table(args, directory / "profile", "cuda", sample, offsets)
+    stream = [torch.from_numpy(sample(4096 * FEATURES)).cuda() for _ in range(2 * args.repeats)]
+
+    def step(ids):
+        table(ids, offsets).sum().backward()
+        torch.cuda.synchronize()
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for ids in stream[: args.repeats]:
+        step(ids)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"host side of {args.repeats} steps, by own time:\n{text.getvalue()}")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as gpu_profile:
+        for ids in stream[args.repeats :]:
+            step(ids)
+    print(gpu_profile.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(table.store.stats())
+    table.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ids", type=int, default=10_000_000)
@@ -151,10 +234,21 @@ def main() -> None:
     parser.add_argument("--warm-up", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=Path("bench/results/device.json"))
+    parser.add_argument("--profile", action="store_true", help="only profile the cuda backend's step")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="train a table that starts empty (every miss a new id, made on the GPU) instead of one "
+        "whose cold tier holds every row",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_device.py needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
+    if args.profile:
+        with tempfile.TemporaryDirectory() as directory:
+            profile_training(args, Path(directory))
+        return
     with tempfile.TemporaryDirectory() as directory:
         results = {
             "config": vars(args) | {"json": str(args.json)},
@@ -178,6 +272,8 @@ def main() -> None:
         f"{'index_select (all in HBM)':<28}{lookups['index_select_keys_per_s']:>16,.0f}"
         f"{'':>10}{'':>17}{'':>12}   copy {lookups['copy_gb_per_s']:.0f} GB/s"
     )
+    for backend in ("cuda", "torch"):
+        print(f"{backend} backend, per timed step: {training[f'{backend}_per_step']}")
     print(
         f"training step (SGD): cuda {training['cuda'] * 1e3:.2f} ms, "
         f"torch backend {training['torch'] * 1e3:.2f} ms, "

@@ -24,13 +24,16 @@ def store_path(tmp_path):
     return tmp_path / "store"
 
 
-@pytest.fixture(params=["torch", "cuda-kernels-on-host"])
-def device_backend(request):
-    """The device tier's ``device_cache_backend``: torch ops, or the kernels' one-thread host build
-    (the GPU's own loops, on CPU tensors) standing in for the GPU, given as a backend value."""
+@pytest.fixture(params=["torch", "cuda-kernels-on-host", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device_tier(request):
+    """The device tier's ``device`` and ``device_cache_backend``: torch ops on the CPU, the kernels'
+    one-thread host build (the GPU's own loops, on CPU tensors) standing in for the GPU, or the
+    kernels on a real GPU (skipped without one)."""
+    if request.param == "gpu":
+        return {"device": torch.device("cuda"), "device_cache_backend": "cuda"}
     if request.param == "torch":
-        return "torch"
-    return KernelRows(shared_host_kernels(), "cuda")
+        return {"device": torch.device("cpu"), "device_cache_backend": "torch"}
+    return {"device": torch.device("cpu"), "device_cache_backend": KernelRows(shared_host_kernels(), "cuda")}
 
 
 @pytest.fixture(scope="module", params=["one-thread-gpu-loops", "openmp"])

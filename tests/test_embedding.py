@@ -107,7 +107,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("host_backend", ["openmp", "torch"])
 def test_training_matches_torch_with_rows_moving_between_all_tiers(
-    name, mode, backend, device_backend, host_backend, store_path
+    name, mode, backend, device_tier, host_backend, store_path
 ):
     ours_optimizer, torch_optimizer = OPTIMIZERS[name]
     ours = TieredEmbeddingBag(
@@ -119,9 +119,10 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(
         host_cache=12,
         device_cache=24,
         optimizer=ours_optimizer(),
-        device_cache_backend=device_backend,
         host_cache_backend=host_backend,
+        **device_tier,
     )
+    device, device_backend = device_tier["device"], device_tier["device_cache_backend"]
     stats = ours.store.stats()
     assert (stats["device"]["backend"], stats["host"]["backend"]) == (
         getattr(device_backend, "name", device_backend),
@@ -136,7 +137,8 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(
         weights = torch.rand(ids.numel()) if mode == "sum" else None
         target = torch.from_numpy(rng.standard_normal((offsets.numel(), DIM)).astype(np.float32))
         before = ours.store.stats()
-        (ours(ids, offsets, weights) * target).sum().backward()
+        on_device = [None if t is None else t.to(device) for t in (ids, offsets, weights, target)]
+        (ours(*on_device[:3]) * on_device[3]).sum().backward()
         after = ours.store.stats()
         moved.append(
             (
@@ -238,7 +240,7 @@ def rowwise_adagrad_reference(weights, momentum, grad, lr, eps):
     return weights - (lr / (np.sqrt(momentum) + eps))[:, None] * grad, momentum
 
 
-def test_rowwise_adagrad_matches_published_update(store_path, device_backend):
+def test_rowwise_adagrad_matches_published_update(store_path, device_tier):
     ours = TieredEmbeddingBag(
         NUM,
         DIM,
@@ -247,15 +249,16 @@ def test_rowwise_adagrad_matches_published_update(store_path, device_backend):
         host_cache=12,
         device_cache=24,
         optimizer=optim.RowWiseAdagrad(lr=0.1, eps=1e-8),
-        device_cache_backend=device_backend,
+        **device_tier,
     )
+    device = device_tier["device"]
     weights = initial_weights(torch.arange(NUM), DIM, 0, torch.float32).double().numpy()
     momentum = np.zeros(NUM)
     rng = np.random.default_rng(5)
     for _ in range(50):
         ids, offsets = random_bags(rng)
         target = rng.standard_normal((offsets.numel(), DIM)).astype(np.float32)
-        (ours(ids, offsets) * torch.from_numpy(target)).sum().backward()
+        (ours(ids.to(device), offsets.to(device)) * torch.from_numpy(target).to(device)).sum().backward()
         bag_of = np.searchsorted(offsets.numpy(), np.arange(ids.numel()), side="right") - 1
         grad = np.zeros((NUM, DIM))
         np.add.at(grad, ids.numpy(), target[bag_of])

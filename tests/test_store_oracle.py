@@ -4,6 +4,7 @@ eviction, promotion and write-back path runs."""
 import shutil
 import tempfile
 
+import pytest
 import torch
 from helpers import initial
 from host_kernels import shared_host_kernels
@@ -22,6 +23,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
     backend = "lmdb"
     device_cache_backend = "torch"
     host_cache_backend = "openmp"
+    device = "cpu"
 
     def __init__(self):
         super().__init__()
@@ -32,11 +34,12 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
     def open(self):
         device_backend = self.device_cache_backend
-        if device_backend == "cuda":  # the kernels' one-thread host build standing in for the GPU
+        if device_backend == "cuda" and self.device == "cpu":  # the kernels' host build stands in
             device_backend = KernelRows(shared_host_kernels(), "cuda")
         self.store = TieredStore(
             self.directory + "/s",
             dim=DIM,
+            device=self.device,
             backend=self.backend,
             host_cache=4,
             device_cache=6,
@@ -51,10 +54,10 @@ class StoreAgainstDict(RuleBasedStateMachine):
 
     @rule(keys=ids, into_out=st.booleans())
     def get(self, keys, into_out):
-        out = torch.full((len(keys), DIM), float("nan")) if into_out else None
+        out = torch.full((len(keys), DIM), float("nan"), device=self.device) if into_out else None
         got = self.store.get(keys, out=out)
         assert out is None or got is out
-        for key, row in zip(keys, got):
+        for key, row in zip(keys, got.cpu()):
             expected = self.oracle.setdefault(key, initial(key, DIM))
             assert torch.equal(row, expected), key
 
@@ -70,7 +73,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
             ),
             dtype=torch.float32,
         )
-        self.store.put(keys, rows)
+        self.store.put(keys, rows.to(self.device))
         for key, row in zip(keys, rows):
             self.oracle[key] = row  # the last occurrence wins
 
@@ -109,13 +112,33 @@ class MmapStoreAgainstDict(StoreAgainstDict):
 
 
 class KernelDeviceTierAgainstDict(StoreAgainstDict):
-    """The device tier on the kernels' one-thread host build (see conftest.device_backend)."""
+    """The device tier on the kernels' one-thread host build (see conftest.device_tier)."""
 
     device_cache_backend = "cuda"
+
+
+class GpuDeviceTierAgainstDict(StoreAgainstDict):
+    """The device tier's kernels on a real GPU (skipped without one)."""
+
+    device_cache_backend = "cuda"
+    device = "cuda"
+
+
+class MmapGpuDeviceTierAgainstDict(GpuDeviceTierAgainstDict):
+    backend = "mmap"
+    host_cache_backend = "torch"
 
 
 TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase
 TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
 TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
-for case in (TestLmdbStoreAgainstDict, TestMmapStoreAgainstDict, TestKernelDeviceTierAgainstDict):
+TestGpuDeviceTierAgainstDict = pytest.mark.gpu(GpuDeviceTierAgainstDict.TestCase)
+TestMmapGpuDeviceTierAgainstDict = pytest.mark.gpu(MmapGpuDeviceTierAgainstDict.TestCase)
+for case in (
+    TestLmdbStoreAgainstDict,
+    TestMmapStoreAgainstDict,
+    TestKernelDeviceTierAgainstDict,
+    TestGpuDeviceTierAgainstDict,
+    TestMmapGpuDeviceTierAgainstDict,
+):
     case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

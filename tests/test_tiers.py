@@ -193,3 +193,23 @@ def test_a_store_runs_its_cache_tiers_on_the_policy_it_is_given(tmp_path, backen
             assert cache.nbytes == cache.nbytes_for(
                 cache.capacity, 3, torch.float32, cache.backend, FirstInFirstOut
             )
+
+
+def test_rows_merged_from_the_host_and_an_accelerator_end_on_the_accelerator():
+    """Rows a host tier holds merge with rows made on the device tier's accelerator ("meta" stands
+    in for a GPU): the merged rows go up to the accelerator, never back down to the host."""
+    on_host = Rows(torch.tensor([1]), torch.ones(1, 2), torch.tensor([True]), torch.tensor([False]))
+    made = Rows(
+        *(
+            tensor.to("meta")
+            for tensor in (torch.tensor([2, 3]), torch.ones(2, 2), *[torch.ones(2, dtype=torch.bool)] * 2)
+        )
+    )
+    for merged in (
+        Rows.merge(torch.tensor([True, False, False]), on_host, made),
+        Rows.merge(torch.tensor([False, True, True]), made, on_host),
+    ):
+        assert {tensor.device.type for tensor in (merged.keys, merged.rows, merged.dirty, merged.fresh)} == {
+            "meta"
+        }
+        assert merged.rows.shape == (3, 2)

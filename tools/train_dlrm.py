@@ -79,7 +79,7 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``dense [B, 13]``, ``ids [26, B]`` (one id per feature per sample) -> logits ``[B]``."""
         bottom = self.bottom(dense)
-        one_per_bag = torch.arange(ids.shape[1])
+        one_per_bag = torch.arange(ids.shape[1], device=ids.device)
         embedded = [table(feature_ids, one_per_bag) for table, feature_ids in zip(self.tables, ids)]
         vectors = torch.stack([bottom, *embedded], dim=1)  # [B, 27, dim]
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
@@ -121,6 +121,7 @@ def main() -> None:
         "--path", type=Path, help="directory for the tables' stores (default: a temporary one)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the model and the top tier live (cpu, cuda)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -136,11 +137,12 @@ def main() -> None:
             host_cache=budget(args.host_cache),
             device_cache=budget(args.device_cache),
             seed=index,
+            device=args.device,
             optimizer=OPTIMIZERS[args.optimizer](lr=args.lr),
         )
         for index in range(SPARSE_FEATURES)
     ]
-    model = DLRM(tables, args.dim)
+    model = DLRM(tables, args.dim).to(args.device)
     dense_optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-3
     )  # the MLPs only: tables have no Parameters
@@ -148,9 +150,9 @@ def main() -> None:
     stream = CriteoLikeStream(args.ids_per_feature, args.alpha, args.seed)
 
     start, recent = time.perf_counter(), []
-    progress = tqdm(range(args.steps), desc="training", unit="step")
+    progress = tqdm(range(args.steps), desc="training", unit="step", disable=None)  # quiet in logs
     for _ in progress:
-        dense, ids, labels = stream.batch(args.batch_size)
+        dense, ids, labels = (part.to(args.device) for part in stream.batch(args.batch_size))
         loss = loss_function(model(dense, ids), labels)
         dense_optimizer.zero_grad()
         loss.backward()  # also updates the tables' rows

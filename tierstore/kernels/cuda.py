@@ -17,7 +17,7 @@ from .build_cache import SOURCE, cached_build, source_dir
 from .launch import kernel_arguments
 
 THREADS_PER_BLOCK = 256
-NVRTC_OPTIONS = ("-std=c++17", "-Werror=all-warnings")
+NVRTC_OPTIONS = ("-std=c++17",)  # warnings fail the build through the log check, on any NVRTC
 
 
 class CudaError(RuntimeError):

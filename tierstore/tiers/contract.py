@@ -45,12 +45,14 @@ class Rows:
 
     @staticmethod
     def merge(mask: torch.Tensor, where_true: Rows, where_false: Rows) -> Rows:
-        """Rows in one order: ``where_true`` where ``mask [N]`` is set, else ``where_false``."""
+        """Rows in one order: ``where_true`` where ``mask [N]`` is set, else ``where_false``. Each
+        field goes to the accelerator where either part has it there (rows travel up the tiers)."""
         merged = []
         for field in dataclasses.fields(Rows):
             first, second = getattr(where_true, field.name), getattr(where_false, field.name)
-            out = torch.empty((mask.numel(), *first.shape[1:]), dtype=first.dtype, device=first.device)
-            out[mask.to(out.device)] = first
+            device = first.device if first.device.type != "cpu" else second.device
+            out = torch.empty((mask.numel(), *first.shape[1:]), dtype=first.dtype, device=device)
+            out[mask.to(out.device)] = first.to(out.device)
             out[(~mask).to(out.device)] = second.to(out.device)
             merged.append(out)
         return Rows(*merged)

@@ -73,7 +73,7 @@ class TierStack:
         unknown = ~known
         if bool(unknown.any()):
             self.cold.get(unique[unknown], counts[unknown])  # counted as lookups of new ids
-            rows[unknown.to(device)] = self._initial_rows(unique[unknown])[:, :width].to(device)
+            rows[unknown.to(device)] = self._initial_rows(unique[unknown].to(device))[:, :width]
         return rows
 
     def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -94,8 +94,22 @@ class TierStack:
         rows, found = self.cold.get(keys, counts)
         new = ~found
         if bool(new.any()):
-            rows[new] = self._initial_rows(keys[new])
+            rows = self._with_initial_rows(keys, rows, new)
         return Rows(keys, rows, new, new.clone())
+
+    def _with_initial_rows(self, keys: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``rows`` (of ``keys``, read from the cold store) with the initial rows of the ``new`` ones,
+        on the top tier's device: new rows are made where they are going, so they are neither
+        hashed on the host nor copied to the device."""
+        device = self.top.device
+        if rows.device != device:
+            found = ~new
+            on_device = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+            if bool(found.any()):
+                on_device[found.to(device)] = rows[found].to(device)
+            rows, new = on_device, new.to(device)
+        rows[new] = self._initial_rows(keys.to(device)[new])
+        return rows
 
     def _move_down(self, evicted: Rows, level: int) -> None:
         """Hand rows being evicted from tier ``level - 1`` to tier ``level`` (or the cold store). Rows
