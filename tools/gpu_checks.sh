@@ -33,7 +33,7 @@ for name in "$@"; do
     env) stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, cuda.bindings, numpy; print(torch.__version__, \
         cuda.bindings.__version__, numpy.__version__, torch.cuda.get_device_name())"' ;;
     tests) stage tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 $GPU_TESTS ;;
-    suite) stage suite 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
+    suite) stage suite 540 python3 -m pytest -v -p no:cacheprovider -n 8 tests ;; # -v: outcomes as they come
     sanitize) for tool in memcheck racecheck synccheck initcheck; do sanitize $tool 90; done ;;
     bench) stage bench 300 python3 bench/bench_device.py --json "$OUT/device.json" ;;
     fresh) stage fresh 200 python3 bench/bench_device.py --fresh --json "$OUT/device-fresh.json" ;;
