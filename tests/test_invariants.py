@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import initial
 
-from tierstore import CacheCapacityError, TieredStore
+from tierstore import CacheCapacityError, TieredStore, initial_weights
 
 
 def tier_of(store, id_):
@@ -72,14 +72,31 @@ def test_invariant5_rows_of_the_batch_are_not_evicted_while_in_flight(backend, s
     assert torch.equal(got[0], initial(8, 4)) and torch.equal(got[2], initial(9, 4))
 
 
-def test_invariant5_batch_larger_than_top_tier_is_a_clear_error_and_changes_nothing(backend, store_path):
+def test_invariant5_a_training_batch_larger_than_top_tier_is_a_clear_error_and_changes_nothing(
+    backend, store_path
+):
     store = TieredStore(store_path, dim=4, backend=backend, host_cache=8, device_cache=4)
     store.put([0], torch.ones(1, 4))
     before = store.stats()
     with pytest.raises(CacheCapacityError, match="5 distinct ids.*holds 4 rows"):
-        store.get([0, 1, 2, 3, 4])
+        store.get_distinct(torch.arange(5))
     assert store.stats() == before
     assert len(store) == 1 and torch.equal(store.get([0]), torch.ones(1, 4))
+
+
+def test_get_and_put_take_more_ids_than_the_top_tier_holds(backend, store_path):
+    """Outside training a batch of any size works: it goes through the top tier in parts."""
+    store = TieredStore(store_path, dim=4, backend=backend, host_cache=8, device_cache=4)
+    ids = torch.tensor([5, 0, 9, 3, 5, 12, 7, 1, 0, 11])  # 8 distinct, repeats
+    rows = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    store.put(ids, rows)
+    expected = {int(id_): row for id_, row in zip(ids, rows)}  # the last repeat wins
+    got = store.get(ids)
+    assert torch.equal(got, torch.stack([expected[int(id_)] for id_ in ids]))
+    unseen = torch.arange(100, 110)
+    assert torch.equal(store.get(unseen, grow=False), initial_weights(unseen, 4, 0, torch.float32))
+    assert len(store) == 8
+    store.close()
 
 
 @pytest.mark.parametrize("budget", ["64KiB", "1MiB", "3MiB"])

@@ -9,6 +9,7 @@ import math
 from .budget import Budget, check_budget
 from .tiers.backends import check_setting
 from .tiers.policies import EvictionPolicy
+from .validation import integral
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class TierConfig:
     def __post_init__(self) -> None:
         """Every setting is checked here, so a bad one is refused before anything is created."""
         for name in ("host_cache", "device_cache"):
+            object.__setattr__(self, name, integral(getattr(self, name)))  # numpy ints, 0-d tensors
             check_budget(getattr(self, name), name)
         check_setting("host", self.host_cache_backend)
         check_setting("device", self.device_cache_backend)

@@ -6,8 +6,11 @@ It validates every argument before anything changes, then hands the work to its 
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from .errors import ReadOnlyStoreError, StoreClosedError
 from .metadata import create_store, dtype_name, resolve_metadata
 from .optim import SparseOptimizer
 from .tiers.build import build_caches, check_backends, open_tiers
-from .validation import as_device, as_ids, as_rows, check_out
+from .validation import as_device, as_ids, as_rows, check_out, integral
 
 
 class TieredStore:
@@ -40,7 +43,9 @@ class TieredStore:
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
-    once. A batch needs at most the top tier's capacity of distinct ids.
+    once. ``get`` and ``put`` take any number of ids (more distinct ids than the top tier holds go
+    through it in parts); a training lookup (``get_distinct``) needs its batch's distinct ids to fit
+    the top tier.
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class TieredStore:
         config = TierConfig.from_settings(tiers, tier_settings)
         self.device = as_device(device)
         check_backends(config, self.device, dtype or torch.float32)
+        dim, optimizer_state_width, seed = (integral(value) for value in (dim, optimizer_state_width, seed))
         requested = {
             "dim": dim,
             "dtype": None if dtype is None else dtype_name(dtype),
@@ -72,6 +78,10 @@ class TieredStore:
         caches = build_caches(self.metadata, config, self.device)
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
+        # A temporary store goes when it is closed, collected, or at interpreter exit.
+        self._remove_temporary = (
+            weakref.finalize(self, shutil.rmtree, self.path, True) if path is None else None
+        )
         self.read_only = read_only
         self.config = config
         self.dim = self.metadata.dim
@@ -111,16 +121,27 @@ class TieredStore:
             top.touch(slots)
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            if not grow or self.read_only:
-                rows = self.stack.rows_without_growing(unique, counts, width, self.device)[
-                    inverse.to(self.device)
-                ]
+            growing = grow and not self.read_only
+            if not growing or unique.numel() > top.capacity:  # more ids than the top tier holds: in parts
+                parts = zip(unique.split(top.capacity), counts.split(top.capacity))
+                rows = torch.cat(
+                    [self._rows_of_distinct(part, count, width, growing) for part, count in parts]
+                )
+                rows = rows[inverse.to(rows.device)]
                 return rows if out is None else out.copy_(rows)
             slots = self.stack.make_resident(unique, counts)[inverse.to(top.device)]
         if out is None or top.device != self.device:
             rows = top.read(slots, width).to(self.device)
             return rows if out is None else out.copy_(rows)
         return top.read(slots, width, out=out)
+
+    def _rows_of_distinct(
+        self, unique: torch.Tensor, counts: torch.Tensor, width: int, grow: bool
+    ) -> torch.Tensor:
+        """``[U, width]`` rows on ``device`` of at most a top tier's worth of distinct ids."""
+        if not grow:
+            return self.stack.rows_without_growing(unique, counts, width, self.device)
+        return self.stack.top.read(self.stack.make_resident(unique, counts), width).to(self.device)
 
     def put(self, ids: Any, rows: Any, allow_nonfinite: bool = False) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.
@@ -138,8 +159,11 @@ class TieredStore:
         last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
             0, inverse, torch.arange(ids.numel()), reduce="amax"
         )
-        slots = self.stack.make_resident(unique, counts)
-        self.stack.top.write(slots, rows[last], rows.shape[1])
+        top = self.stack.top
+        for start in range(0, unique.numel(), top.capacity):  # more ids than the top tier holds: in parts
+            part = slice(start, start + top.capacity)
+            slots = self.stack.make_resident(unique[part], counts[part])
+            top.write(slots, rows[last[part]], rows.shape[1])
 
     def get_distinct(
         self, ids: torch.Tensor, counts: torch.Tensor | None = None
@@ -211,8 +235,69 @@ class TieredStore:
         finally:
             self.stack.cold.close()
             self._closed = True
-            if self._temporary:
-                shutil.rmtree(self.path, ignore_errors=True)
+            if self._remove_temporary is not None:
+                self._remove_temporary()
+
+    @property
+    def temporary(self) -> bool:
+        """Whether the store was made without ``path`` (and is deleted when closed or collected)."""
+        return self._temporary
+
+    def copy(self) -> TieredStore:
+        """A new temporary store with this one's layout, settings and rows as of now (flushed
+        first), written straight to its cold tier; the two are independent afterwards."""
+        self._check_open()
+        if not self.read_only:
+            self.flush()
+        layout = self.metadata
+        twin = TieredStore(
+            None,
+            layout.dim,
+            layout.torch_dtype,
+            layout.backend,
+            device=self.device,
+            optimizer_state_width=layout.optimizer_state_width,
+            seed=layout.seed,
+            tiers=self.config,
+        )
+        for ids, rows in self.iter_rows(with_state=True):
+            twin.stack.cold.bulk_load(ids, rows)
+        twin.stack.cold.flush()
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> TieredStore:
+        return self.copy()
+
+    def __getstate__(self) -> dict:
+        """Pickling records where the store is and how it is opened, not its rows (flushed first);
+        unpickling reopens it. A temporary store has no lasting place, so it is refused."""
+        if self._temporary:
+            raise pickle.PicklingError(
+                f"a temporary store ({self.path}) cannot be pickled by reference: it is deleted when "
+                "closed or collected. Give the table a path= to keep it, or copy.deepcopy it for a copy "
+                "in this process"
+            )
+        self._check_open()
+        if not self.read_only:
+            self.flush()
+        backend_names = {
+            name: getattr(value, "name", value)
+            for name, value in (
+                ("host_cache_backend", self.config.host_cache_backend),
+                ("device_cache_backend", self.config.device_cache_backend),
+            )
+        }
+        return {
+            "path": str(self.path.resolve()),
+            "device": str(self.device),
+            "read_only": self.read_only,
+            "tiers": dataclasses.replace(self.config, **backend_names),
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(
+            state["path"], device=state["device"], read_only=state["read_only"], tiers=state["tiers"]
+        )
 
     def __enter__(self) -> TieredStore:
         return self

@@ -3,12 +3,25 @@ was wrong and how to fix it, before any tier is touched."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
 import torch
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+
+def integral(value: Any) -> Any:
+    """``value`` as a Python int where it is an integer of another kind (a numpy integer, a 0-d
+    integer tensor), as torch takes them for sizes; anything else unchanged, for the caller's
+    own check to refuse by name (bools are not integers here)."""
+    if isinstance(value, (bool, np.bool_)):
+        return value
+    if isinstance(value, torch.Tensor):
+        integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return int(value) if value.dim() == 0 and integer else value
+    return int(value) if isinstance(value, numbers.Integral) else value
 
 
 def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:

@@ -20,10 +20,15 @@ from torch import nn
 from ..config import TierConfig
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..validation import check_bag_input, check_lookup_ids
+from ..validation import check_bag_input, check_lookup_ids, integral
 from . import pooled_lookup
 
 _MISSING = ("init", "zero", "error")
+# The store lookup is opaque to torch.compile: the forward runs eagerly (a graph break), the dense
+# layers around it compile, and the update hook runs in backward as in eager mode.
+_OPAQUE_TO_COMPILER = torch.compiler.disable(
+    recursive=True, reason="a tiered table reads its rows from a store outside the graph"
+)
 _STATE_FORMAT = "tierstore-table/1"
 
 
@@ -46,6 +51,9 @@ class _TieredTable(nn.Module):
         tier_settings: dict,
     ) -> None:
         super().__init__()
+        num_embeddings, embedding_dim, padding_idx = (
+            integral(value) for value in (num_embeddings, embedding_dim, padding_idx)
+        )
         if num_embeddings is not None and (
             isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
         ):
@@ -79,10 +87,34 @@ class _TieredTable(nn.Module):
             **tier_settings,
         )
         self.step = 0
-        # An empty buffer that follows .to(device): where outputs go.
-        self.register_buffer("_output_device", torch.empty(0, device=device), persistent=False)
+        # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
+        # outputs go and their dtype. The rows keep the store's dtype.
+        self.register_buffer(
+            "_output_like", torch.empty(0, dtype=self.store.dtype, device=device), persistent=False
+        )
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(
+            f"torch.jit.script cannot compile a {type(self).__name__}: its rows live in a store outside "
+            "TorchScript. Use torch.compile (the store lookup stays outside the compiled graph), or "
+            "export the rows (tierstore export, or iter_rows) into an nn.EmbeddingBag to script"
+        )
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of the outputs: the rows' dtype until the module is cast (``.double()``...)."""
+        return self._output_like.dtype
 
     # -- lookups -------------------------------------------------------------------------------
+
+    def _refuse_tracing(self) -> None:
+        if torch.jit.is_tracing():
+            raise RuntimeError(
+                f"torch.jit.trace cannot record a {type(self).__name__}: its rows come from a store outside "
+                "the graph, so a trace would freeze this batch's rows into it. Use torch.compile (the "
+                "store lookup stays outside the compiled graph), or export the rows into an "
+                "nn.EmbeddingBag to trace"
+            )
 
     def _local_weight(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """``(weight [U (+1), dim], local index of each id, local padding row or None)``.
@@ -107,17 +139,21 @@ class _TieredTable(nn.Module):
             local = torch.full_like(flat, local_padding)
             local[~padding] = inverse
             weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
-        device = self._output_device.device
-        weight = weight.to(device)
+        weight = weight.to(self._output_like.device, self.output_dtype)
+        device = weight.device
         if training:
             weight.requires_grad_(True)
-            weight.register_hook(lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()]))
+            weight.register_hook(
+                lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()].to(self.store.dtype))
+            )
         return weight, local.reshape(ids.shape).to(device), local_padding
 
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
         (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""
-        return self.store.gradient_kernels(weight.device) if weight.requires_grad else None
+        if not weight.requires_grad or weight.dtype != self.store.dtype:
+            return None
+        return self.store.gradient_kernels(weight.device)
 
     def _rows_without_growing(self, unique: torch.Tensor) -> torch.Tensor:
         """Eval / ``no_grad`` rows of ``unique``: ids the table has never seen do not join it and
@@ -252,19 +288,21 @@ class TieredEmbeddingBag(_TieredTable):
         self.mode = mode
         self.include_last_offset = include_last_offset
 
+    @_OPAQUE_TO_COMPILER
     def forward(
         self,
         input: torch.Tensor,
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        self._refuse_tracing()
         input, offsets = check_bag_input(
             input,
             offsets,
             per_sample_weights,
             self.mode,
             self.num_embeddings,
-            self.store.dtype,
+            self.output_dtype,
             self.include_last_offset,
         )
         weight, local, local_padding = self._local_weight(input)
@@ -327,7 +365,9 @@ class TieredEmbedding(_TieredTable):
             tier_settings,
         )
 
+    @_OPAQUE_TO_COMPILER
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._refuse_tracing()
         input = check_lookup_ids(input, self.num_embeddings, "input")
         weight, local, local_padding = self._local_weight(input)
         return pooled_lookup.embedding(local, weight, local_padding, self._gradient_kernels(weight))

@@ -1,0 +1,251 @@
+"""The tiered modules behave as nn.Modules do: tracing and scripting refuse clearly, compile,
+pickling and torch.save, deepcopy, dtype casts, numpy integers, temporary stores."""
+
+import copy
+import gc
+import io
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tierstore import TieredEmbedding, TieredEmbeddingBag, TieredStore, optim
+
+NUM, DIM = 64, 8
+
+
+def bag(path=None, **settings):
+    settings = {"host_cache": 16, "optimizer": optim.Adagrad(lr=0.1), "mode": "sum"} | settings
+    return TieredEmbeddingBag(NUM, DIM, path=path, **settings)
+
+
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    ids = torch.from_numpy(rng.integers(0, NUM, 12))
+    return ids, torch.tensor([0, 3, 3, 7]), torch.from_numpy(rng.standard_normal((4, DIM)).astype(np.float32))
+
+
+def train(table, steps, first_seed=0):
+    for seed in range(first_seed, first_seed + steps):
+        ids, offsets, target = batch(seed)
+        (table(ids, offsets) * target).sum().backward()
+
+
+def rows_of(table):
+    return table.store.get(torch.arange(NUM), with_state=True, grow=False)
+
+
+# -- tracing and scripting -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [bag, lambda: TieredEmbedding(NUM, DIM, host_cache=16)])
+def test_jit_trace_refuses_clearly_instead_of_crashing(make):
+    table = make()
+    ids = torch.tensor([[1, 2], [3, 4]])
+    with pytest.raises(RuntimeError, match=r"torch.jit.trace cannot record .*torch.compile"):
+        torch.jit.trace(table, (ids,))
+    table(ids)  # still works after the refusal
+    table.close()
+
+
+def test_jit_script_refuses_clearly():
+    table = bag()
+    with pytest.raises(RuntimeError, match=r"torch.jit.script cannot compile .*torch.compile"):
+        torch.jit.script(nn.Sequential(table))
+    table.close()
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+
+
+class SmallModel(nn.Module):
+    """A tiered table under dense layers, as in a recommendation model."""
+
+    def __init__(self, path, backend):
+        super().__init__()
+        self.table = bag(path, backend=backend, host_cache=24)
+        self.top = nn.Linear(DIM, 1)
+
+    def forward(self, ids, offsets):
+        return self.top(torch.relu(self.table(ids, offsets))).squeeze(1)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["lmdb", "mmap"])
+def test_a_compiled_model_trains_as_the_eager_one(tmp_path, compiler, backend):
+    """The table's forward is opaque to the compiler (a graph break); the dense layers compile.
+    aot_eager runs the same kernels as eager, so rows match exactly; inductor fuses the dense
+    layers' float arithmetic differently, so within float32 rounding."""
+    torch.manual_seed(0)
+    eager, compiled = SmallModel(tmp_path / "eager", backend), SmallModel(tmp_path / "compiled", backend)
+    compiled.top.load_state_dict(eager.top.state_dict())
+    models = {"eager": eager, "compiled": torch.compile(compiled, backend=compiler)}
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1) for name, model in models.items()}
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        ids, offsets = torch.from_numpy(rng.integers(0, NUM, 20)), torch.tensor([0, 5, 9, 14])
+        target = torch.rand(4)
+        losses = {}
+        for name, model in models.items():
+            loss = ((model(ids, offsets) - target) ** 2).mean()
+            optimizers[name].zero_grad()
+            loss.backward()
+            optimizers[name].step()
+            losses[name] = loss.detach()
+        exact = compiler == "aot_eager"
+        torch.testing.assert_close(
+            losses["compiled"], losses["eager"], **({"rtol": 0, "atol": 0} if exact else {})
+        )
+    tolerance = {"rtol": 0, "atol": 0} if compiler == "aot_eager" else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(rows_of(compiled.table), rows_of(eager.table), **tolerance)
+    assert compiled.table.step == eager.table.step == 6
+    eager.table.close()
+    compiled.table.close()
+
+
+# -- pickling, torch.save, deepcopy ----------------------------------------------------------------
+
+
+def test_pickling_flushes_and_unpickling_reopens_the_same_store(tmp_path):
+    table = bag(tmp_path / "t", mode="mean", missing="zero", seed=3)
+    train(table, 5)
+    blob = pickle.dumps(table)
+    expected = rows_of(table)
+    table.close()
+    reopened = pickle.loads(blob)
+    assert reopened.store.path == (tmp_path / "t").resolve()
+    assert (reopened.mode, reopened.missing, reopened.step) == ("mean", "zero", 5)
+    assert isinstance(reopened.optimizer, optim.Adagrad) and reopened.optimizer.lr == 0.1
+    torch.testing.assert_close(rows_of(reopened), expected, rtol=0, atol=0)
+    reopened.close()
+
+
+def test_torch_save_of_a_model_holding_a_table_loads_and_trains_on(tmp_path):
+    model = nn.Sequential(bag(tmp_path / "t"))
+    train(model[0], 3)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    model[0].close()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    train(loaded[0], 3, first_seed=3)
+    reference = bag(tmp_path / "r")
+    train(reference, 6)
+    torch.testing.assert_close(rows_of(loaded[0]), rows_of(reference), rtol=0, atol=0)
+    loaded[0].close()
+    reference.close()
+
+
+def test_a_temporary_store_cannot_be_pickled_by_reference():
+    table = bag()
+    with pytest.raises(pickle.PicklingError, match=r"temporary store .* path="):
+        pickle.dumps(table)
+    table.close()
+
+
+@pytest.mark.parametrize("with_path", [True, False])
+def test_deepcopy_is_an_independent_table_holding_the_rows_as_of_now(tmp_path, with_path):
+    table = bag(tmp_path / "t" if with_path else None)
+    train(table, 4)
+    twin = copy.deepcopy(table)
+    assert twin.store.path != table.store.path
+    torch.testing.assert_close(rows_of(twin), rows_of(table), rtol=0, atol=0)
+    assert twin.step == table.step
+    train(table, 2, first_seed=10)  # only the original moves
+    assert not torch.equal(rows_of(twin), rows_of(table))
+    train(twin, 2, first_seed=10)  # and the copy trains the same way from the same rows
+    torch.testing.assert_close(rows_of(twin), rows_of(table), rtol=0, atol=0)
+    twin_path = twin.store.path
+    twin.close()
+    table.close()
+    assert not twin_path.exists()  # the copy lives in a temporary store
+
+
+# -- dtype casts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cast", ["double", "half", "to"])
+def test_a_dtype_cast_casts_the_outputs_and_training_goes_on(cast):
+    model = nn.Sequential(bag(), nn.Linear(DIM, 1))
+    model = {"double": model.double, "half": model.half, "to": lambda: model.to(torch.float64)}[cast]()
+    dtype = torch.float16 if cast == "half" else torch.float64
+    ids, offsets, _ = batch(0)
+    out = model[0](ids, offsets)
+    assert out.dtype == dtype
+    before = rows_of(model[0])
+    if dtype == torch.float64:  # half matmuls are not on every CPU build
+        model[1](model[0](ids, offsets)).sum().backward()
+        assert not torch.equal(rows_of(model[0]), before)
+    assert model[0].store.dtype == torch.float32  # the rows stay as stored
+    weights = torch.rand(ids.numel(), dtype=dtype)
+    assert model[0](ids, offsets, weights).dtype == dtype  # weights of the output dtype are taken
+    model[0].close()
+
+
+# -- numpy integers and 0-d tensors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("integer", [np.int64, np.int32, np.uint16, lambda n: torch.tensor(n)])
+def test_numpy_integers_and_0d_tensors_are_taken_for_sizes_and_budgets(integer):
+    table = TieredEmbeddingBag(
+        integer(NUM), integer(DIM), mode="sum", padding_idx=integer(0), host_cache=integer(16)
+    )
+    assert (table.num_embeddings, table.embedding_dim, table.padding_idx) == (NUM, DIM, 0)
+    assert type(table.num_embeddings) is int
+    assert table.store.stats()["host"]["capacity_rows"] == 16
+    table.close()
+    with TieredStore(None, dim=integer(4), host_cache=integer(8)) as store:
+        assert store.stats()["host"]["capacity_rows"] == 8
+
+
+@pytest.mark.parametrize("bad", [np.float64(3), torch.tensor(3.0), torch.tensor([3]), np.bool_(True)])
+def test_non_integral_sizes_are_refused_by_name(bad):
+    with pytest.raises((TypeError, ValueError), match="num_embeddings"):
+        TieredEmbeddingBag(bad, DIM)
+    with pytest.raises((TypeError, ValueError), match="host_cache"):
+        TieredEmbeddingBag(NUM, DIM, host_cache=bad)
+
+
+# -- temporary stores and the default tiers ---------------------------------------------------------
+
+
+def test_a_temporary_store_is_deleted_when_its_module_is_collected():
+    table = bag()
+    train(table, 2)
+    path = table.store.path
+    assert path.exists()
+    del table
+    gc.collect()
+    assert not path.exists()
+
+
+def test_a_temporary_store_is_deleted_at_interpreter_exit(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, torch, tierstore
+        table = tierstore.TieredEmbeddingBag(None, 4, mode="sum", host_cache=8)
+        table(torch.tensor([[1, 2]])).sum().backward()
+        print(table.store.path)
+        sys.stdout.flush()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    from pathlib import Path
+
+    path = Path(done.stdout.strip())
+    assert path.name and not path.exists()
+
+
+def test_on_a_cpu_device_there_is_no_device_tier_by_default():
+    table = bag()
+    assert "device" not in table.store.stats()
+    table.close()
+    with TieredStore(None, dim=4) as store:
+        assert "device" not in store.stats()
+    with TieredStore(None, dim=4, device_cache=8) as store:  # asked for: given
+        assert store.stats()["device"]["capacity_rows"] == 8
