@@ -1,4 +1,5 @@
-"""Import throughput of ``tierstore import`` against the disk's sequential write bandwidth, both
+"""Import throughput of ``tierstore import`` and of in-process loading (``from_pretrained``, and
+``load_weights`` over rows a table holds) against the disk's sequential write bandwidth, all
 measured in the same run on the same filesystem.
 
     python bench/bench_import.py --help
@@ -7,7 +8,9 @@ The source is an ``.npy`` of ``--rows`` x ``--dim`` float32 rows (written first 
 once, so it sits in the page cache as a freshly written table would). The baseline writes the same
 number of bytes to a new file with ``os.write`` in 64 MiB blocks and ``fsync``s it: the disk's
 sequential write bandwidth. Each import (through ``tierstore.cli.transfer.import_table``, as the CLI
-runs it) counts until its store is durable and renamed into place. Reported: MB/s of row bytes and
+runs it) counts until its store is durable and renamed into place; ``from_pretrained`` until the
+new table is closed (durable); ``reload`` times ``load_weights`` of the same rows into the table
+``from_pretrained`` made (every id held: the overwrite path). Reported: MB/s of row bytes and
 the ratio import / disk, median over ``--repeats`` turns taken in alternation, per backend. JSON to
 ``--json``.
 """
@@ -24,7 +27,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from tierstore import TieredEmbeddingBag
 from tierstore.cli.table_files import open_table
 from tierstore.cli.transfer import import_table
 
@@ -57,6 +62,21 @@ def import_seconds(source: Path, store: Path, backend: str) -> float:
     return seconds
 
 
+def load_seconds(source: Path, store: Path, backend: str) -> tuple[float, float]:
+    """Seconds of ``from_pretrained`` (to a closed, durable table) and of reloading every row."""
+    weights = torch.from_numpy(np.load(source, mmap_mode="r"))
+    start = time.perf_counter()
+    TieredEmbeddingBag.from_pretrained(weights, path=store, backend=backend, host_cache=1024).close()
+    pretrained = time.perf_counter() - start
+    table = TieredEmbeddingBag(weights.shape[0], weights.shape[1], path=store, host_cache=1024)
+    start = time.perf_counter()
+    table.load_weights(torch.arange(weights.shape[0]), weights)
+    table.close()
+    reload = time.perf_counter() - start
+    shutil.rmtree(store)
+    return pretrained, reload
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -79,19 +99,29 @@ def main() -> None:
         rows.flush()
         del rows
         size = args.rows * args.dim * 4
-        times = {"disk": [], **{backend: [] for backend in args.backends}}
+        methods = [
+            f"{how}, {backend}"
+            for backend in args.backends
+            for how in ("import", "from_pretrained", "reload")
+        ]
+        times = {"disk": [], **{method: [] for method in methods}}
         for _ in range(args.repeats):
             times["disk"].append(sequential_write_seconds(directory / "sequential.bin", size))
             for backend in args.backends:
-                times[backend].append(import_seconds(source, directory / f"store-{backend}", backend))
+                times[f"import, {backend}"].append(
+                    import_seconds(source, directory / f"store-{backend}", backend)
+                )
+                pretrained, reload = load_seconds(source, directory / f"table-{backend}", backend)
+                times[f"from_pretrained, {backend}"].append(pretrained)
+                times[f"reload, {backend}"].append(reload)
     rates = {name: size / statistics.median(seconds) / 1e6 for name, seconds in times.items()}
     print(
         f"{args.rows:,} rows x dim {args.dim} float32 ({size / 1e9:.2f} GB), median of {args.repeats} turns"
     )
-    print(f"{'':<22}{'MB/s':>10}{'ratio to disk':>15}")
-    print(f"{'disk sequential write':<22}{rates['disk']:>10,.0f}{1.0:>15.2f}")
-    for backend in args.backends:
-        print(f"{'import, ' + backend:<22}{rates[backend]:>10,.0f}{rates[backend] / rates['disk']:>15.2f}")
+    print(f"{'':<24}{'MB/s':>10}{'ratio to disk':>15}")
+    print(f"{'disk sequential write':<24}{rates['disk']:>10,.0f}{1.0:>15.2f}")
+    for method in methods:
+        print(f"{method:<24}{rates[method]:>10,.0f}{rates[method] / rates['disk']:>15.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(

@@ -182,12 +182,12 @@ def test_import_killed_midway_leaves_no_store(tmp_path):
 
 
 def test_inspect_reports_the_layout_as_a_table_and_as_json(tmp_path, dense, capsys):
-    run("import", tmp_path / "dense.npy", tmp_path / "a", "--optimizer", "rowwise-adagrad")
+    run("import", tmp_path / "dense.npy", tmp_path / "a", "--optimizer", "rowwise_adagrad")  # either spelling
     capsys.readouterr()
     assert run("inspect", tmp_path / "a", "--json") == 0
     facts = json.loads(capsys.readouterr().out)
     assert facts["rows"] == 700 and facts["dim"] == 6 and facts["dtype"] == "float32"
-    assert facts["optimizer"] == "RowWiseAdagrad" and facts["optimizer_state_width"] == 1
+    assert facts["optimizer"] == "rowwise-adagrad" and facts["optimizer_state_width"] == 1
     assert (
         facts["format_version"] == FORMAT_VERSION
         and facts["row_bytes"] == 28
@@ -196,7 +196,7 @@ def test_inspect_reports_the_layout_as_a_table_and_as_json(tmp_path, dense, caps
     assert facts["last_flush_utc"].startswith("20")
     assert run("inspect", tmp_path / "a") == 0
     table = capsys.readouterr().out
-    assert "rows" in table and "700" in table and "RowWiseAdagrad" in table
+    assert "rows" in table and "700" in table and "rowwise-adagrad" in table
 
 
 @pytest.mark.parametrize("backend", ["mmap", "lmdb"])

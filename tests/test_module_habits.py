@@ -249,3 +249,95 @@ def test_on_a_cpu_device_there_is_no_device_tier_by_default():
         assert "device" not in store.stats()
     with TieredStore(None, dim=4, device_cache=8) as store:  # asked for: given
         assert store.stats()["device"]["capacity_rows"] == 8
+
+
+# -- loading weights -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "mmap"])
+def test_from_pretrained_holds_the_weights_and_trains_as_torch_when_not_frozen(tmp_path, backend):
+    weights = torch.randn(1000, DIM)  # far more rows than the 16-row cache
+    frozen = TieredEmbeddingBag.from_pretrained(
+        weights, mode="sum", path=tmp_path / "f", backend=backend, host_cache=16
+    )
+    reference = nn.EmbeddingBag.from_pretrained(weights, mode="sum")
+    ids, offsets = torch.tensor([3, 999, 3, 500, 0]), torch.tensor([0, 2])
+    torch.testing.assert_close(frozen(ids, offsets), reference(ids, offsets), rtol=0, atol=0)
+    (
+        frozen(ids, offsets) * torch.ones(2, DIM, requires_grad=True)
+    ).sum().backward()  # frozen: rows never change
+    assert torch.equal(frozen.store.get(torch.arange(1000), grow=False), weights)
+    frozen.close()
+
+    table = TieredEmbeddingBag.from_pretrained(
+        weights,
+        freeze=False,
+        mode="sum",
+        path=tmp_path / "t",
+        backend=backend,
+        host_cache=16,
+        optimizer=optim.SGD(lr=0.5),
+    )
+    trained = nn.EmbeddingBag.from_pretrained(weights.clone(), freeze=False, mode="sum", sparse=True)
+    sgd = torch.optim.SGD(trained.parameters(), lr=0.5)
+    for seed in range(3):
+        ids, offsets, target = batch(seed)
+        (table(ids, offsets) * target).sum().backward()
+        sgd.zero_grad()
+        (trained(ids, offsets) * target).sum().backward()
+        sgd.step()
+    torch.testing.assert_close(table.store.get(torch.arange(1000), grow=False), trained.weight.detach())
+    table.close()
+
+
+def test_from_pretrained_embedding_and_a_bad_tensor():
+    weights = torch.randn(50, 4, dtype=torch.float64)
+    table = TieredEmbedding.from_pretrained(weights, host_cache=8)
+    assert table.store.dtype == torch.float64
+    torch.testing.assert_close(table(torch.tensor([[49, 0]])), weights[[49, 0]][None], rtol=0, atol=0)
+    table.close()
+    with pytest.raises(ValueError, match="embeddings must be a 2-D tensor"):
+        TieredEmbedding.from_pretrained(torch.randn(5))
+
+
+def test_load_weights_replaces_cached_rows_keeps_optimizer_state_and_checks_first(tmp_path):
+    table = bag(tmp_path / "t")  # Adagrad: rows carry state
+    train(table, 4)
+    before = rows_of(table)  # every row now cached or stored, some with state
+    ids = torch.tensor([5, 7, 5, 63])
+    new = torch.arange(4 * DIM, dtype=torch.float32).reshape(4, DIM)
+    with pytest.raises(ValueError, match="rows"):
+        table.load_weights(ids, new[:, :3])  # wrong width: refused, nothing changes
+    with pytest.raises(IndexError):
+        table.load_weights(torch.tensor([64]), new[:1])  # past num_embeddings
+    assert torch.equal(rows_of(table), before)
+    table.load_weights(ids, new)
+    after = rows_of(table)
+    expected = before.clone()
+    expected[[7, 5, 63], :DIM] = new[[1, 2, 3]]  # the last repeat of 5 wins
+    assert torch.equal(after, expected)  # weights replaced, Adagrad state kept
+    table.close()
+    with TieredStore(tmp_path / "t", read_only=True, host_cache=NUM) as reopened:  # durable
+        assert torch.equal(reopened.get(torch.arange(NUM), with_state=True), expected)
+
+
+def test_a_store_load_larger_than_the_caches_is_one_call(tmp_path):
+    with TieredStore(tmp_path / "s", dim=4, host_cache=8, backend="mmap") as store:
+        store.get(torch.arange(6))  # some ids held (put path), most new (bulk path)
+        rows = torch.randn(5000, 4)
+        store.load(torch.arange(5000), rows, chunk_rows=1024)
+        assert len(store) == 5000 and torch.equal(store.get(torch.arange(5000)), rows)
+    with pytest.raises(Exception, match="read_only"):
+        TieredStore(tmp_path / "s", read_only=True, host_cache=8).load([0], torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "mmap"])
+def test_a_state_dict_loads_into_another_store_while_its_own_is_open(tmp_path, backend):
+    first = bag(tmp_path / "a", backend=backend)
+    train(first, 3)
+    second = bag(tmp_path / "b", backend=backend, host_cache=4)  # fewer cached rows than the table holds
+    second.load_state_dict(first.state_dict())  # LMDB: read through the environment already open
+    assert second.step == 3 and len(second.store) == len(first.store)
+    assert torch.equal(rows_of(second), rows_of(first))
+    first.close()
+    second.close()

@@ -166,8 +166,33 @@ def test_every_lookup_is_counted_once_by_the_tier_that_served_it(tmp_path, backe
 def test_optimizer_names_live_in_one_registry():
     assert list(optim.OPTIMIZERS) == ["sgd", "adagrad", "rowwise-adagrad", "adam"]
     assert all(kind.name == name for name, kind in optim.OPTIMIZERS.items())
-    assert optimizer_name(1, 16) == "RowWiseAdagrad" and optimizer_name(32, 16) == "Adam"
-    assert optimizer_name(7, 16).startswith("unknown")
+    for spelling in ("rowwise-adagrad", "rowwise_adagrad", "RowWiseAdagrad"):
+        assert optim.optimizer_class(spelling) is optim.RowWiseAdagrad
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'; the optimizers are sgd, adagrad"):
+        optim.optimizer_class("lamb")
+
+
+def test_a_store_records_its_optimizer_and_inspect_says_what_it_knows(tmp_path):
+    """The name is recorded in tierstore.json; a store that recorded none (imported without an
+    optimizer, or written before the field existed) is not guessed to be SGD."""
+    import json
+
+    from tierstore.metadata import read_metadata
+
+    with TieredStore(tmp_path / "a", dim=16, optimizer_state_width=1, optimizer="rowwise-adagrad") as store:
+        assert store.metadata.optimizer == "rowwise-adagrad"
+    assert optimizer_name(read_metadata(tmp_path / "a")) == "rowwise-adagrad"
+    with pytest.raises(Exception, match="optimizer='adam'"):
+        TieredStore(tmp_path / "a", optimizer="adam")
+    TieredStore(tmp_path / "none", dim=16).close()
+    assert optimizer_name(read_metadata(tmp_path / "none")) == "none recorded (no state)"
+    TieredStore(tmp_path / "old", dim=16, optimizer_state_width=32).close()
+    document = json.loads((tmp_path / "old" / "tierstore.json").read_text())
+    del document["optimizer"]  # as a store written before the field existed
+    (tmp_path / "old" / "tierstore.json").write_text(json.dumps(document))
+    assert optimizer_name(read_metadata(tmp_path / "old")) == "not recorded (32 state values per row: Adam)"
+    with TieredStore(tmp_path / "old", optimizer="adam") as store:  # unrecorded: any name opens it
+        assert store.metadata.optimizer is None
 
 
 def test_a_store_runs_its_cache_tiers_on_the_policy_it_is_given(tmp_path, backend):

@@ -47,6 +47,7 @@ class StoreMetadata:
     optimizer_state_width: int
     seed: int
     format_version: int = FORMAT_VERSION
+    optimizer: str | None = None  # the optimizer's registry name; None: not recorded (older stores)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -61,6 +62,8 @@ class StoreMetadata:
             raise ValueError(f"seed must be in [0, 2**63) (it seeds an int64 hash), got {self.seed}")
         if self.optimizer_state_width < 0:
             raise ValueError(f"optimizer_state_width must be >= 0, got {self.optimizer_state_width}")
+        if self.optimizer is not None and not isinstance(self.optimizer, str):
+            raise TypeError(f"optimizer must be an optimizer's name or None, got {self.optimizer!r}")
         if self.dtype not in DTYPES:
             raise TypeError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
@@ -107,11 +110,11 @@ def read_metadata(directory: Path) -> StoreMetadata:
             f"{FORMAT_VERSION}; upgrade tierstore to open it"
         )
     fields = {field.name for field in dataclasses.fields(StoreMetadata)}
-    missing = sorted(fields - document.keys())
+    missing = sorted(fields - document.keys() - _OPTIONAL_FIELDS)
     if missing:
         raise StoreFormatError(f"{path} is damaged: missing fields {missing}")
     try:
-        return StoreMetadata(**{name: document[name] for name in fields})
+        return StoreMetadata(**{name: document[name] for name in fields if name in document})
     except (TypeError, ValueError) as error:
         raise StoreFormatError(f"{path} is damaged: {error}") from None
 
@@ -138,6 +141,9 @@ def resolve_metadata(
     return _new_metadata(requested), True
 
 
+_OPTIONAL_FIELDS = {"optimizer"}  # fields added later: a store written before them lacks them
+
+
 def _new_metadata(requested: dict[str, Any]) -> StoreMetadata:
     if requested["dim"] is None:
         raise ValueError("dim is required to create a new store")
@@ -147,6 +153,7 @@ def _new_metadata(requested: dict[str, Any]) -> StoreMetadata:
         dtype=requested["dtype"] or "float32",
         optimizer_state_width=requested["optimizer_state_width"] or 0,
         seed=requested["seed"] or 0,
+        optimizer=requested.get("optimizer"),
     )
     return metadata
 
@@ -168,13 +175,18 @@ def check_matches(metadata: StoreMetadata, requested: dict[str, Any], directory:
     differences = [
         f"{name}={value!r} (the store has {getattr(metadata, name)!r})"
         for name, value in requested.items()
-        if value is not None and getattr(metadata, name) != value
+        if value is not None and getattr(metadata, name) not in (value, *_unrecorded(name))
     ]
     if differences:
         raise StoreMismatchError(
             f"store {directory} was opened with {', '.join(differences)}; pass the store's own "
             f"settings, or leave them out (None) to use them"
         )
+
+
+def _unrecorded(name: str) -> tuple:
+    """Stored values that match any request: an optional field a store did not record."""
+    return (None,) if name in _OPTIONAL_FIELDS else ()
 
 
 def write_json_atomic(path: Path, document: dict) -> None:

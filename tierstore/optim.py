@@ -181,6 +181,16 @@ OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
 }
 
 
+def optimizer_class(name: str) -> type[SparseOptimizer]:
+    """The optimizer registered as ``name``, spelt with '-' or '_', in any case ("rowwise-adagrad",
+    "rowwise_adagrad", "RowWiseAdagrad"); ``ValueError`` naming the known ones otherwise."""
+    wanted = str(name).lower().replace("_", "-")
+    for kind in OPTIMIZERS.values():
+        if wanted in (kind.name, kind.__name__.lower()):
+            return kind
+    raise ValueError(f"unknown optimizer {name!r}; the optimizers are {', '.join(OPTIMIZERS)}")
+
+
 def with_state_width(state_width: int, dim: int) -> list[str]:
     """Class names of the optimizers whose state is ``state_width`` values per row of ``dim`` weights."""
     return [kind.__name__ for kind in OPTIMIZERS.values() if kind().state_width(dim) == state_width]

@@ -24,6 +24,8 @@ from .optim import SparseOptimizer
 from .tiers.build import build_caches, check_backends, open_tiers
 from .validation import as_device, as_ids, as_rows, check_out, integral
 
+_OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
+
 
 class TieredStore:
     """A table of rows ``[weights (dim) | optimizer state]`` keyed by any non-negative int64 id.
@@ -34,6 +36,8 @@ class TieredStore:
         dim, dtype, backend, optimizer_state_width, seed: the table's layout. Required (``dim``)
             or defaulted (float32, "lmdb", 0, 0) for a new store; for an existing store ``None``
             means "as stored" and any other value must match it.
+        optimizer: the name of the optimizer whose state the rows hold (``optim.OPTIMIZERS``),
+            recorded in a new store and checked against an existing one that recorded one.
         device: where the device cache lives and where ``get`` returns rows.
         read_only: open without writing; ``put``/``flush`` raise, unseen ids are not added. It sees
             one flush, a snapshot, until ``refresh()``, whatever a writer does meanwhile.
@@ -57,6 +61,7 @@ class TieredStore:
         *,
         device: torch.device | str = "cpu",
         optimizer_state_width: int | None = None,
+        optimizer: str | None = None,
         seed: int | None = None,
         read_only: bool = False,
         tiers: TierConfig | None = None,
@@ -72,6 +77,7 @@ class TieredStore:
             "dtype": None if dtype is None else dtype_name(dtype),
             "backend": backend,
             "optimizer_state_width": optimizer_state_width,
+            "optimizer": optimizer,
             "seed": seed,
         }
         self.metadata, new = resolve_metadata(None if path is None else Path(path), requested, read_only)
@@ -97,6 +103,14 @@ class TieredStore:
                 _remove_contents(self.path, remove_directory=not existed or self._temporary)
             raise
         self._closed = False
+        _OPEN_HERE[self.path.resolve()] = self
+
+    @staticmethod
+    def open_here(path: str | Path) -> TieredStore | None:
+        """The store open at ``path`` in this process, if any: read it through that one, since
+        LMDB lets a process open a store's environment only once."""
+        store = _OPEN_HERE.get(Path(path).resolve())
+        return None if store is None or store._closed else store
 
     # -- public API --------------------------------------------------------------------------
 
@@ -155,15 +169,37 @@ class TieredStore:
         rows = as_rows(
             rows, ids.numel(), (self.dim, self.row_width), self.dtype, allow_nonfinite=allow_nonfinite
         )
-        unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
-            0, inverse, torch.arange(ids.numel()), reduce="amax"
-        )
+        unique, counts, last = _distinct_with_last(ids)
         top = self.stack.top
         for start in range(0, unique.numel(), top.capacity):  # more ids than the top tier holds: in parts
             part = slice(start, start + top.capacity)
             slots = self.stack.make_resident(unique[part], counts[part])
             top.write(slots, rows[last[part]], rows.shape[1])
+
+    def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
+        """Write the weights (``rows [N, dim]``: optimizer state kept, zero for new ids) or whole rows
+        (``[N, row_width]``) of any number of ``ids`` straight into the cold store, bypassing the
+        caches (cached copies are dropped): the bulk form of ``put``, for loading trained weights.
+
+        For a repeated id the last row wins. Everything is checked before anything changes. The
+        store is flushed first, then the rows go in ``chunk_rows`` at a time and are durable when
+        ``load`` returns; a crash during it leaves the store at a committed state (its last flush,
+        plus chunks of rows it already held that were committed).
+        """
+        self._check_writable("load")
+        ids = as_ids(ids)
+        rows = as_rows(
+            rows, ids.numel(), (self.dim, self.row_width), self.dtype, allow_nonfinite=allow_nonfinite
+        )
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        in_order = bool((ids[1:] > ids[:-1]).all())  # distinct and ascending (an arange): no gather
+        unique, _, last = (ids, None, None) if in_order else _distinct_with_last(ids)
+        self.flush()
+        for start in range(0, unique.numel(), chunk_rows):
+            part = slice(start, start + chunk_rows)
+            self.stack.load(unique[part], rows[part] if last is None else rows[last[part]])
+        self.stack.cold.flush()
 
     def get_distinct(
         self, ids: torch.Tensor, counts: torch.Tensor | None = None
@@ -257,13 +293,17 @@ class TieredStore:
             layout.backend,
             device=self.device,
             optimizer_state_width=layout.optimizer_state_width,
+            optimizer=layout.optimizer,
             seed=layout.seed,
             tiers=self.config,
         )
-        for ids, rows in self.iter_rows(with_state=True):
-            twin.stack.cold.bulk_load(ids, rows)
-        twin.stack.cold.flush()
+        twin.copy_rows_from(self)
         return twin
+
+    def copy_rows_from(self, source: TieredStore) -> None:
+        """Load every row of ``source`` (same layout), newest values, as they are (``load``)."""
+        for ids, rows in source.iter_rows(with_state=True):
+            self.load(ids, rows, allow_nonfinite=True)
 
     def __deepcopy__(self, memo: dict) -> TieredStore:
         return self.copy()
@@ -355,6 +395,15 @@ class TieredStore:
             raise ReadOnlyStoreError(
                 f"store {self.path} was opened with read_only=True; reopen it writable to {action}"
             )
+
+
+def _distinct_with_last(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(distinct ids [U], how often each occurs [U], the position of its last occurrence [U])``."""
+    unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    last = torch.zeros(unique.numel(), dtype=torch.int64).scatter_reduce_(
+        0, inverse, torch.arange(ids.numel()), reduce="amax"
+    )
+    return unique, counts, last
 
 
 def _remove_contents(path: Path, remove_directory: bool) -> None:

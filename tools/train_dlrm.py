@@ -29,12 +29,6 @@ from tierstore.initializer import splitmix64
 from tierstore.workloads import ZipfIds
 
 DENSE_FEATURES, SPARSE_FEATURES = 13, 26
-OPTIMIZERS = {
-    "sgd": optim.SGD,
-    "adagrad": optim.Adagrad,
-    "rowwise_adagrad": optim.RowWiseAdagrad,
-    "adam": optim.Adam,
-}
 
 
 class CriteoLikeStream:
@@ -115,7 +109,13 @@ def main() -> None:
     )
     parser.add_argument("--host-cache", default="60000", help="rows (or bytes) of each table's host tier")
     parser.add_argument("--backend", choices=["lmdb", "mmap"], default="mmap")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
+    parser.add_argument(
+        "--optimizer",
+        type=lambda name: optim.optimizer_class(name).name,
+        choices=list(optim.OPTIMIZERS),
+        default="adagrad",
+        help="the tables' optimizer ('-' or '_' both work: rowwise-adagrad, rowwise_adagrad)",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="the tables' learning rate")
     parser.add_argument(
         "--path", type=Path, help="directory for the tables' stores (default: a temporary one)"
@@ -138,7 +138,7 @@ def main() -> None:
             device_cache=budget(args.device_cache),
             seed=index,
             device=args.device,
-            optimizer=OPTIMIZERS[args.optimizer](lr=args.lr),
+            optimizer=optim.OPTIMIZERS[args.optimizer](lr=args.lr),
         )
         for index in range(SPARSE_FEATURES)
     ]

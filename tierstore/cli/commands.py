@@ -16,7 +16,7 @@ from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .inspection import inspect_store, verify_store
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
-from .transfer import OPTIMIZER_CHOICES, export_table, import_table
+from .transfer import OPTIMIZER_CHOICES, export_table, import_table, optimizer_choice
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
     command.add_argument(
         "--optimizer",
+        type=optimizer_choice,
         choices=list(OPTIMIZER_CHOICES),
         default="none",
         help="room for this optimizer's per-row state, zeroed (as each starts)",

@@ -10,15 +10,20 @@ import torch
 
 from .. import optim
 from ..errors import StoreFormatError
-from ..metadata import read_metadata
+from ..metadata import StoreMetadata, read_metadata
 from ..store import TieredStore
 from .progress import bar as progress_bar
 
 
-def optimizer_name(state_width: int, dim: int) -> str:
-    """The optimizers whose state is ``state_width`` values per row of ``dim`` weights."""
-    names = optim.with_state_width(state_width, dim)
-    return " or ".join(names) if names else f"unknown ({state_width} state values per row)"
+def optimizer_name(metadata: StoreMetadata) -> str:
+    """The optimizer the store recorded, or what its state width says when it recorded none."""
+    if metadata.optimizer is not None:
+        return metadata.optimizer
+    if metadata.optimizer_state_width == 0:
+        return "none recorded (no state)"
+    names = optim.with_state_width(metadata.optimizer_state_width, metadata.dim)
+    fits = " or ".join(names) if names else "no known optimizer"
+    return f"not recorded ({metadata.optimizer_state_width} state values per row: {fits})"
 
 
 def inspect_store(path: Path) -> dict:
@@ -43,7 +48,7 @@ def inspect_store(path: Path) -> dict:
         "rows": rows,
         "dim": metadata.dim,
         "dtype": metadata.dtype,
-        "optimizer": optimizer_name(metadata.optimizer_state_width, metadata.dim),
+        "optimizer": optimizer_name(metadata),
         "optimizer_state_width": metadata.optimizer_state_width,
         "seed": metadata.seed,
         "row_bytes": metadata.row_bytes,

@@ -28,6 +28,11 @@ CHUNK_ROWS = 1 << 16
 OPTIMIZER_CHOICES = ("none", *optim.OPTIMIZERS)
 
 
+def optimizer_choice(text: str) -> str:
+    """The ``--optimizer`` value: "none" or an optimizer's registry name, spelt with '-' or '_'."""
+    return "none" if text == "none" else optim.optimizer_class(text).name
+
+
 def state_width(optimizer: str, dim: int) -> int:
     """Optimizer-state values per row for ``optimizer`` (one of ``OPTIMIZER_CHOICES``)."""
     return 0 if optimizer == "none" else optim.OPTIMIZERS[optimizer]().state_width(dim)
@@ -54,6 +59,7 @@ def import_table(
         dtype=dtype_name(dtype),
         optimizer_state_width=state_width(optimizer, dim),
         seed=seed,
+        optimizer=None if optimizer == "none" else optimizer,
     )
     building = store_path.parent / f".{store_path.name}.importing-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)

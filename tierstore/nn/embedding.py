@@ -20,7 +20,7 @@ from torch import nn
 from ..config import TierConfig
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..validation import check_bag_input, check_lookup_ids, integral
+from ..validation import as_ids, check_bag_input, check_lookup_ids, integral
 from . import pooled_lookup
 
 _MISSING = ("init", "zero", "error")
@@ -82,11 +82,13 @@ class _TieredTable(nn.Module):
             backend=backend,
             device=device,
             optimizer_state_width=self.optimizer.state_width(embedding_dim),
+            optimizer=self.optimizer.name,
             seed=seed,
             tiers=tiers,
             **tier_settings,
         )
         self.step = 0
+        self.frozen = False  # from_pretrained(freeze=True): lookups only, the rows never change
         # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
         # outputs go and their dtype. The rows keep the store's dtype.
         self.register_buffer(
@@ -126,7 +128,7 @@ class _TieredTable(nn.Module):
         padding = flat == self.padding_idx if self.padding_idx is not None else None
         looked_up = flat if padding is None else flat[~padding]
         unique, inverse, counts = torch.unique(looked_up, return_inverse=True, return_counts=True)
-        training = self.training and torch.is_grad_enabled()
+        training = self.training and torch.is_grad_enabled() and not self.frozen
         slots = None
         if training:
             weight, slots = self.store.get_distinct(unique, counts)
@@ -179,6 +181,36 @@ class _TieredTable(nn.Module):
         self.step += 1
         self.store.apply_gradients(unique, grad, self.optimizer, self.step, slots)
 
+    # -- loading weights -----------------------------------------------------------------------
+
+    def load_weights(self, ids: Any, weights: Any) -> None:
+        """Set the rows of ``ids`` (int64 [N], any number) to ``weights [N, embedding_dim]`` (their
+        optimizer state is kept; zero for new ids), written straight to the cold store and durable
+        on return (``TieredStore.load``): the tiered form of ``emb.weight.data[ids] = weights``."""
+        if self.num_embeddings is not None:
+            check_lookup_ids(as_ids(ids, "ids"), self.num_embeddings, "ids")
+        self.store.load(ids, weights)
+
+    @classmethod
+    def _pretrained(cls, embeddings: Any, freeze: bool, **settings) -> _TieredTable:
+        """A table of ``embeddings [num_embeddings, embedding_dim]`` (ids 0..num_embeddings-1)."""
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ValueError(
+                "embeddings must be a 2-D tensor [num_embeddings, embedding_dim], got "
+                f"{getattr(embeddings, 'shape', type(embeddings).__name__)}"
+            )
+        if embeddings.shape[0] == 0:
+            raise ValueError("embeddings must hold at least one row")
+        settings.setdefault("dtype", embeddings.dtype)
+        table = cls(embeddings.shape[0], embeddings.shape[1], **settings)
+        try:
+            table.store.load(torch.arange(embeddings.shape[0]), embeddings.detach().cpu())
+        except BaseException:
+            table.close()
+            raise
+        table.frozen = bool(freeze)
+        return table
+
     # -- store life cycle and state ------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -213,11 +245,13 @@ class _TieredTable(nn.Module):
         for key in ("dim", "dtype", "optimizer", "optimizer_state_width"):
             if state[key] != mine[key]:
                 raise ValueError(f"state_dict {key} is {state[key]!r} but this module's is {mine[key]!r}")
-        if Path(state["path"]) != Path(mine["path"]):
-            with TieredStore(state["path"], read_only=True, host_cache=1) as source:
-                for ids, rows in source.iter_rows(with_state=True):
-                    self.store.put(ids, rows, allow_nonfinite=True)  # a copy, as it is
-            self.store.flush()
+        if Path(state["path"]) != Path(mine["path"]):  # a copy of the rows, as they are
+            source = TieredStore.open_here(state["path"])
+            if source is not None:
+                self.store.copy_rows_from(source)
+            else:
+                with TieredStore(state["path"], read_only=True, host_cache=1) as source:
+                    self.store.copy_rows_from(source)
         self.step = int(state["step"])
 
     def extra_repr(self) -> str:
@@ -287,6 +321,37 @@ class TieredEmbeddingBag(_TieredTable):
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        freeze: bool = True,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        **settings,
+    ) -> TieredEmbeddingBag:
+        """As ``nn.EmbeddingBag.from_pretrained``: a table holding ``embeddings [N, dim]`` as the
+        rows of ids ``0..N-1``, written straight to its cold store (any size; see
+        ``load_weights``). ``freeze=True``: the rows are looked up, never trained. ``settings``:
+        the constructor's keywords (``path``, ``backend``, ``host_cache``, ``optimizer``...)."""
+        return cls._pretrained(
+            embeddings,
+            freeze,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            mode=mode,
+            sparse=sparse,
+            include_last_offset=include_last_offset,
+            padding_idx=padding_idx,
+            **settings,
+        )
 
     @_OPAQUE_TO_COMPILER
     def forward(
@@ -363,6 +428,30 @@ class TieredEmbedding(_TieredTable):
             device,
             tiers,
             tier_settings,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        freeze: bool = True,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        **settings,
+    ) -> TieredEmbedding:
+        """As ``nn.Embedding.from_pretrained``; see ``TieredEmbeddingBag.from_pretrained``."""
+        return cls._pretrained(
+            embeddings,
+            freeze,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse,
+            **settings,
         )
 
     @_OPAQUE_TO_COMPILER

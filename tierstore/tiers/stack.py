@@ -111,6 +111,35 @@ class TierStack:
         rows[new] = self._initial_rows(keys.to(device)[new])
         return rows
 
+    def load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` of distinct ``keys`` straight into the cold store, then drop the cached
+        copies they replace; the caller's cold-store flush commits them. ``rows`` are whole rows,
+        or weights only: then each row keeps the optimizer state it has (zero for a new id). Keys
+        the table does not hold go in by the cold store's bulk path. If the cold store refuses
+        them (a full disk), no cached row has changed."""
+        if rows.shape[1] < self.metadata.row_width:
+            whole = self._current_rows(keys)
+            whole[:, : rows.shape[1]] = rows
+            rows = whole
+        if self.cold.can_bulk_load() and not bool(self.contains(keys).any()):
+            self.cold.bulk_load(keys, rows)  # staged on disk, committed by the caller's flush
+        else:
+            self.cold.put(keys, rows)
+            self.cold.flush()  # bounds what a backend stages in memory
+        for cache in self.caches:
+            cache.take(keys, torch.zeros_like(keys))  # counts no lookup
+
+    def _current_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[N, row_width]`` newest rows of distinct ``keys`` on CPU, zero where the table holds none."""
+        stored, found = self.cold.get(keys, torch.zeros_like(keys))  # counts no lookup
+        rows = torch.zeros(keys.numel(), self.metadata.row_width, dtype=self.metadata.torch_dtype)
+        rows[found] = stored[found]
+        for cache in self.caches:
+            slots = cache.find(keys)
+            cached = slots >= 0
+            rows[cached.cpu()] = cache.read(slots[cached]).cpu()
+        return rows
+
     def _move_down(self, evicted: Rows, level: int) -> None:
         """Hand rows being evicted from tier ``level - 1`` to tier ``level`` (or the cold store). Rows
         that tier evicts in turn go down first, so a failure (a full disk) loses no row."""

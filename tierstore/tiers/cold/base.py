@@ -107,6 +107,11 @@ class ColdStore(ABC):
         """bool [N]: which ``keys`` (distinct) the store holds. Counts nothing."""
         return self._get(keys)[1]
 
+    def can_bulk_load(self) -> bool:
+        """Whether ``bulk_load`` may be called now (with keys the store does not hold) and is
+        faster than ``put``: a backend with its own bulk path says so."""
+        return False
+
     def bulk_load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Add rows of ``keys`` (distinct, none held yet) in bulk, as an import does: at least as
         durable as ``put`` (a backend may write them straight to their place; ``flush`` commits)."""

@@ -381,6 +381,9 @@ class MmapColdStore(ColdStore):
         self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
         self._wal_count += new.numel()
 
+    def can_bulk_load(self) -> bool:
+        return not self.read_only and not self._wal_count
+
     def bulk_load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows of ``keys`` (distinct) the store does not hold straight into ``rows.bin`` and
         ``keys.bin`` past the committed rows, skipping the log (half the bytes written: the bulk
