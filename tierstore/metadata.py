@@ -148,7 +148,7 @@ def _new_metadata(requested: dict[str, Any]) -> StoreMetadata:
     if requested["dim"] is None:
         raise ValueError("dim is required to create a new store")
     metadata = StoreMetadata(
-        backend=requested["backend"] or "lmdb",
+        backend=requested["backend"] or "mmap",
         dim=requested["dim"],
         dtype=requested["dtype"] or "float32",
         optimizer_state_width=requested["optimizer_state_width"] or 0,

@@ -34,8 +34,11 @@ class TieredStore:
         path: store directory; created if missing or empty. ``None``: a temporary store, deleted
             on ``close()``.
         dim, dtype, backend, optimizer_state_width, seed: the table's layout. Required (``dim``)
-            or defaulted (float32, "lmdb", 0, 0) for a new store; for an existing store ``None``
-            means "as stored" and any other value must match it.
+            or defaulted (float32, "mmap", 0, 0) for a new store; for an existing store ``None``
+            means "as stored" and any other value must match it. Backends: "mmap" (the default:
+            the faster, and as safe: checked rows, atomic flushes) keeps an index of its ids in RAM
+            (about 54 bytes per id); "lmdb" keeps it on disk: pick LMDB when the ids of a table
+            would not fit in RAM that way.
         optimizer: the name of the optimizer whose state the rows hold (``optim.OPTIMIZERS``),
             recorded in a new store and checked against an existing one that recorded one.
         device: where the device cache lives and where ``get`` returns rows.

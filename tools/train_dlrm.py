@@ -14,6 +14,7 @@ over tables: share of lookups served, rows moved in, evictions.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -105,7 +106,10 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument(
-        "--device-cache", default="20000", help="rows (or bytes, e.g. 8MiB) of each table's top tier"
+        "--device-cache",
+        default=None,
+        help="rows (or bytes, e.g. 8MiB) of each table's GPU tier (default: 20000 on a GPU, none on the CPU, "
+        "where a second tier in the same RAM would only add work)",
     )
     parser.add_argument("--host-cache", default="60000", help="rows (or bytes) of each table's host tier")
     parser.add_argument("--backend", choices=["lmdb", "mmap"], default="mmap")
@@ -135,7 +139,7 @@ def main() -> None:
             path=root / f"feature{index:02d}",
             backend=args.backend,
             host_cache=budget(args.host_cache),
-            device_cache=budget(args.device_cache),
+            device_cache=budget(args.device_cache or ("20000" if args.device != "cpu" else "0")),
             seed=index,
             device=args.device,
             optimizer=optim.OPTIMIZERS[args.optimizer](lr=args.lr),
@@ -166,13 +170,17 @@ def main() -> None:
     samples = args.steps * args.batch_size
     print(
         f"{samples:,} samples in {seconds:.1f} s ({samples / seconds:,.0f} samples/s); "
-        f"loss over the last 50 steps {np.mean(recent):.4f}; tables in {root}"
+        f"loss over the last 50 steps {np.mean(recent):.4f}; "
+        + (f"tables in {root}" if args.path else "tables deleted (--path DIR keeps them)")
+        + f"; --steps N runs longer (this run: {args.steps})"
     )
     print(f"{'tier':<8}{'lookups served':>16}{'rows moved in':>16}{'evictions':>12}")
     for tier, share, moved, evicted in tier_summary(tables):
         print(f"{tier:<8}{share:>16.1%}{moved:>16,}{evicted:>12,}")
     for table in tables:
         table.close()
+    if args.path is None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -267,15 +267,22 @@ class TieredEmbeddingBag(_TieredTable):
 
     Args (as ``nn.EmbeddingBag``): ``num_embeddings`` (``None``: any non-negative int64 id; an
     int bounds ids), ``embedding_dim``, ``mode`` ("sum", "mean", "max"), ``padding_idx``,
-    ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device).
-    ``max_norm``, ``scale_grad_by_freq`` are not supported; ``sparse`` is accepted and ignored
-    (updates are always sparse). Store args: ``path`` (``None``: a temporary store), ``backend``
-    (the cold store: "lmdb" or "mmap"), ``seed``; the cache tiers' settings as ``tiers=TierConfig(...)``
-    or its fields as keywords (``host_cache``, ``device_cache``, ``host_cache_backend``,
-    ``device_cache_backend``, ``half_life``); ``optimizer`` (default ``optim.SGD(lr=0.01)``),
-    applied during ``backward``; ``missing``: what eval / ``no_grad`` lookups of ids the table
-    has never seen give — "init" (their initial row), "zero" or "error" (``KeyError``); they
-    never join the table then.
+    ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device);
+    sizes may be numpy integers or 0-d tensors. ``max_norm``, ``scale_grad_by_freq`` are not
+    supported; ``sparse`` is accepted and ignored (updates are always sparse). Store args:
+    ``path`` (``None``: a temporary store, deleted when closed or collected), ``backend`` (the
+    cold store: "mmap", the default, or "lmdb"; see ``TieredStore``), ``seed``; the cache tiers'
+    settings as ``tiers=TierConfig(...)`` or its fields as keywords (``host_cache``,
+    ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``half_life``);
+    ``optimizer`` (default ``optim.SGD(lr=0.01)``), applied during ``backward``; ``missing``:
+    what eval / ``no_grad`` lookups of ids the table has never seen give — "init" (their
+    initial row), "zero" or "error" (``KeyError``); they never join the table then.
+
+    As a module: pickling and ``torch.save`` flush the store and record where it is (a temporary
+    store is refused); loading reopens it. ``copy.deepcopy`` is an independent table in a new
+    temporary store holding the rows as of now. ``torch.compile`` compiles around it (its
+    forward is a graph break); ``torch.jit.trace``/``script`` refuse. ``.double()``/``.half()``
+    cast the outputs; the rows keep the store's dtype.
 
     ``forward(input, offsets=None, per_sample_weights=None)`` -> ``[B, embedding_dim]`` as torch.
     """
