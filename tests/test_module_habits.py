@@ -341,3 +341,9 @@ def test_a_state_dict_loads_into_another_store_while_its_own_is_open(tmp_path, b
     assert torch.equal(rows_of(second), rows_of(first))
     first.close()
     second.close()
+
+
+def test_the_default_cold_store_is_the_mmap_backend(tmp_path):
+    table = TieredEmbeddingBag(None, 4, path=tmp_path / "t", host_cache=8)
+    assert table.store.metadata.backend == "mmap" and table.store.stats()["cold"]["backend"] == "mmap"
+    table.close()
