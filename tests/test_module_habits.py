@@ -300,6 +300,16 @@ def test_from_pretrained_embedding_and_a_bad_tensor():
         TieredEmbedding.from_pretrained(torch.randn(5))
 
 
+def test_from_pretrained_with_bad_weights_creates_nothing(tmp_path):
+    weights = torch.randn(10, 4)
+    weights[7, 1] = float("nan")
+    with pytest.raises(ValueError, match="embeddings hold NaN or Inf .first in row 7."):
+        TieredEmbedding.from_pretrained(weights, path=tmp_path / "t")
+    with pytest.raises(TypeError, match="embeddings"):
+        TieredEmbedding.from_pretrained(torch.randn(10, 4), dtype=torch.float64, path=tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
 def test_load_weights_replaces_cached_rows_keeps_optimizer_state_and_checks_first(tmp_path):
     table = bag(tmp_path / "t")  # Adagrad: rows carry state
     train(table, 4)

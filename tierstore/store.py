@@ -305,7 +305,7 @@ class TieredStore:
 
     def copy_rows_from(self, source: TieredStore) -> None:
         """Load every row of ``source`` (same layout), newest values, as they are (``load``)."""
-        for ids, rows in source.iter_rows(with_state=True):
+        for ids, rows in source.iter_rows(batch_size=1 << 18, with_state=True):  # a commit per batch
             self.load(ids, rows, allow_nonfinite=True)
 
     def __deepcopy__(self, memo: dict) -> TieredStore:

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import TierConfig
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..validation import as_ids, check_bag_input, check_lookup_ids, integral
+from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, integral
 from . import pooled_lookup
 
 _MISSING = ("init", "zero", "error")
@@ -202,9 +202,12 @@ class _TieredTable(nn.Module):
         if embeddings.shape[0] == 0:
             raise ValueError("embeddings must hold at least one row")
         settings.setdefault("dtype", embeddings.dtype)
+        rows = as_rows(  # checked before the table is created: bad weights leave nothing behind
+            embeddings.detach(), embeddings.shape[0], (embeddings.shape[1],), settings["dtype"], "embeddings"
+        )
         table = cls(embeddings.shape[0], embeddings.shape[1], **settings)
         try:
-            table.store.load(torch.arange(embeddings.shape[0]), embeddings.detach().cpu())
+            table.store.load(torch.arange(embeddings.shape[0]), rows)
         except BaseException:
             table.close()
             raise
