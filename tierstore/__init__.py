@@ -11,12 +11,23 @@ from .errors import (
     StoreMismatchError,
 )
 from .initializer import initial_rows, initial_weights
-from .nn import TieredEmbedding, TieredEmbeddingBag
+from .nn import (
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    TieredEmbedding,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+)
 from .store import TieredStore
 
 __all__ = [
     "TieredEmbedding",
     "TieredEmbeddingBag",
+    "TieredEmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
     "TieredStore",
     "TierConfig",
     "optim",

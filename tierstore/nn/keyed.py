@@ -1,0 +1,169 @@
+"""TorchRec-shaped inputs and outputs of the multi-table collection: ``EmbeddingBagConfig`` (a
+table), ``KeyedJaggedTensor`` (a batch of variable-length id lists per feature) and
+``KeyedTensor`` (the pooled embeddings per feature). Names, argument order and layout follow
+TorchRec, so code ports by changing imports; TorchRec's own objects are accepted where these are
+(duck-typed: ``keys()``, ``values()``, ``lengths()``/``offsets()``, ``weights_or_none()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+POOLINGS = ("sum", "mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingBagConfig:
+    """One table: ``num_embeddings`` (``None``: any id below 2**47, growing on demand),
+    ``embedding_dim``, a unique ``name``, the ``feature_names`` looked up in it, and its
+    ``pooling`` ("sum" or "mean"; TorchRec's ``PoolingType`` is accepted too)."""
+
+    num_embeddings: int | None
+    embedding_dim: int
+    name: str = ""
+    feature_names: tuple[str, ...] | list[str] = ()
+    pooling: Any = "sum"
+
+
+def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], str]:
+    """``(name, num_embeddings, embedding_dim, feature_names, pooling)`` of an ``EmbeddingBagConfig``
+    or TorchRec's, checked; errors name the table and the field."""
+    name = getattr(config, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"every table needs a non-empty str name, got {name!r}")
+    num_embeddings, dim = config.num_embeddings, config.embedding_dim
+    if num_embeddings is not None and (
+        isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
+    ):
+        raise ValueError(
+            f"table {name!r}: num_embeddings must be a positive int or None, got {num_embeddings!r}"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"table {name!r}: embedding_dim must be a positive int, got {dim!r}")
+    features = tuple(config.feature_names)
+    if not features or not all(isinstance(feature, str) and feature for feature in features):
+        raise ValueError(f"table {name!r}: feature_names must be a non-empty list of str, got {features!r}")
+    pooling = config.pooling
+    pooling = str(getattr(pooling, "name", pooling)).lower()
+    if pooling not in POOLINGS:
+        raise ValueError(f"table {name!r}: pooling must be one of {POOLINGS}, got {config.pooling!r}")
+    return name, num_embeddings, dim, features, pooling
+
+
+class KeyedJaggedTensor:
+    """A batch of id lists per feature, laid out as TorchRec's: ``values`` holds every id, feature
+    by feature and, within a feature, sample by sample; ``lengths [len(keys) * batch]`` says how
+    many ids each (feature, sample) has (or ``offsets``, their running sum with a leading 0);
+    ``weights`` (as ``values``) makes weighted bags."""
+
+    def __init__(
+        self,
+        keys: list[str],
+        values: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> None:
+        if lengths is None and offsets is None:
+            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+        self._keys = list(keys)
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
+
+    @classmethod
+    def from_lengths_sync(cls, keys, values, lengths, weights=None) -> KeyedJaggedTensor:
+        return cls(keys, values, weights=weights, lengths=lengths)
+
+    @classmethod
+    def from_offsets_sync(cls, keys, values, offsets, weights=None) -> KeyedJaggedTensor:
+        return cls(keys, values, weights=weights, offsets=offsets)
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+
+    def stride(self) -> int:
+        """The batch size: samples per feature."""
+        return self._lengths.numel() // max(1, len(self._keys))
+
+
+class KeyedTensor:
+    """Pooled embeddings ``values [batch, sum of dims]``, features side by side in ``keys()``
+    order, each ``length_per_key()`` columns wide (as TorchRec's)."""
+
+    def __init__(self, keys: list[str], length_per_key: list[int], values: torch.Tensor) -> None:
+        self._keys = list(keys)
+        self._length_per_key = list(length_per_key)
+        self._values = values
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """``{feature: [batch, dim]}`` (views of ``values()``)."""
+        return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=1)))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.to_dict()[key]
+
+
+def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(keys, values int64 [N], lengths int64 [len(keys), batch], weights [N] or None)`` of a
+    ``KeyedJaggedTensor`` (ours or TorchRec's), checked; each error names what is wrong."""
+    for method in ("keys", "values"):
+        if not callable(getattr(features, method, None)):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    keys, values = list(features.keys()), features.values()
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the KeyedJaggedTensor names a key twice: {keys}")
+    lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
+    if lengths is None:
+        offsets = features.offsets()
+        lengths = offsets[1:] - offsets[:-1]
+    weights = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.is_floating_point():
+        raise TypeError(f"values must be a 1-D integer tensor of ids, got {values!r:.80}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.is_floating_point():
+        raise TypeError(f"lengths must be a 1-D integer tensor, got {lengths!r:.80}")
+    lengths = lengths.to(device="cpu", dtype=torch.int64)
+    if bool((lengths < 0).any()):
+        raise ValueError(f"lengths must be non-negative, got {int(lengths.min())}")
+    if keys and lengths.numel() % len(keys):
+        raise ValueError(
+            f"lengths holds {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
+            "(one per key and sample)"
+        )
+    if int(lengths.sum()) != values.numel():
+        raise ValueError(f"lengths sum to {int(lengths.sum())} but values holds {values.numel()} ids")
+    if weights is not None and (
+        not isinstance(weights, torch.Tensor)
+        or not weights.is_floating_point()
+        or weights.shape != values.shape
+    ):
+        raise ValueError(
+            f"weights must be a floating-point tensor of values' shape {tuple(values.shape)}, "
+            f"got {getattr(weights, 'shape', weights)}"
+        )
+    batch = lengths.numel() // len(keys) if keys else 0
+    return keys, values.to(torch.int64), lengths.view(len(keys), batch), weights
