@@ -246,3 +246,72 @@ def test_bad_table_configs_are_named(tables, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         TieredEmbeddingBagCollection(tables, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_pickling_deepcopy_and_state_dict_work_as_for_the_single_table_modules(tmp_path):
+    import copy
+    import pickle
+
+    collection = TieredEmbeddingBagCollection(
+        TABLES, tmp_path / "c", host_cache=200, optimizer=optim.SGD(lr=1.0)
+    )
+    kjt = random_batch(np.random.default_rng(2))
+    collection(kjt).values().sum().backward()
+    collection.eval()
+    trained = collection(kjt).values()
+    twin = copy.deepcopy(collection)  # independent temporary stores holding the rows as of now
+    torch.testing.assert_close(twin(kjt).values(), trained, rtol=0, atol=0)
+    state = collection.state_dict()
+    other = TieredEmbeddingBagCollection(TABLES, tmp_path / "d", host_cache=200)
+    other.load_state_dict(state)  # rows copied over, while the source is open
+    other.eval()
+    torch.testing.assert_close(other(kjt).values(), trained, rtol=0, atol=0)
+    blob = pickle.dumps(collection)
+    collection.close()
+    reopened = pickle.loads(blob)
+    torch.testing.assert_close(reopened(kjt).values(), trained, rtol=0, atol=0)
+    for module in (reopened, twin, other):
+        module.close()
+
+
+def test_the_cli_inspects_a_collection_and_imports_and_exports_one_table(tmp_path, capsys):
+    import json
+
+    from tierstore.cli import main
+
+    collection = TieredEmbeddingBagCollection(TABLES, tmp_path / "c", host_cache=200)
+    kjt = KeyedJaggedTensor(
+        ["user_id", "query"], torch.tensor([3, 7, 3, 11]), lengths=torch.tensor([2, 1, 1, 0])
+    )
+    collection(kjt)  # user holds 3 and 7, wide holds 11
+    collection.close()
+    assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    rows = {table["name"]: table["rows"] for table in facts["tables"]}
+    assert rows == {"user": 2, "shared": 0, "wide": 1, "ad": 0}
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    listing = capsys.readouterr().out
+    assert "user" in listing and "dim8" in listing and "item_a, item_b" in listing
+
+    new_rows = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
+    np.save(tmp_path / "rows.npy", new_rows)
+    np.save(tmp_path / "ids.npy", np.array([7, 20, 29]))
+    collection_dir, ids = str(tmp_path / "c"), str(tmp_path / "ids.npy")
+    assert (
+        main(["import", str(tmp_path / "rows.npy"), collection_dir, "--ids", ids, "--table", "ad", "--quiet"])
+        == 0
+    )
+    exported_ids = str(tmp_path / "ad-ids.npy")
+    assert (
+        main(["export", collection_dir, str(tmp_path / "ad.npy"), "--ids", exported_ids, "--table", "ad"])
+        == 0
+    )
+    assert np.load(tmp_path / "ad-ids.npy").tolist() == [7, 20, 29]
+    np.testing.assert_array_equal(np.load(tmp_path / "ad.npy"), new_rows)
+    reopened = TieredEmbeddingBagCollection(TABLES, tmp_path / "c", host_cache=200)
+    reopened.eval()
+    out = reopened(KeyedJaggedTensor(["ad_id"], torch.tensor([20]), lengths=torch.tensor([1]))).values()
+    torch.testing.assert_close(out, torch.from_numpy(new_rows[1:2]))
+    reopened.close()
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "x.npy"), "--table", "nope"]) != 0
+    assert "has no table 'nope'" in capsys.readouterr().err

@@ -5,7 +5,8 @@
 Each sample has 13 dense features and 26 categorical ids, each id drawn Zipf(alpha) from its own
 id space (hot ids scattered over it), as in Criteo's click logs. Labels come from a hidden
 logistic model of the dense features and of a fixed per-id effect, so the loss can fall.
-Model: bottom MLP (13 -> dim), one ``TieredEmbeddingBag`` per feature, pairwise dot
+Model: bottom MLP (13 -> dim), the 26 tables in one ``TieredEmbeddingBagCollection`` (fused in
+one store; ``--tables separate``: one ``TieredEmbeddingBag`` per feature), pairwise dot
 interaction, top MLP -> click logit. The tables train through their fused sparse optimizer
 during ``backward``; ``torch.optim.Adam`` trains the MLPs. The end prints, per tier and summed
 over tables: share of lookups served, rows moved in, evictions.
@@ -30,6 +31,7 @@ from tierstore.initializer import splitmix64
 from tierstore.workloads import ZipfIds
 
 DENSE_FEATURES, SPARSE_FEATURES = 13, 26
+FEATURES = [f"f{index:02d}" for index in range(SPARSE_FEATURES)]
 
 
 class CriteoLikeStream:
@@ -59,11 +61,13 @@ def mlp(sizes: list[int]) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
-    """Bottom MLP, tiered tables, dot interaction, top MLP (Naumov et al., 2019)."""
+    """Bottom MLP, tiered tables, dot interaction, top MLP (Naumov et al., 2019). ``tables``: a
+    ``TieredEmbeddingBagCollection`` of features ``f00``..``f25``, or one ``TieredEmbeddingBag``
+    per feature (to compare)."""
 
-    def __init__(self, tables: list[tierstore.TieredEmbeddingBag], dim: int) -> None:
+    def __init__(self, tables: nn.Module, dim: int) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(tables)
+        self.tables = tables
         self.bottom = mlp([DENSE_FEATURES, 64, dim])
         pairs = (SPARSE_FEATURES + 1) * SPARSE_FEATURES // 2
         self.top = mlp([dim + pairs, 128, 64, 1])
@@ -74,18 +78,25 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``dense [B, 13]``, ``ids [26, B]`` (one id per feature per sample) -> logits ``[B]``."""
         bottom = self.bottom(dense)
-        one_per_bag = torch.arange(ids.shape[1], device=ids.device)
-        embedded = [table(feature_ids, one_per_bag) for table, feature_ids in zip(self.tables, ids)]
+        batch = ids.shape[1]
+        if isinstance(self.tables, tierstore.TieredEmbeddingBagCollection):
+            features = tierstore.KeyedJaggedTensor(
+                FEATURES, ids.reshape(-1), lengths=torch.ones(ids.numel(), dtype=torch.int64)
+            )
+            embedded = self.tables(features).values().view(batch, SPARSE_FEATURES, -1).unbind(1)
+        else:
+            one_per_bag = torch.arange(batch, device=ids.device)
+            embedded = [table(feature_ids, one_per_bag) for table, feature_ids in zip(self.tables, ids)]
         vectors = torch.stack([bottom, *embedded], dim=1)  # [B, 27, dim]
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
         return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
 
 
-def tier_summary(tables: list[tierstore.TieredEmbeddingBag]) -> list[tuple[str, float, int, int]]:
-    """``(tier, share of lookups served, rows moved in, evictions)`` summed over tables."""
+def tier_summary(stats: list[dict]) -> list[tuple[str, float, int, int]]:
+    """``(tier, share of lookups served, rows moved in, evictions)`` summed over stores' ``stats``."""
     totals: dict[str, list[int]] = {}
-    for table in tables:
-        for tier, counters in table.store.stats().items():
+    for store_stats in stats:
+        for tier, counters in store_stats.items():
             served = counters["hits"] + counters.get("initialized", 0)
             moved = counters.get("rows_in", counters.get("rows_read", 0))
             row = totals.setdefault(tier, [0, 0, 0])
@@ -94,6 +105,42 @@ def tier_summary(tables: list[tierstore.TieredEmbeddingBag]) -> list[tuple[str, 
             row[2] += counters.get("evictions", 0)
     lookups = sum(row[0] for row in totals.values()) or 1
     return [(tier, served / lookups, moved, evicted) for tier, (served, moved, evicted) in totals.items()]
+
+
+def make_tables(args, root: Path) -> nn.Module:
+    """The 26 tables: fused in one collection, or (``--tables separate``) one module each with an
+    equal share of the budgets."""
+    budget = lambda text: int(text) if text.isdigit() else text  # noqa: E731 (rows or a byte string)
+    host, device = args.host_cache, args.device_cache or ("520000" if args.device != "cpu" else "0")
+    settings = {"backend": args.backend, "device": args.device}
+    if args.tables == "fused":
+        configs = [
+            tierstore.EmbeddingBagConfig(None, args.dim, name=f"t{index:02d}", feature_names=[feature])
+            for index, feature in enumerate(FEATURES)
+        ]
+        return tierstore.TieredEmbeddingBagCollection(
+            configs,
+            root,
+            host_cache=budget(host),
+            device_cache=budget(device),
+            optimizer=optim.OPTIMIZERS[args.optimizer](lr=args.lr),
+            **settings,
+        )
+    share = lambda text: str(int(text) // SPARSE_FEATURES) if text.isdigit() else text  # noqa: E731
+    return nn.ModuleList(
+        tierstore.TieredEmbeddingBag(
+            None,
+            args.dim,
+            mode="sum",
+            path=root / f"feature{index:02d}",
+            host_cache=budget(share(host)),
+            device_cache=budget(share(device)),
+            seed=index,
+            optimizer=optim.OPTIMIZERS[args.optimizer](lr=args.lr),
+            **settings,
+        )
+        for index in range(SPARSE_FEATURES)
+    )
 
 
 def main() -> None:
@@ -108,10 +155,18 @@ def main() -> None:
     parser.add_argument(
         "--device-cache",
         default=None,
-        help="rows (or bytes, e.g. 8MiB) of each table's GPU tier (default: 20000 on a GPU, none on the CPU, "
-        "where a second tier in the same RAM would only add work)",
+        help="rows (or bytes, e.g. 8MiB) of the tables' GPU tier, shared (default: 520000 rows on a GPU, "
+        "none on the CPU, where a second tier in the same RAM would only add work)",
     )
-    parser.add_argument("--host-cache", default="60000", help="rows (or bytes) of each table's host tier")
+    parser.add_argument(
+        "--host-cache", default="1560000", help="rows (or bytes) of the tables' host tier, shared"
+    )
+    parser.add_argument(
+        "--tables",
+        choices=["fused", "separate"],
+        default="fused",
+        help="one TieredEmbeddingBagCollection (fused), or one TieredEmbeddingBag per feature",
+    )
     parser.add_argument("--backend", choices=["lmdb", "mmap"], default="mmap")
     parser.add_argument(
         "--optimizer",
@@ -130,22 +185,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     root = args.path or Path(tempfile.mkdtemp(prefix="tierstore-dlrm-"))
-    budget = lambda text: int(text) if text.isdigit() else text  # noqa: E731 (rows or a byte string)
-    tables = [
-        tierstore.TieredEmbeddingBag(
-            None,
-            args.dim,
-            mode="sum",
-            path=root / f"feature{index:02d}",
-            backend=args.backend,
-            host_cache=budget(args.host_cache),
-            device_cache=budget(args.device_cache or ("20000" if args.device != "cpu" else "0")),
-            seed=index,
-            device=args.device,
-            optimizer=optim.OPTIMIZERS[args.optimizer](lr=args.lr),
-        )
-        for index in range(SPARSE_FEATURES)
-    ]
+    tables = make_tables(args, root)
     model = DLRM(tables, args.dim).to(args.device)
     dense_optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-3
@@ -164,8 +204,11 @@ def main() -> None:
         recent = (recent + [loss.item()])[-50:]
         progress.set_postfix(loss=f"{np.mean(recent):.4f}")
     seconds = time.perf_counter() - start
-    for table in tables:
-        table.flush()
+    stats = (
+        [group.store.stats() for group in tables.groups.values()]
+        if args.tables == "fused"
+        else [table.store.stats() for table in tables]
+    )
 
     samples = args.steps * args.batch_size
     print(
@@ -175,10 +218,10 @@ def main() -> None:
         + f"; --steps N runs longer (this run: {args.steps})"
     )
     print(f"{'tier':<8}{'lookups served':>16}{'rows moved in':>16}{'evictions':>12}")
-    for tier, share, moved, evicted in tier_summary(tables):
+    for tier, share, moved, evicted in tier_summary(stats):
         print(f"{tier:<8}{share:>16.1%}{moved:>16,}{evicted:>12,}")
-    for table in tables:
-        table.close()
+    for table in tables.groups.values() if args.tables == "fused" else tables:
+        table.close()  # flushes
     if args.path is None:
         shutil.rmtree(root, ignore_errors=True)
 

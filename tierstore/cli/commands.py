@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 from ..errors import StoreFormatError, StoreMismatchError
+from ..nn.collection import LAYOUT_FILE
 from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
-from .inspection import inspect_store, verify_store
+from .inspection import inspect_collection, inspect_store, verify_store
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
-from .transfer import OPTIMIZER_CHOICES, export_table, import_table, optimizer_choice
+from .transfer import OPTIMIZER_CHOICES, export_table, import_into_table, import_table, optimizer_choice
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -101,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
     )
+    command.add_argument(
+        "--table",
+        metavar="NAME",
+        help="STORE is a collection (TieredEmbeddingBagCollection's path): load SRC's rows into its "
+        "table NAME (rows it holds are replaced, their optimizer state kept)",
+    )
     command.set_defaults(run=_import)
 
     command = commands.add_parser(
@@ -120,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument(
         "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
+    )
+    command.add_argument(
+        "--table", metavar="NAME", help="STORE is a collection: write the rows of its table NAME"
     )
     command.set_defaults(run=_export)
 
@@ -208,6 +218,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _import(args) -> int:
     source = open_table(args.source, key=args.key, ids_path=args.ids)
+    if args.table is not None:
+        _check_store(args.store)
+        table = import_into_table(source, args.store, args.table, args.chunk_rows, _progress(args))
+        print(f"loaded {len(source):,} rows into table {table['name']!r} of {args.store}")
+        return 0
     metadata = import_table(
         source,
         args.store,
@@ -233,6 +248,7 @@ def _export(args) -> int:
         with_state=args.with_state,
         chunk_rows=args.chunk_rows,
         progress=_progress(args),
+        table_name=args.table,
     )
     print(f"exported {count:,} rows to {args.destination}")
     return 0
@@ -240,6 +256,8 @@ def _export(args) -> int:
 
 def _inspect(args) -> int:
     _check_store(args.store)
+    if (args.store / LAYOUT_FILE).exists():
+        return _inspect_collection(args)
     facts = inspect_store(args.store)
     if args.json:
         print(json.dumps(facts, indent=2))
@@ -250,6 +268,30 @@ def _inspect(args) -> int:
             f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else value
         )
         print(f"{name.replace('_', ' '):<{width}}  {shown}")
+    return 0
+
+
+def _inspect_collection(args) -> int:
+    facts = inspect_collection(args.store)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    print(f"collection {args.store}: {len(facts['tables'])} tables in {len(facts['stores'])} store(s)")
+    columns = ["name", "rows", "embedding_dim", "pooling", "store", "features"]
+    widths = [
+        max(
+            len(column),
+            *(
+                len(f"{table[column]:,}" if column == "rows" else str(table[column]))
+                for table in facts["tables"]
+            ),
+        )
+        for column in columns
+    ]
+    print("  ".join(column.replace("_", " ").ljust(width) for column, width in zip(columns, widths)))
+    for table in facts["tables"]:
+        cells = [f"{table[c]:,}" if c == "rows" else str(table[c]) for c in columns]
+        print("  ".join(cell.ljust(width) for cell, width in zip(cells, widths)))
     return 0
 
 

@@ -11,6 +11,7 @@ import torch
 from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import StoreMetadata, read_metadata
+from ..nn.collection import ID_BITS, group_path, read_layout
 from ..store import TieredStore
 from .progress import bar as progress_bar
 
@@ -56,6 +57,37 @@ def inspect_store(path: Path) -> dict:
         "disk_bytes_per_row": size / rows if rows else None,
         "last_flush_utc": last_flush,
     }
+
+
+def inspect_collection(root: Path) -> dict:
+    """A collection's tables (layout and row count each) and its group stores' facts."""
+    tables = read_layout(root)
+    rows = {table["name"]: 0 for table in tables}
+    groups = {}
+    for table in tables:
+        path = group_path(root, table)
+        if path.name not in groups:
+            groups[path.name] = inspect_store(path)
+            with TieredStore(path, read_only=True, host_cache=1) as store:
+                numbers = {
+                    other["number"]: other["name"] for other in tables if group_path(root, other) == path
+                }
+                for keys, _ in store.iter_rows(1 << 16):
+                    for number, count in zip(*torch.unique(keys >> ID_BITS, return_counts=True)):
+                        rows[numbers[int(number)]] += int(count)
+    listed = [
+        {
+            "name": table["name"],
+            "rows": rows[table["name"]],
+            "embedding_dim": table["embedding_dim"],
+            "num_embeddings": table["num_embeddings"],
+            "pooling": table["pooling"],
+            "features": ", ".join(table["feature_names"]),
+            "store": group_path(root, table).name,
+        }
+        for table in tables
+    ]
+    return {"path": str(root), "tables": listed, "stores": groups}
 
 
 def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = None) -> list[str]:

@@ -5,13 +5,15 @@ progress bar. An import is atomic: it builds the store in a hidden directory bes
 writes the store's metadata last and renames the directory into place; an import killed at any
 moment leaves no directory at the target, and the hidden one has no metadata, so it never opens as
 a store. Rows go in through the cold store's ``bulk_load`` (the mmap backend writes them once,
-straight into their file; LMDB commits a transaction per chunk).
+straight into their file; LMDB commits a transaction per chunk). A table of a collection
+(``--table``) is loaded into, and exported from, the store of its group.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from .. import optim
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
+from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout, table_keys
 from ..store import TieredStore
 from ..tiers.cold import open_cold_store
 from .progress import bar as progress_bar
@@ -99,6 +102,44 @@ def import_table(
     return metadata
 
 
+def import_into_table(
+    source: TableSource,
+    root: Path,
+    table_name: str,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: bool | None = None,
+) -> dict:
+    """Load ``source``'s rows into table ``table_name`` of the collection at ``root`` (rows of ids it
+    holds are replaced, their optimizer state kept); durable on return. Returns the table's layout."""
+    table = _table_of(root, table_name)
+    with TieredStore(group_path(root, table), host_cache=1) as store:
+        if source.rows.shape[1] != store.dim:
+            raise TableFileError(
+                f"{source.path} holds rows of dim {source.rows.shape[1]}; "
+                f"table {table_name!r} has dim {store.dim}"
+            )
+        with progress_bar(
+            total=len(source),
+            unit="rows",
+            unit_scale=True,
+            desc=f"importing {source.path.name}",
+            progress=progress,
+        ) as bar:
+            for ids, rows in source.chunks(chunk_rows):
+                if ids.numel() and int(ids.max()) > ID_MASK:
+                    raise TableFileError(f"{source.path}: ids must be below 2**{ID_BITS} in a collection")
+                store.load(table_keys(table, ids), rows.to(store.dtype))
+                bar.update(rows.shape[0])
+    return table
+
+
+def _table_of(root: Path, table_name: str) -> dict:
+    tables = {table["name"]: table for table in read_layout(root)}
+    if table_name not in tables:
+        raise TableFileError(f"{root} has no table {table_name!r}; its tables are {sorted(tables)}")
+    return tables[table_name]
+
+
 def export_table(
     store_path: Path,
     destination: Path,
@@ -106,15 +147,21 @@ def export_table(
     with_state: bool = False,
     chunk_rows: int = CHUNK_ROWS,
     progress: bool | None = None,
+    table_name: str | None = None,
 ) -> int:
-    """Write every row of the store at ``store_path`` to ``destination`` (format from its suffix);
-    returns the row count. A store whose ids are exactly 0..N-1 is written dense (row i = id i);
-    any other is written sparse: ids beside the rows (``ids_path`` for ``.npy``, a tensor ``ids``
-    in ``.pt``/``.safetensors``). ``with_state``: whole rows ``[weights | optimizer state]``."""
+    """Write every row of the store at ``store_path`` (or of table ``table_name`` of the collection
+    there) to ``destination`` (format from its suffix); returns the row count. Rows whose ids are
+    exactly 0..N-1 are written dense (row i = id i); any others sparse: ids beside the rows
+    (``ids_path`` for ``.npy``, a tensor ``ids`` in ``.pt``/``.safetensors``). ``with_state``:
+    whole rows ``[weights | optimizer state]``."""
+    table = None if table_name is None else _table_of(store_path, table_name)
+    if table is not None:
+        store_path = group_path(store_path, table)
     with TieredStore(store_path, read_only=True, host_cache=1) as store:
-        count = len(store)
+        rows_of = lambda: _rows_of(store, chunk_rows, with_state, table)  # noqa: E731 (one pass each)
+        count = len(store) if table is None else sum(ids.numel() for ids, _ in rows_of())
         width = store.row_width if with_state else store.dim
-        dense = count == 0 or _ids_are_a_range(store, count)
+        dense = count == 0 or _ids_are_a_range(rows_of(), count)
         if dense and ids_path is not None:
             dense = False  # the caller asked for ids: write them
         writer = TableWriter(destination, count, width, store.dtype, sparse=not dense, ids_path=ids_path)
@@ -126,7 +173,7 @@ def export_table(
             desc=f"exporting to {Path(destination).name}",
             progress=progress,
         ) as bar:
-            for ids, rows in store.iter_rows(chunk_rows, with_state=with_state):
+            for ids, rows in rows_of():
                 if dense:
                     order = torch.argsort(ids)  # dense: rows land at their ids, in runs
                     ids, rows = ids[order], rows[order]
@@ -140,10 +187,20 @@ def export_table(
     return count
 
 
-def _ids_are_a_range(store: TieredStore, count: int) -> bool:
-    """Whether the store's ids are exactly 0..count-1 (one pass over the ids)."""
+def _rows_of(store: TieredStore, chunk_rows: int, with_state: bool, table: dict | None):
+    """``(ids, rows)`` of every row of ``store``, or of ``table`` in it (its ids, key bits stripped)."""
+    for keys, rows in store.iter_rows(chunk_rows, with_state=with_state):
+        if table is None:
+            yield keys, rows
+        else:
+            mine = (keys >> ID_BITS) == table["number"]
+            yield keys[mine] & ID_MASK, rows[mine]
+
+
+def _ids_are_a_range(rows: Iterator, count: int) -> bool:
+    """Whether the ids of ``rows`` (``(ids, rows)`` pairs) are exactly 0..count-1 (one pass)."""
     low, high = None, None
-    for ids, _ in store.iter_rows(CHUNK_ROWS):
+    for ids, _ in rows:
         if ids.numel():
             low = int(ids.min()) if low is None else min(low, int(ids.min()))
             high = int(ids.max()) if high is None else max(high, int(ids.max()))
@@ -157,4 +214,11 @@ def _runs(sorted_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-__all__ = ["import_table", "export_table", "TableFileError", "OPTIMIZER_CHOICES", "state_width"]
+__all__ = [
+    "import_table",
+    "import_into_table",
+    "export_table",
+    "TableFileError",
+    "OPTIMIZER_CHOICES",
+    "state_width",
+]

@@ -28,6 +28,7 @@ from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
 
 ID_BITS = 47  # ids below 2**47; the table's number in the bits above
+ID_MASK = (1 << ID_BITS) - 1
 MAX_TABLES_PER_GROUP = 1 << 16
 LAYOUT_FILE = "collection.json"
 
@@ -90,7 +91,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 for dim in dims
             }
         )
-        if root is not None and not (root / LAYOUT_FILE).exists():
+        if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
 
@@ -134,7 +135,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             feature_ids = values[int(starts[index]) : int(starts[index]) + count]
             _check_ids(feature_ids, table)
             self.lookups[table["name"]] += count
-            ids.append((table["number"] << ID_BITS) | feature_ids.cpu())
+            ids.append(table_keys(table, feature_ids.cpu()))
             bag_lengths.append(lengths[index])
             if weights is not None:
                 bag_weights.append(weights[int(starts[index]) : int(starts[index]) + count])
@@ -169,6 +170,25 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def table_names(self) -> list[str]:
         return list(self._tables)
+
+
+def read_layout(root: Path) -> list[dict]:
+    """The tables of the collection at ``root`` as ``collection.json`` records them: name,
+    embedding_dim, num_embeddings, feature_names, pooling and number (in its group)."""
+    layout_file = Path(root) / LAYOUT_FILE
+    if not layout_file.exists():
+        raise FileNotFoundError(f"{root} is not a tierstore collection: {LAYOUT_FILE} is missing")
+    return json.loads(layout_file.read_text())["tables"]
+
+
+def group_path(root: Path, table: dict) -> Path:
+    """The store holding ``table``'s rows (one per embedding dim)."""
+    return Path(root) / f"dim{table['embedding_dim']}"
+
+
+def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Keys in the group's store of ``table``'s ``ids`` (int64, below 2**47)."""
+    return (table["number"] << ID_BITS) | ids
 
 
 def _check_tables(tables: list[Any]) -> dict[str, dict]:
