@@ -44,9 +44,12 @@ def batches(
     return [(torch.from_numpy(sample(size * FEATURES)), offsets) for _ in range(count)]
 
 
-def interleaved_samples_per_second(steps: dict, timed: list[list]) -> dict[str, float]:
+def interleaved_samples_per_second(
+    steps: dict, timed: list[list], samples_per_batch: int | None = None
+) -> dict[str, float]:
     """Samples/s of each warmed-up ``steps[name]``, timed in turns on each list of ``timed`` batches
-    (so the machine's drift hits every method alike; each list is fresh to the tiered table)."""
+    (so the machine's drift hits every method alike; each list is fresh to the tiered table).
+    A batch holds ``samples_per_batch`` samples (default: its offsets' length)."""
     times = {name: [] for name in steps}
     for work in timed:
         for name, step in steps.items():
@@ -54,7 +57,7 @@ def interleaved_samples_per_second(steps: dict, timed: list[list]) -> dict[str, 
             for batch in work:
                 step(*batch)
             times[name].append(time.perf_counter() - start)
-    samples = len(timed[0]) * timed[0][0][1].numel()
+    samples = len(timed[0]) * (samples_per_batch or timed[0][0][1].numel())
     return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
 
 
