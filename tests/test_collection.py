@@ -222,6 +222,13 @@ def test_a_torchrec_style_kjt_with_offsets_is_taken():
             IndexError,
             "user",
         ),
+        (  # the bad id is in the second group: the first must not have grown either
+            lambda: KeyedJaggedTensor(
+                ["user_id", "query"], torch.tensor([1, -1]), lengths=torch.tensor([1, 1])
+            ),
+            IndexError,
+            "wide",
+        ),
     ],
 )
 def test_bad_features_are_named_and_change_nothing(make, error, message):

@@ -109,6 +109,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                     f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
                 )
         starts = torch.cumsum(lengths.sum(dim=1), 0) - lengths.sum(dim=1)  # where each feature's ids begin
+        for index, key in enumerate(keys):  # every feature checked before any table is touched
+            count = int(lengths[index].sum())
+            _check_ids(values[int(starts[index]) : int(starts[index]) + count], self._table_of_feature[key])
         pooled: dict[str, torch.Tensor] = {}
         for group_name, group in self.groups.items():
             positions = [
@@ -133,7 +136,6 @@ class TieredEmbeddingBagCollection(nn.Module):
             table = self._table_of_feature[keys[index]]
             count = int(lengths[index].sum())
             feature_ids = values[int(starts[index]) : int(starts[index]) + count]
-            _check_ids(feature_ids, table)
             self.lookups[table["name"]] += count
             ids.append(table_keys(table, feature_ids.cpu()))
             bag_lengths.append(lengths[index])
