@@ -24,6 +24,20 @@ def integral(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) else value
 
 
+def check_table_shape(num_embeddings: Any, embedding_dim: Any, table: str = "") -> None:
+    """``ValueError`` unless ``num_embeddings`` is a positive int or None (unbounded) and
+    ``embedding_dim`` a positive int; ``table`` (a name) prefixes the message."""
+    prefix = f"table {table!r}: " if table else ""
+    if num_embeddings is not None and (
+        isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
+    ):
+        raise ValueError(
+            f"{prefix}num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}"
+        )
+    if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
+        raise ValueError(f"{prefix}embedding_dim must be a positive int, got {embedding_dim!r}")
+
+
 def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
     """``ids`` (tensor, numpy array, sequence or int) as a 1-D int64 CPU tensor of non-negative ids.
 

@@ -77,13 +77,7 @@ def import_table(
             index_kernels=host_kernels()[0],
             checksums=metadata.row_checksums,
         )
-        with progress_bar(
-            total=len(source),
-            unit="rows",
-            unit_scale=True,
-            desc=f"importing {source.path.name}",
-            progress=progress,
-        ) as bar:
+        with _import_bar(source, progress) as bar:
             for ids, rows in source.chunks(chunk_rows):
                 stored = rows
                 if metadata.optimizer_state_width:
@@ -118,19 +112,24 @@ def import_into_table(
                 f"{source.path} holds rows of dim {source.rows.shape[1]}; "
                 f"table {table_name!r} has dim {store.dim}"
             )
-        with progress_bar(
-            total=len(source),
-            unit="rows",
-            unit_scale=True,
-            desc=f"importing {source.path.name}",
-            progress=progress,
-        ) as bar:
+        with _import_bar(source, progress) as bar:
             for ids, rows in source.chunks(chunk_rows):
                 if ids.numel() and int(ids.max()) > ID_MASK:
                     raise TableFileError(f"{source.path}: ids must be below 2**{ID_BITS} in a collection")
                 store.load(table_keys(table, ids), rows.to(store.dtype))
                 bar.update(rows.shape[0])
     return table
+
+
+def _import_bar(source: TableSource, progress: bool | None):
+    """The progress bar of an import of ``source`` (rows)."""
+    return progress_bar(
+        total=len(source),
+        unit="rows",
+        unit_scale=True,
+        desc=f"importing {source.path.name}",
+        progress=progress,
+    )
 
 
 def _table_of(root: Path, table_name: str) -> dict:

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import TierConfig
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, integral
+from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, check_table_shape, integral
 from . import pooled_lookup
 
 _MISSING = ("init", "zero", "error")
@@ -54,14 +54,7 @@ class _TieredTable(nn.Module):
         num_embeddings, embedding_dim, padding_idx = (
             integral(value) for value in (num_embeddings, embedding_dim, padding_idx)
         )
-        if num_embeddings is not None and (
-            isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
-        ):
-            raise ValueError(
-                f"num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}"
-            )
-        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
-            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        check_table_shape(num_embeddings, embedding_dim)
         if missing not in _MISSING:
             raise ValueError(f"missing must be one of {_MISSING}, got {missing!r}")
         self.optimizer = optimizer if optimizer is not None else SGD()

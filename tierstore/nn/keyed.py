@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..validation import check_table_shape
+
 POOLINGS = ("sum", "mean")
 
 
@@ -35,14 +37,7 @@ def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], 
     if not isinstance(name, str) or not name:
         raise ValueError(f"every table needs a non-empty str name, got {name!r}")
     num_embeddings, dim = config.num_embeddings, config.embedding_dim
-    if num_embeddings is not None and (
-        isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
-    ):
-        raise ValueError(
-            f"table {name!r}: num_embeddings must be a positive int or None, got {num_embeddings!r}"
-        )
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
-        raise ValueError(f"table {name!r}: embedding_dim must be a positive int, got {dim!r}")
+    check_table_shape(num_embeddings, dim, name)
     features = tuple(config.feature_names)
     if not features or not all(isinstance(feature, str) and feature for feature in features):
         raise ValueError(f"table {name!r}: feature_names must be a non-empty list of str, got {features!r}")

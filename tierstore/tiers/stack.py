@@ -134,6 +134,10 @@ class TierStack:
         stored, found = self.cold.get(keys, torch.zeros_like(keys))  # counts no lookup
         rows = torch.zeros(keys.numel(), self.metadata.row_width, dtype=self.metadata.torch_dtype)
         rows[found] = stored[found]
+        return self._with_cached_rows(keys, rows)
+
+    def _with_cached_rows(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (CPU, of ``keys``) with the cached tiers' newer copies written over them."""
         for cache in self.caches:
             slots = cache.find(keys)
             cached = slots >= 0
@@ -190,11 +194,7 @@ class TierStack:
     def iter_rows(self, batch_size: int, width: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(ids [n], rows [n, width])`` the table holds, newest values, on CPU."""
         for keys, rows in self.cold.iter_rows(batch_size):
-            for cache in self.caches:
-                slots = cache.find(keys)
-                cached = slots >= 0
-                rows[cached.cpu()] = cache.read(slots[cached]).cpu()
-            yield keys, rows[:, :width]
+            yield keys, self._with_cached_rows(keys, rows)[:, :width]
         for cache in self.caches:
             yield from cache.iter_fresh(batch_size, width)
 
