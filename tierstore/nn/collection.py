@@ -108,10 +108,11 @@ class TieredEmbeddingBagCollection(nn.Module):
                 raise ValueError(
                     f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
                 )
-        starts = torch.cumsum(lengths.sum(dim=1), 0) - lengths.sum(dim=1)  # where each feature's ids begin
-        for index, key in enumerate(keys):  # every feature checked before any table is touched
-            count = int(lengths[index].sum())
-            _check_ids(values[int(starts[index]) : int(starts[index]) + count], self._table_of_feature[key])
+        counts = lengths.sum(dim=1).tolist()  # ids per feature
+        feature_ids = torch.split(values, counts)
+        feature_weights = torch.split(weights, counts) if weights is not None else None
+        for key, ids in zip(keys, feature_ids):  # every feature checked before any table is touched
+            _check_ids(ids, self._table_of_feature[key])
         pooled: dict[str, torch.Tensor] = {}
         for group_name, group in self.groups.items():
             positions = [
@@ -120,7 +121,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                 if f"dim{self._table_of_feature[key]['embedding_dim']}" == group_name
             ]
             if positions:
-                pooled.update(self._group_forward(group, keys, positions, values, lengths, weights, starts))
+                pooled.update(
+                    self._group_forward(group, keys, positions, feature_ids, lengths, feature_weights)
+                )
         batch = lengths.shape[1]
         outputs = [pooled[key] for key in keys]
         device = next(iter(self.groups.values()))._output_like.device
@@ -128,27 +131,26 @@ class TieredEmbeddingBagCollection(nn.Module):
         return KeyedTensor(keys, [output.shape[1] for output in outputs], values_out)
 
     def _group_forward(
-        self, group, keys, positions, values, lengths, weights, starts
+        self, group, keys, positions, feature_ids, lengths, feature_weights
     ) -> dict[str, torch.Tensor]:
-        """Pooled ``[batch, dim]`` of the features at ``positions``, all in one lookup of ``group``."""
-        ids, bag_lengths, bag_weights = [], [], []
-        for index in positions:
-            table = self._table_of_feature[keys[index]]
-            count = int(lengths[index].sum())
-            feature_ids = values[int(starts[index]) : int(starts[index]) + count]
-            self.lookups[table["name"]] += count
-            ids.append(table_keys(table, feature_ids.cpu()))
-            bag_lengths.append(lengths[index])
-            if weights is not None:
-                bag_weights.append(weights[int(starts[index]) : int(starts[index]) + count])
-        flat_lengths = torch.cat(bag_lengths)
+        """Pooled ``[batch, dim]`` of the features at ``positions``, all in one lookup of ``group``.
+        ``feature_ids``/``feature_weights``: each feature's ids and weights (or None)."""
+        tables = [self._table_of_feature[keys[index]] for index in positions]
+        for table, index in zip(tables, positions):
+            self.lookups[table["name"]] += feature_ids[index].numel()
+        ids = torch.cat(
+            [table_keys(table, feature_ids[index].cpu()) for table, index in zip(tables, positions)]
+        )
+        flat_lengths = lengths[positions].reshape(-1)
         offsets = torch.cumsum(flat_lengths, 0) - flat_lengths
-        pooled = group(torch.cat(ids), offsets, torch.cat(bag_weights) if weights is not None else None)
-        pooled = pooled.view(len(positions), lengths.shape[1], -1)
+        weights = (
+            None if feature_weights is None else torch.cat([feature_weights[index] for index in positions])
+        )
+        pooled = group(ids, offsets, weights).view(len(positions), lengths.shape[1], -1)
         out = {}
-        for row, index in enumerate(positions):
+        for row, (table, index) in enumerate(zip(tables, positions)):
             result = pooled[row]
-            if self._table_of_feature[keys[index]]["pooling"] == "mean":
+            if table["pooling"] == "mean":
                 result = result / lengths[index].clamp(min=1).to(result)[:, None]
             out[keys[index]] = result
         return out
