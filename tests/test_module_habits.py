@@ -53,6 +53,28 @@ def test_jit_trace_refuses_clearly_instead_of_crashing(make):
     table.close()
 
 
+@pytest.mark.parametrize("host_backend", ["torch", "openmp"])
+def test_jit_trace_of_a_model_ends_in_an_error_never_a_signal(host_backend):
+    """The crash reported (an INTERNAL ASSERT, then SIGSEGV in a kernel launch with the torch host
+    backend) would kill the process: tracing runs in a subprocess, which must exit with the error."""
+    script = textwrap.dedent(
+        f"""
+        import torch, tierstore
+        table = tierstore.TieredEmbeddingBag(
+            None, 4, mode="sum", host_cache=8, host_cache_backend="{host_backend}"
+        )
+        model = torch.nn.Sequential(table)
+        try:
+            torch.jit.trace(model, (torch.tensor([[1, 2], [3, 4]]),))
+        except RuntimeError as error:
+            print("refused:", str(error).splitlines()[0])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("refused: torch.jit.trace cannot record a TieredEmbeddingBag")
+
+
 def test_jit_script_refuses_clearly():
     table = bag()
     with pytest.raises(RuntimeError, match=r"torch.jit.script cannot compile .*torch.compile"):
