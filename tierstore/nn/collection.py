@@ -113,7 +113,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         feature_weights = torch.split(weights, counts) if weights is not None else None
         for key, ids in zip(keys, feature_ids):  # every feature checked before any table is touched
             _check_ids(ids, self._table_of_feature[key])
-        pooled: dict[str, torch.Tensor] = {}
+        blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
         for group_name, group in self.groups.items():
             positions = [
                 index
@@ -121,39 +121,43 @@ class TieredEmbeddingBagCollection(nn.Module):
                 if f"dim{self._table_of_feature[key]['embedding_dim']}" == group_name
             ]
             if positions:
-                pooled.update(
+                blocks.append(
                     self._group_forward(group, keys, positions, feature_ids, lengths, feature_weights)
                 )
-        batch = lengths.shape[1]
-        outputs = [pooled[key] for key in keys]
-        device = next(iter(self.groups.values()))._output_like.device
-        values_out = torch.cat(outputs, dim=1) if outputs else torch.zeros(batch, 0, device=device)
-        return KeyedTensor(keys, [output.shape[1] for output in outputs], values_out)
+                order.extend(positions)
+        dims = [self._table_of_feature[key]["embedding_dim"] for key in keys]
+        if not blocks:
+            device = next(iter(self.groups.values()))._output_like.device
+            return KeyedTensor(keys, dims, torch.zeros(lengths.shape[1], 0, device=device))
+        values_out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if order != sorted(order):  # groups interleave in keys' order: one column gather
+            starts = [sum(dims[:index]) for index in range(len(dims))]
+            columns = torch.cat([torch.arange(starts[index], starts[index] + dims[index]) for index in order])
+            values_out = values_out.index_select(1, torch.argsort(columns).to(values_out.device))
+        return KeyedTensor(keys, dims, values_out)
 
-    def _group_forward(
-        self, group, keys, positions, feature_ids, lengths, feature_weights
-    ) -> dict[str, torch.Tensor]:
-        """Pooled ``[batch, dim]`` of the features at ``positions``, all in one lookup of ``group``.
-        ``feature_ids``/``feature_weights``: each feature's ids and weights (or None)."""
+    def _group_forward(self, group, keys, positions, feature_ids, lengths, feature_weights) -> torch.Tensor:
+        """``[batch, len(positions) x dim]``: the pooled rows of the features at ``positions`` side by
+        side, all in one lookup of ``group``. ``feature_ids``/``feature_weights``: each feature's ids
+        and weights (or None)."""
         tables = [self._table_of_feature[keys[index]] for index in positions]
         for table, index in zip(tables, positions):
             self.lookups[table["name"]] += feature_ids[index].numel()
         ids = torch.cat(
             [table_keys(table, feature_ids[index].cpu()) for table, index in zip(tables, positions)]
         )
-        flat_lengths = lengths[positions].reshape(-1)
+        group_lengths = lengths[positions]
+        flat_lengths = group_lengths.reshape(-1)
         offsets = torch.cumsum(flat_lengths, 0) - flat_lengths
         weights = (
             None if feature_weights is None else torch.cat([feature_weights[index] for index in positions])
         )
         pooled = group(ids, offsets, weights).view(len(positions), lengths.shape[1], -1)
-        out = {}
-        for row, (table, index) in enumerate(zip(tables, positions)):
-            result = pooled[row]
-            if table["pooling"] == "mean":
-                result = result / lengths[index].clamp(min=1).to(result)[:, None]
-            out[keys[index]] = result
-        return out
+        means = torch.tensor([table["pooling"] == "mean" for table in tables])
+        if bool(means.any()):
+            divisors = torch.where(means[:, None], group_lengths.clamp(min=1), 1).to(pooled)
+            pooled = pooled / divisors[:, :, None]
+        return pooled.transpose(0, 1).reshape(lengths.shape[1], -1)
 
     def flush(self) -> None:
         """Make every table's updates durable (each group's store commits atomically)."""
