@@ -32,9 +32,18 @@ typedef unsigned long long u64;
 // CPU threads (tierstore/kernels/host.py): items split over OpenMP threads, rows copied row by row.
 #define GRID_STRIDE_LOOP(i, n) _Pragma("omp parallel for schedule(static)") for (i64 i = 0; i < (n); ++i)
 #define FOR_EACH_ROW_ELEMENT(i, c, n, columns) GRID_STRIDE_LOOP(i, n) for (i64 c = 0; c < (columns); ++c)
+// Items touch random rows and table positions, so a thread waits on memory: it asks for the
+// memory of item i + AHEAD (`address`, naming `ahead`) while it works on item i.
+#define AHEAD 16
+#define PREFETCH_AHEAD(i, n, address)  \
+    if ((i) + AHEAD < (n)) {           \
+        const i64 ahead = (i) + AHEAD; \
+        __builtin_prefetch(address);   \
+    }
 #else
 #define GRID_STRIDE_LOOP(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)blockDim.x * gridDim.x)
+#define PREFETCH_AHEAD(i, n, address)  // GPU threads hide memory latency by their number
 // GPU threads: one thread per element (coalesced); the inner one-pass loop only names i and c.
 #define FOR_EACH_ROW_ELEMENT(i, c, n, columns) \
     GRID_STRIDE_LOOP(element, (n) * (columns)) \
@@ -74,6 +83,7 @@ __device__ __forceinline__ void table_find(const i64* __restrict__ table_keys,
                                            const i64* __restrict__ keys, i64 n,
                                            Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, &table_keys[mix((u64)keys[ahead]) & (u64)mask]);
         i64 position = probe(table_keys, mask, keys[i]);
         out_values[i] = position < 0 ? (Value)-1 : table_values[position];
     }
@@ -89,6 +99,7 @@ __device__ __forceinline__ void table_insert(i64* __restrict__ table_keys, Value
                                              const Value* __restrict__ values, i64 n,
                                              int* __restrict__ out_status) {
     GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, &table_keys[mix((u64)keys[ahead]) & (u64)mask]);
         i64 key = keys[i];
         u64 position = mix((u64)key) & (u64)mask;
         int status = TABLE_FULL;
@@ -119,6 +130,7 @@ __device__ __forceinline__ void table_erase(i64* __restrict__ table_keys,
                                             const i64* __restrict__ keys, i64 n,
                                             Value* __restrict__ out_values) {
     GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, &table_keys[mix((u64)keys[ahead]) & (u64)mask]);
         i64 position = probe(table_keys, mask, keys[i]);
         out_values[i] = position < 0 ? (Value)-1 : table_values[position];
         if (position >= 0) table_keys[position] = TOMBSTONE_KEY;
@@ -149,7 +161,10 @@ HASH_TABLE_KERNELS(index, i64)
 // LFU: scores[slots[i]] += weights[i] (access count x the tier's current increment; see tiers/policies.py).
 extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __restrict__ slots,
                                        const float* __restrict__ weights, i64 n) {
-    GRID_STRIDE_LOOP(i, n) { atomicAdd(&scores[slots[i]], weights[i]); }
+    GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, &scores[slots[ahead]]);
+        atomicAdd(&scores[slots[i]], weights[i]);
+    }
 }
 
 // Eviction candidates: out[s] = scores[s], or `blocked` (+inf) for a free slot (slot_keys < 0) or one
@@ -167,8 +182,11 @@ __device__ __forceinline__ void copy_row(float* __restrict__ target, const float
                                          i64 count) {
     for (i64 c = 0; c < count; ++c) target[c] = source[c];
 }
-#define GATHER_ROWS \
-    GRID_STRIDE_LOOP(i, n) copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns)
+#define GATHER_ROWS                                                             \
+    GRID_STRIDE_LOOP(i, n) {                                                    \
+        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);             \
+        copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns); \
+    }
 #endif
 
 // out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) at a time. Needs row_width
@@ -201,7 +219,10 @@ extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width
                                          const int* __restrict__ slots, const float* __restrict__ values,
                                          i64 n, i64 columns) {
 #ifdef TIERSTORE_OPENMP
-    GRID_STRIDE_LOOP(i, n) copy_row(rows + (i64)slots[i] * row_width, values + i * columns, columns);
+    GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);
+        copy_row(rows + (i64)slots[i] * row_width, values + i * columns, columns);
+    }
 #else
     FOR_EACH_ROW_ELEMENT(i, c, n, columns) { rows[(i64)slots[i] * row_width + c] = values[i * columns + c]; }
 #endif
@@ -219,8 +240,11 @@ __device__ __forceinline__ void step_row(float* __restrict__ row, const float* _
                                          Step step) {
     for (i64 c = 0; c < dim; ++c) step(row, g, c, dim);
 }
-#define APPLY_STEP(step) \
-    GRID_STRIDE_LOOP(i, n) step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step)
+#define APPLY_STEP(step)                                                       \
+    GRID_STRIDE_LOOP(i, n) {                                                   \
+        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);            \
+        step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step); \
+    }
 #else
 #define APPLY_STEP(step) \
     FOR_EACH_ROW_ELEMENT(i, c, n, dim) step(rows + (i64)slots[i] * row_width, grad + i * dim, c, dim)
