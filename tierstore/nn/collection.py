@@ -108,24 +108,32 @@ class TieredEmbeddingBagCollection(nn.Module):
                 raise ValueError(
                     f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
                 )
-        counts = lengths.sum(dim=1).tolist()  # ids per feature
-        feature_ids = torch.split(values, counts)
-        feature_weights = torch.split(weights, counts) if weights is not None else None
-        for key, ids in zip(keys, feature_ids):  # every feature checked before any table is touched
-            _check_ids(ids, self._table_of_feature[key])
+        tables = [self._table_of_feature[key] for key in keys]
+        counts = lengths.sum(dim=1)  # ids per feature
+        values = values.cpu()
+        entry_keys = _checked_keys(values, tables, counts)  # before any table is touched
+        for table, count in zip(tables, counts.tolist()):
+            self.lookups[table["name"]] += count
         blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
         for group_name, group in self.groups.items():
-            positions = [
-                index
-                for index, key in enumerate(keys)
-                if f"dim{self._table_of_feature[key]['embedding_dim']}" == group_name
-            ]
-            if positions:
-                blocks.append(
-                    self._group_forward(group, keys, positions, feature_ids, lengths, feature_weights)
+            positions = [index for index, table in enumerate(tables) if _group_name(table) == group_name]
+            if not positions:
+                continue
+            if len(positions) == len(keys):
+                group_keys, group_weights = entry_keys, weights
+            else:
+                in_group = torch.zeros(len(keys), dtype=torch.bool)
+                in_group[positions] = True
+                entries = torch.repeat_interleave(in_group, counts)
+                group_keys = entry_keys[entries]
+                group_weights = None if weights is None else weights[entries.to(weights.device)]
+            blocks.append(
+                self._group_forward(
+                    group, [tables[i] for i in positions], group_keys, lengths[positions], group_weights
                 )
-                order.extend(positions)
-        dims = [self._table_of_feature[key]["embedding_dim"] for key in keys]
+            )
+            order.extend(positions)
+        dims = [table["embedding_dim"] for table in tables]
         if not blocks:
             device = next(iter(self.groups.values()))._output_like.device
             return KeyedTensor(keys, dims, torch.zeros(lengths.shape[1], 0, device=device))
@@ -136,28 +144,28 @@ class TieredEmbeddingBagCollection(nn.Module):
             values_out = values_out.index_select(1, torch.argsort(columns).to(values_out.device))
         return KeyedTensor(keys, dims, values_out)
 
-    def _group_forward(self, group, keys, positions, feature_ids, lengths, feature_weights) -> torch.Tensor:
-        """``[batch, len(positions) x dim]``: the pooled rows of the features at ``positions`` side by
-        side, all in one lookup of ``group``. ``feature_ids``/``feature_weights``: each feature's ids
-        and weights (or None)."""
-        tables = [self._table_of_feature[keys[index]] for index in positions]
-        for table, index in zip(tables, positions):
-            self.lookups[table["name"]] += feature_ids[index].numel()
-        ids = torch.cat(
-            [table_keys(table, feature_ids[index].cpu()) for table, index in zip(tables, positions)]
-        )
-        group_lengths = lengths[positions]
-        flat_lengths = group_lengths.reshape(-1)
-        offsets = torch.cumsum(flat_lengths, 0) - flat_lengths
-        weights = (
-            None if feature_weights is None else torch.cat([feature_weights[index] for index in positions])
-        )
-        pooled = group(ids, offsets, weights).view(len(positions), lengths.shape[1], -1)
+    @staticmethod
+    def _group_forward(group, tables, keys, lengths, weights) -> torch.Tensor:
+        """``[batch, len(tables) x dim]``: the pooled rows of features looked up in ``tables`` (one
+        per feature) side by side, all in one lookup of ``group``. ``keys``: their keys in the
+        group's store, feature by feature; ``lengths [features, batch]``; ``weights`` as ``keys``
+        or None. The bags are looked up sample by sample, so the pooled rows come out in the
+        output's layout (no transpose forward or backward)."""
+        features, batch = lengths.shape
+        by_sample = lengths.t().reshape(-1)  # bag b * features + f
+        starts = torch.cumsum(by_sample, 0) - by_sample
+        by_feature = lengths.reshape(-1)
+        shift = starts.view(batch, features).t().reshape(-1) - (torch.cumsum(by_feature, 0) - by_feature)
+        positions = torch.arange(keys.numel()) + torch.repeat_interleave(shift, by_feature)
+        keys = torch.empty_like(keys).index_copy_(0, positions, keys)
+        if weights is not None:
+            weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
+        pooled = group(keys, starts, weights).view(batch, features, -1)
         means = torch.tensor([table["pooling"] == "mean" for table in tables])
         if bool(means.any()):
-            divisors = torch.where(means[:, None], group_lengths.clamp(min=1), 1).to(pooled)
+            divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
             pooled = pooled / divisors[:, :, None]
-        return pooled.transpose(0, 1).reshape(lengths.shape[1], -1)
+        return pooled.view(batch, -1)
 
     def flush(self) -> None:
         """Make every table's updates durable (each group's store commits atomically)."""
@@ -191,7 +199,7 @@ def read_layout(root: Path) -> list[dict]:
 
 def group_path(root: Path, table: dict) -> Path:
     """The store holding ``table``'s rows (one per embedding dim)."""
-    return Path(root) / f"dim{table['embedding_dim']}"
+    return Path(root) / _group_name(table)
 
 
 def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
@@ -245,15 +253,26 @@ def _check_layout(root: Path, tables: dict[str, dict]) -> None:
         )
 
 
-def _check_ids(ids: torch.Tensor, table: dict) -> None:
-    if not ids.numel():
-        return
-    low, high = int(ids.min()), int(ids.max())
-    bound = table["num_embeddings"] if table["num_embeddings"] is not None else 1 << ID_BITS
-    if low < 0 or high >= bound:
-        raise IndexError(
-            f"table {table['name']!r}: ids must be in [0, {bound}), got {low if low < 0 else high}"
-        )
+def _checked_keys(values: torch.Tensor, tables: list[dict], counts: torch.Tensor) -> torch.Tensor:
+    """Keys (int64 [N]) of ``values`` (CPU ids, feature after feature, ``counts [features]`` of
+    each) in their groups' stores, ``tables[f]`` being feature f's; ``IndexError`` naming the
+    table if an id is negative or past its table's ``num_embeddings``."""
+    bounds = [
+        1 << ID_BITS if table["num_embeddings"] is None else table["num_embeddings"] for table in tables
+    ]
+    entry_bounds = torch.repeat_interleave(torch.tensor(bounds, dtype=torch.int64), counts)
+    bad = (values < 0) | (values >= entry_bounds)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        feature = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
+        name, value = tables[feature]["name"], int(values[first])
+        raise IndexError(f"table {name!r}: ids must be in [0, {bounds[feature]}), got {value}")
+    numbers = torch.tensor([table["number"] for table in tables], dtype=torch.int64)
+    return (torch.repeat_interleave(numbers, counts) << ID_BITS) | values
+
+
+def _group_name(table: dict) -> str:
+    return f"dim{table['embedding_dim']}"
 
 
 def _share(budget: Any, parts: int) -> Any:
