@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.nn import pooled_lookup
+from tierstore.nn.pooled_lookup import LocalIds
 
 
 @st.composite
@@ -37,7 +38,7 @@ def test_bag_weight_gradient_matches_torch(host, data, mode, include_last_offset
 
     def ours(w):
         return pooled_lookup.embedding_bag(
-            local, w, offsets, mode, weights, include_last_offset, padding_idx, host
+            LocalIds.of(local, padding_idx, rows), w, offsets, mode, weights, include_last_offset, host
         )
 
     def reference(w):
@@ -63,7 +64,8 @@ def test_bag_weight_gradient_matches_torch(host, data, mode, include_last_offset
 def test_two_dimensional_bags_match_torch(host, mode):
     local, weight = torch.randint(0, 7, (6, 4)), torch.randn(7, 3)
     output, grad = gradients(
-        lambda w: pooled_lookup.embedding_bag(local, w, None, mode, None, False, None, host), weight
+        lambda w: pooled_lookup.embedding_bag(LocalIds.of(local, None, 7), w, None, mode, None, False, host),
+        weight,
     )
     expected_output, expected_grad = gradients(lambda w: F.embedding_bag(local, w, mode=mode), weight)
     assert torch.equal(output, expected_output)
@@ -72,7 +74,7 @@ def test_two_dimensional_bags_match_torch(host, mode):
 
 def test_embedding_matches_torch_in_any_shape(host):
     local, weight = torch.randint(0, 9, (3, 4, 2)), torch.randn(9, 6)
-    output, grad = gradients(lambda w: pooled_lookup.embedding(local, w, None, host), weight)
+    output, grad = gradients(lambda w: pooled_lookup.embedding(LocalIds.of(local, None, 9), w, host), weight)
     expected_output, expected_grad = gradients(lambda w: F.embedding(local, w), weight)
     assert torch.equal(output, expected_output) and output.shape == (3, 4, 2, 6)
     torch.testing.assert_close(grad, expected_grad)
@@ -81,7 +83,39 @@ def test_embedding_matches_torch_in_any_shape(host):
 def test_per_sample_weights_that_need_a_gradient_get_torchs_backward(host):
     local, offsets, weight = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 2]), torch.randn(3, 4)
     weights = torch.rand(4, requires_grad=True)
-    pooled_lookup.embedding_bag(local, weight, offsets, "sum", weights, False, None, host).sum().backward()
+    local_ids = LocalIds.of(local, None, 3)
+    pooled_lookup.embedding_bag(local_ids, weight, offsets, "sum", weights, False, host).sum().backward()
     expected = torch.rand(4).copy_(weights.detach()).requires_grad_(True)
     F.embedding_bag(local, weight, offsets, mode="sum", per_sample_weights=expected).sum().backward()
     torch.testing.assert_close(weights.grad, expected.grad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=30), st.sampled_from([None, 0, 3]))
+def test_one_sort_gives_unique_counts_rows_and_the_entries_by_row(values, padding_idx):
+    ids = (
+        torch.tensor(values, dtype=torch.int64).reshape(-1, 1)
+        if values
+        else torch.zeros(0, 1, dtype=torch.int64)
+    )
+    padding = None if padding_idx is None else ids.reshape(-1) == padding_idx
+    unique, counts, local = pooled_lookup.distinct(ids, padding)
+    looked_up = ids.reshape(-1) if padding is None else ids.reshape(-1)[~padding]
+    expected_unique, inverse, expected_counts = torch.unique(
+        looked_up, return_inverse=True, return_counts=True
+    )
+    assert torch.equal(unique, expected_unique) and torch.equal(counts, expected_counts)
+    assert local.rows.shape == ids.shape
+    if padding is not None:
+        assert local.padding_row == unique.numel() and bool(
+            (local.rows.reshape(-1)[padding] == unique.numel()).all()
+        )
+    else:
+        assert local.padding_row is None
+    rows = unique.numel() + (padding is not None)
+    expected = LocalIds.of(local.rows, local.padding_row, rows)
+    assert torch.equal(local.order, expected.order) and torch.equal(local.starts, expected.starts)
+    if padding is not None:
+        assert torch.equal(local.rows.reshape(-1)[~padding], inverse)
+    else:
+        assert torch.equal(local.rows.reshape(-1), inverse)

@@ -111,37 +111,29 @@ class _TieredTable(nn.Module):
                 "nn.EmbeddingBag to trace"
             )
 
-    def _local_weight(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """``(weight [U (+1), dim], local index of each id, local padding row or None)``.
+    def _local_weight(self, ids: torch.Tensor) -> tuple[torch.Tensor, pooled_lookup.LocalIds]:
+        """``(weight [U (+1), dim], the ids as rows of weight)``.
 
         ``ids``: int64, any shape, validated. Padding entries map to an extra zero row that gets
         no update; every other id maps to its distinct row.
         """
-        flat = ids.reshape(-1)
-        padding = flat == self.padding_idx if self.padding_idx is not None else None
-        looked_up = flat if padding is None else flat[~padding]
-        unique, inverse, counts = torch.unique(looked_up, return_inverse=True, return_counts=True)
+        padding = ids.reshape(-1) == self.padding_idx if self.padding_idx is not None else None
+        unique, counts, local = pooled_lookup.distinct(ids, padding)
         training = self.training and torch.is_grad_enabled() and not self.frozen
         slots = None
         if training:
             weight, slots = self.store.get_distinct(unique, counts)
         else:
             weight = self._rows_without_growing(unique)
-        local_padding = None
-        local = inverse
         if padding is not None:
-            local_padding = unique.numel()
-            local = torch.full_like(flat, local_padding)
-            local[~padding] = inverse
             weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
         weight = weight.to(self._output_like.device, self.output_dtype)
-        device = weight.device
         if training:
             weight.requires_grad_(True)
             weight.register_hook(
                 lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()].to(self.store.dtype))
             )
-        return weight, local.reshape(ids.shape).to(device), local_padding
+        return weight, local.to(weight.device)
 
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
@@ -373,11 +365,11 @@ class TieredEmbeddingBag(_TieredTable):
             self.output_dtype,
             self.include_last_offset,
         )
-        weight, local, local_padding = self._local_weight(input)
+        weight, local = self._local_weight(input)
         if offsets is not None:
-            offsets = offsets.to(local.device)
+            offsets = offsets.to(weight.device)
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(local.device)
+            per_sample_weights = per_sample_weights.to(weight.device)
         return pooled_lookup.embedding_bag(
             local,
             weight,
@@ -385,7 +377,6 @@ class TieredEmbeddingBag(_TieredTable):
             self.mode,
             per_sample_weights,
             self.include_last_offset,
-            local_padding,
             self._gradient_kernels(weight),
         )
 
@@ -461,8 +452,8 @@ class TieredEmbedding(_TieredTable):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._refuse_tracing()
         input = check_lookup_ids(input, self.num_embeddings, "input")
-        weight, local, local_padding = self._local_weight(input)
-        return pooled_lookup.embedding(local, weight, local_padding, self._gradient_kernels(weight))
+        weight, local = self._local_weight(input)
+        return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight))
 
 
 def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:

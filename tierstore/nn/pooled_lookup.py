@@ -2,7 +2,8 @@
 
 torch's dense ``embedding_bag`` backward scatters every entry's gradient into the weight
 gradient, which dominated a training step's backward on the CPU. Here the entries are sorted by
-the row they read (``argsort``), and the ``bag_weight_gradient`` kernel (``tierstore/kernels``)
+the row they read (``LocalIds``: the sort that finds a batch's distinct ids gives that order too),
+and the ``bag_weight_gradient`` kernel (``tierstore/kernels``)
 sums each row's entries in one thread, without atomics: on the GPU, or on the CPU through the
 kernels' OpenMP build. Forward is
 torch's own. Modes "sum" and "mean" (with ``padding_idx`` and ``per_sample_weights`` that need no
@@ -12,22 +13,73 @@ is tested against.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalIds:
+    """A batch's ids as rows of a local weight: ``rows`` (int64, any shape: each entry's row),
+    ``padding_row`` (the row padding entries read, or None) and the entries sorted by row:
+    ``order [M]`` (flat positions of the non-padding entries, by row, then position) and
+    ``starts [row count + 1]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``)."""
+
+    rows: torch.Tensor
+    padding_row: int | None
+    order: torch.Tensor
+    starts: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, padding_row: int | None, row_count: int) -> LocalIds:
+        """Sorts the entries of ``rows`` (int64, each below ``row_count``) by row."""
+        flat = rows.reshape(-1)
+        kept = torch.arange(flat.numel(), device=flat.device)
+        if padding_row is not None:
+            kept = kept[flat != padding_row]
+        order = kept[torch.argsort(flat[kept], stable=True)]
+        starts = torch.zeros(row_count + 1, dtype=torch.int64, device=flat.device)
+        torch.cumsum(torch.bincount(flat[kept], minlength=row_count), 0, out=starts[1:])
+        return cls(rows, padding_row, order, starts)
+
+    def to(self, device: torch.device) -> LocalIds:
+        return LocalIds(self.rows.to(device), self.padding_row, self.order.to(device), self.starts.to(device))
+
+
+def distinct(ids: torch.Tensor, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, LocalIds]:
+    """``(unique [U] ascending, counts [U], LocalIds)`` of ``ids`` (int64, any shape) leaving out
+    the entries where ``padding`` (bool, ``ids.numel()``, or None) holds; those read row U. One
+    stable sort gives all three (``torch.unique`` and an ``argsort`` would sort twice)."""
+    flat = ids.reshape(-1)
+    kept = None if padding is None else (~padding).nonzero().squeeze(1)
+    looked_up = flat if kept is None else flat[kept]
+    sorted_ids, order = torch.sort(looked_up, stable=True)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)  # each distinct id's first entry
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    unique = sorted_ids[first]
+    starts = torch.cat([first.nonzero().squeeze(1), first.new_full((1,), first.numel(), dtype=torch.int64)])
+    counts = starts.diff()
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.cumsum(first, 0) - 1)
+    if kept is None:
+        return unique, counts, LocalIds(inverse.view(ids.shape), None, order, starts)
+    rows = torch.full_like(flat, unique.numel()).index_copy_(0, kept, inverse)
+    starts = torch.cat([starts, starts[-1:]])  # the padding row: no entries (its gradient is unused)
+    return unique, counts, LocalIds(rows.view(ids.shape), unique.numel(), kept[order], starts)
+
+
 def embedding_bag(
-    local: torch.Tensor,
+    local: LocalIds,
     weight: torch.Tensor,
     offsets: torch.Tensor | None,
     mode: str,
     per_sample_weights: torch.Tensor | None,
     include_last_offset: bool,
-    padding_idx: int | None,
     kernels,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` (same arguments and output); ``kernels`` (a ``CudaKernels`` or
-    ``HostKernels`` on ``weight``'s device, or None) computes ``weight``'s gradient where it can."""
+    """``F.embedding_bag`` on ``local.rows`` (``padding_idx`` being ``local.padding_row``, other
+    arguments and output the same); ``kernels`` (a ``CudaKernels`` or ``HostKernels`` on
+    ``weight``'s device, or None) computes ``weight``'s gradient where it can."""
     fused = (
         kernels is not None
         and mode in ("sum", "mean")
@@ -36,58 +88,53 @@ def embedding_bag(
     )
     if not fused:
         return F.embedding_bag(
-            local,
+            local.rows,
             weight,
             offsets,
             mode=mode,
             per_sample_weights=per_sample_weights,
             include_last_offset=include_last_offset,
-            padding_idx=padding_idx,
+            padding_idx=local.padding_row,
         )
     return _KernelGradientBag.apply(
-        weight, local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, kernels
+        weight, local, offsets, mode, per_sample_weights, include_last_offset, kernels
     )
 
 
-def embedding(local: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, kernels) -> torch.Tensor:
-    """``F.embedding`` (any shape of ``local``): bags of one entry each, so the same backward."""
+def embedding(local: LocalIds, weight: torch.Tensor, kernels) -> torch.Tensor:
+    """``F.embedding`` on ``local.rows`` (any shape): bags of one entry each, so the same backward."""
     if kernels is None or weight.dtype != torch.float32:
-        return F.embedding(local, weight, padding_idx=padding_idx)
-    flat = local.reshape(-1)
-    offsets = torch.arange(flat.numel(), device=flat.device)
-    rows = embedding_bag(flat, weight, offsets, "sum", None, False, padding_idx, kernels)
-    return rows.reshape(*local.shape, weight.shape[1])
+        return F.embedding(local.rows, weight, padding_idx=local.padding_row)
+    shape = local.rows.shape
+    flat = dataclasses.replace(local, rows=local.rows.reshape(-1))
+    offsets = torch.arange(flat.rows.numel(), device=flat.rows.device)
+    rows = embedding_bag(flat, weight, offsets, "sum", None, False, kernels)
+    return rows.reshape(*shape, weight.shape[1])
 
 
 class _KernelGradientBag(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, weight, local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, kernels
-    ):
+    def forward(ctx, weight, local, offsets, mode, per_sample_weights, include_last_offset, kernels):
         output = F.embedding_bag(
-            local,
+            local.rows,
             weight,
             offsets,
             mode=mode,
             per_sample_weights=per_sample_weights,
             include_last_offset=include_last_offset,
-            padding_idx=padding_idx,
+            padding_idx=local.padding_row,
         )
-        ctx.save_for_backward(local, offsets, per_sample_weights)
-        ctx.settings = (weight.shape, mode, include_last_offset, padding_idx, kernels)
+        ctx.save_for_backward(local.rows, local.order, local.starts, offsets, per_sample_weights)
+        ctx.settings = (weight.shape, mode, include_last_offset, local.padding_row, kernels)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        local, offsets, per_sample_weights = ctx.saved_tensors
+        local, order, starts, offsets, per_sample_weights = ctx.saved_tensors
         (rows, dim), mode, include_last_offset, padding_idx, kernels = ctx.settings
         bag, scale = _entry_bags_and_scales(
             local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, grad_output.shape[0]
         )
-        flat = local.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        starts = torch.zeros(rows + 1, dtype=torch.int64, device=flat.device)
-        torch.cumsum(torch.bincount(flat, minlength=rows), 0, out=starts[1:])
         grad_weight = torch.empty(rows, dim, dtype=torch.float32, device=grad_output.device)
         kernels.launch(
             "bag_weight_gradient",
@@ -101,7 +148,7 @@ class _KernelGradientBag(torch.autograd.Function):
             dim,
             grad_weight,
         )
-        return grad_weight, None, None, None, None, None, None, None
+        return grad_weight, None, None, None, None, None, None
 
 
 def _entry_bags_and_scales(
