@@ -42,7 +42,7 @@ def test_lfu_matches_cachetools_reference_hit_for_hit_on_a_zipf_trace():
     # most recently used row, as cachetools.LFUCache does; otherwise this is plain LFU.
     rng = np.random.default_rng(0)
     trace = (rng.zipf(1.2, 20000) % 2000).tolist()
-    ours = RowCache("host", 100, 2, torch.float32, half_life=1e6)
+    ours = RowCache("host", 100, 2, torch.float32, half_life=1e6, spare_share=0)  # one victim per miss
     reference = cachetools.LFUCache(maxsize=100)
     our_hits = [access(ours, key) for key in trace]
     reference_hits = []
@@ -94,3 +94,29 @@ def test_take_removes_rows_and_frees_slots():
 def test_byte_accounting_is_exact():
     cache = RowCache("host", 1000, 64, torch.float32)
     assert cache.nbytes == RowCache.nbytes_for(1000, 64, torch.float32)
+
+
+def test_a_full_cache_evicts_a_spare_share_at_once_and_fills_the_spare_slots_without_evicting():
+    cache = RowCache("host", 64, 2, torch.float32, half_life=float("inf"), spare_share=1 / 8)
+    slots, _ = cache.admit(rows_for(range(64)))
+    cache.touch(slots, torch.arange(1, 65))  # key k was looked up k + 1 times
+    protected = cache.find(torch.tensor([0, 1]))  # the two coldest rows, needed by this batch
+    _, evicted = cache.admit(rows_for([100]), protected=protected)
+    assert sorted(evicted.keys.tolist()) == list(range(2, 11))  # the one needed + 8 spare, lowest first
+    assert torch.equal(evicted.rows[:, 0], evicted.keys.float())  # handed down with their rows
+    assert len(cache) == 64 - 8 and cache.stats.evictions == 9
+    for key in range(101, 109):  # the spare slots take the next rows: nothing more is evicted
+        _, evicted = cache.admit(rows_for([key]))
+        assert len(evicted) == 0
+    assert len(cache) == 64
+    found = cache.find(torch.tensor([0, 1, *range(11, 64), *range(100, 109)]))
+    assert bool((found >= 0).all()) and bool((cache.find(torch.arange(2, 11)) < 0).all())
+
+
+def test_spare_victims_never_exceed_what_can_be_evicted():
+    cache = RowCache("host", 16, 2, torch.float32, spare_share=1 / 2)
+    cache.admit(rows_for(range(16)))
+    protected = cache.find(torch.arange(12))  # 4 evictable rows, 1 needed, 8 spare wanted
+    _, evicted = cache.admit(rows_for([99]), protected=protected)
+    assert sorted(evicted.keys.tolist()) == [12, 13, 14, 15]
+    assert len(cache) == 13 and bool((cache.find(torch.arange(12)) >= 0).all())
