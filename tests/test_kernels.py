@@ -150,6 +150,24 @@ def test_long_chains_survive_removals_and_the_table_rebuilds(host):
     assert table.tombstones < table.keys.numel()
 
 
+def test_a_full_kernel_table_under_steady_churn_rebuilds_rarely(host):
+    """A full cache tier's index (live keys at MAX_LOAD) removes and inserts a tenth of its keys a
+    step: tombstones may fill a quarter of the table before it rebuilds, so not every step."""
+    table, generator = KernelHashTable(1024, host, "cpu"), torch.Generator().manual_seed(0)
+    resident = torch.randperm(1 << 20, generator=generator)[:1024]
+    table.insert(resident, torch.arange(1024))
+    rebuilds, rebuild = [], table._rebuild
+    table._rebuild = lambda size: (rebuilds.append(size), rebuild(size))
+    for step in range(30):
+        out = resident[torch.randperm(1024, generator=generator)[:100]]
+        table.remove(out)
+        incoming = torch.arange(100, dtype=torch.int64) + (1 << 21) + 100 * step
+        table.insert(incoming, torch.arange(100))
+        resident = torch.cat([resident[~torch.isin(resident, out)], incoming])
+        assert bool((table.find(resident) >= 0).all()) and bool((table.find(out) == -1).all())
+    assert len(rebuilds) <= 6 and set(rebuilds) == {table.keys.numel()}, rebuilds
+
+
 # -- rows, scores and the fused optimizers against torch -----------------------------------------
 
 

@@ -4,7 +4,9 @@ One thread per key, linear probing over a power-of-two table of int64 keys besid
 (cache slots: the ``cache_*`` kernels) or int64 values (row numbers: ``index_*``), in
 ``embedding_cache.cu``. Inserts claim empty positions only, with a compare-and-swap;
 removed keys leave tombstones, which the table clears by rebuilding itself when live keys and
-tombstones together pass ``MAX_LOAD``, growing when live keys alone would.
+tombstones together pass ``MAX_LOAD_WITH_TOMBSTONES`` (a full cache tier then removes at least a
+quarter of the table's size in keys between rebuilds, not a few), growing when live keys alone
+pass ``MAX_LOAD``.
 ``kernels`` is a ``CudaKernels`` (GPU) or ``HostKernels`` (CPU) build of the same source; both
 expose ``launch(name, n, *args)``.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .hash_index import BatchedHashTable
+from .hash_index import MAX_LOAD_WITH_TOMBSTONES, BatchedHashTable
 
 EMPTY = -1
 MAX_LOAD = 0.5
@@ -88,7 +90,7 @@ class KernelHashTable(BatchedHashTable):
             return
         if self.live + keys.numel() > MAX_LOAD * self.keys.numel():
             self._rebuild(positions_for(2 * (self.live + keys.numel())))
-        elif self.live + self.tombstones + keys.numel() > MAX_LOAD * self.keys.numel():
+        elif self.live + self.tombstones + keys.numel() > MAX_LOAD_WITH_TOMBSTONES * self.keys.numel():
             self._rebuild(self.keys.numel())
         self._place(
             keys.to(self.device, torch.int64).contiguous(),
