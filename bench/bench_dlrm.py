@@ -1,29 +1,42 @@
-"""A DLRM-shaped sparse arch: 26 tables with the Criteo Kaggle cardinalities, timed against the
-same tables in RAM, all in the same run and in turns.
+"""A DLRM-shaped sparse arch: 26 tables with the Criteo Kaggle cardinalities (or a real trace's
+columns), timed against the same tables in RAM, all in the same run and in turns.
 
     python bench/bench_dlrm.py --help
+    python bench/bench_dlrm.py --trace ../shared/data/taobao_user_behavior_110k.csv --columns 0,1,2
 
-Each sample has one id per table, drawn Zipf(``--alpha``) over that table's rows (hot ids
-scattered), in batches of ``--batch-size``; every timed step sees a fresh batch. One step is the
-pooled lookup of all 26 features, a backward from their sum, and the optimizer (SGD or Adagrad):
+Synthetic (default): each sample has one id per table, drawn Zipf(``--alpha``) over that table's
+rows (hot ids scattered), every row first written to the tiered tables' mmap cold stores (a
+trained table); every timed step sees a fresh batch. ``--trace``: each record of the file is a
+sample, its ``--columns`` the features (one table each, ids as the file has them), read in order
+and again from the start when it ends (epochs); the tiered tables start empty and grow on demand.
+One step is the pooled lookup of all features, a backward from their sum, and the optimizer (SGD
+or Adagrad):
 
-- ``collection``: one ``TieredEmbeddingBagCollection`` (the 26 tables fused in one store), host
-  cache ``--host-share`` of all rows, every row first written to the mmap cold store;
-- ``separate``: 26 ``TieredEmbeddingBag``s, each with that share of its own rows (what fusion saves);
-- ``nn_embedding_bag``: 26 ``nn.EmbeddingBag(sparse=True)`` in RAM + ``torch.optim``;
+- ``collection``: one ``TieredEmbeddingBagCollection`` (the tables fused in one store), host cache
+  ``--host-share`` of the rows the tables hold (at least one batch's ids); before timing, batches
+  fill its host cache until it evicts (steady state: misses evict rows, as in a long run);
+- ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
+  fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
+  figure);
+- ``nn_embedding_bag``: one ``nn.EmbeddingBag(sparse=True)`` per table in RAM + ``torch.optim``;
 - ``fbgemm``: FBGEMM's CPU table-batched embedding with its fused optimizer, when ``fbgemm_gpu`` is
   installed (``pip install fbgemm-gpu-cpu==1.8.0``).
 
-Reports samples/s and ratios; JSON to ``--json``. ``--scale`` multiplies every cardinality.
+Reports samples/s and ratios, the collection's host hit rate and where its step's time goes; JSON
+to ``--json``. ``--scale`` multiplies every synthetic cardinality.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from bench_train import interleaved_samples_per_second
 from torch import nn
@@ -37,14 +50,71 @@ from tierstore import (
     initial_rows,
     optim,
 )
+from tierstore.cli.traces import load_trace
+from tierstore.nn import pooled_lookup
 from tierstore.nn.collection import table_keys
+from tierstore.store import TieredStore
+from tierstore.tiers import RowCache
+from tierstore.tiers.stack import TierStack
 from tierstore.workloads import ZipfIds
 
 CRITEO_KAGGLE = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
     5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 ]  # fmt: skip
-FEATURES = [f"f{index:02d}" for index in range(len(CRITEO_KAGGLE))]
+
+
+@dataclasses.dataclass
+class Workload:
+    """The tables (``cardinalities``: each one's id bound; ``rows``: the rows each will hold, which
+    the host share counts from), whether those rows are written to the cold stores first
+    (``preloaded``) or grow on demand, and ``next_ids(samples) -> [tables, samples]`` ids."""
+
+    description: str
+    features: list[str]
+    cardinalities: list[int]
+    rows: list[int]
+    preloaded: bool
+    next_ids: Callable[[int], torch.Tensor]
+
+
+def zipf_workload(args) -> Workload:
+    cardinalities = [max(1, int(rows * args.scale)) for rows in CRITEO_KAGGLE]
+    samplers = [ZipfIds(rows, args.alpha, seed=index) for index, rows in enumerate(cardinalities)]
+    return Workload(
+        f"26 Criteo Kaggle tables x{args.scale} ({sum(cardinalities):,} rows), Zipf({args.alpha})",
+        [f"f{index:02d}" for index in range(len(cardinalities))],
+        cardinalities,
+        cardinalities,
+        True,
+        lambda samples: torch.stack([torch.from_numpy(sample(samples)) for sample in samplers]),
+    )
+
+
+def trace_workload(args) -> Workload:
+    trace = load_trace(str(args.trace), args.columns.split(","))
+    tables = len(trace.columns)
+    if trace.keys.size % tables:
+        raise SystemExit(f"{args.trace}: some records lack a value in a column; choose complete columns")
+    keys = trace.keys.reshape(-1, tables)  # [records, columns]
+    firsts = np.array([first for _, first, _ in trace.columns])
+    ids = torch.from_numpy((keys - firsts).T.copy())  # [columns, records], each column's own ids
+    position = 0
+
+    def next_ids(samples: int) -> torch.Tensor:
+        nonlocal position
+        picked = (torch.arange(position, position + samples) % ids.shape[1]).to(torch.int64)
+        position = (position + samples) % ids.shape[1]
+        return ids[:, picked]
+
+    return Workload(
+        f"{trace.name}, columns {[name for name, _, _ in trace.columns]} ({ids.shape[1]:,} records)",
+        [f"f{index:02d}" for index in range(tables)],
+        [end - first for _, first, end in trace.columns],
+        [int(column.unique().numel()) for column in ids],
+        False,
+        next_ids,
+    )
 
 
 def tiered_optimizer(name: str):
@@ -57,48 +127,56 @@ def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
         store.load(part, initial_rows(part, dim, state_width, 0, torch.float32))
 
 
-def collection_step(cardinalities, args, directory: Path):
+def collection_step(work: Workload, args, directory: Path):
+    """``(step, its host cache rows, its store)``, the host cache filled until it evicts."""
     configs = [
         EmbeddingBagConfig(rows, args.dim, name=f"t{index:02d}", feature_names=[feature])
-        for index, (rows, feature) in enumerate(zip(cardinalities, FEATURES))
+        for index, (rows, feature) in enumerate(zip(work.cardinalities, work.features))
     ]
     kind = tiered_optimizer(args.optimizer)
+    host_rows = max(int(sum(work.rows) * args.host_share), len(configs) * args.batch_size)
     collection = TieredEmbeddingBagCollection(
-        configs,
-        directory / "collection",
-        host_cache=int(sum(cardinalities) * args.host_share),
-        optimizer=kind,
+        configs, directory / "collection", host_cache=host_rows, optimizer=kind
     )
-    group = collection.groups[f"dim{args.dim}"]
-    for rows, config in zip(
-        tqdm(cardinalities, desc="preloading the collection", leave=False, disable=None), configs
-    ):
-        table = collection._tables[config.name]
-        preload(group.store, table_keys(table, torch.arange(rows)), args.dim, kind.state_width(args.dim))
+    store = collection.groups[f"dim{args.dim}"].store
+    if work.preloaded:
+        for rows, config in zip(
+            tqdm(work.cardinalities, desc="preloading the collection", leave=False, disable=None), configs
+        ):
+            table = collection._tables[config.name]
+            preload(store, table_keys(table, torch.arange(rows)), args.dim, kind.state_width(args.dim))
 
     def step(ids, lengths):
-        collection(KeyedJaggedTensor(FEATURES, ids.reshape(-1), lengths=lengths)).values().sum().backward()
+        kjt = KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
+        collection(kjt).values().sum().backward()
 
-    return step
+    fill = min(args.fill_batch, host_rows // len(configs))  # a fill batch's ids fit the cache
+    fill_lengths = torch.ones(len(configs) * fill, dtype=torch.int64)
+    with tqdm(desc="filling the collection's host cache", unit="row", disable=None, leave=False) as bar:
+        while store.stats()["host"]["evictions"] == 0 and len(store) < sum(work.rows):
+            step(work.next_ids(fill), fill_lengths)
+            bar.update(store.stats()["host"]["resident_rows"] - bar.n)
+    return step, host_rows, store
 
 
-def separate_step(cardinalities, args, directory: Path):
+def separate_step(work: Workload, args, directory: Path):
     kind = tiered_optimizer(args.optimizer)
     tables = [
         TieredEmbeddingBag(
-            rows,
+            bound,
             args.dim,
             mode="sum",
             path=directory / f"separate{index:02d}",
             host_cache=max(1, int(rows * args.host_share), args.batch_size),
             optimizer=tiered_optimizer(args.optimizer),
         )
-        for index, rows in enumerate(cardinalities)
+        for index, (bound, rows) in enumerate(zip(work.cardinalities, work.rows))
     ]
-    for rows, table in zip(
-        tqdm(cardinalities, desc="preloading the tables", leave=False, disable=None), tables
-    ):
-        preload(table.store, torch.arange(rows), args.dim, kind.state_width(args.dim))
+    if work.preloaded:
+        for rows, table in zip(
+            tqdm(work.cardinalities, desc="preloading the tables", leave=False, disable=None), tables
+        ):
+            preload(table.store, torch.arange(rows), args.dim, kind.state_width(args.dim))
     offsets = torch.arange(args.batch_size)
 
     def step(ids, lengths):
@@ -107,8 +185,10 @@ def separate_step(cardinalities, args, directory: Path):
     return step
 
 
-def torch_step(cardinalities, args):
-    tables = nn.ModuleList(nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True) for rows in cardinalities)
+def torch_step(work: Workload, args):
+    tables = nn.ModuleList(
+        nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True) for rows in work.cardinalities
+    )
     make = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.Adagrad
     dense_optimizer = make(tables.parameters(), lr=0.01)
     offsets = torch.arange(args.batch_size)
@@ -121,7 +201,7 @@ def torch_step(cardinalities, args):
     return step
 
 
-def fbgemm_step(cardinalities, args):
+def fbgemm_step(work: Workload, args):
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -133,11 +213,11 @@ def fbgemm_step(cardinalities, args):
         return None
     kind = EmbOptimType.EXACT_SGD if args.optimizer == "sgd" else EmbOptimType.EXACT_ADAGRAD
     tables = SplitTableBatchedEmbeddingBagsCodegen(
-        [(rows, args.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows in cardinalities],
+        [(rows, args.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows in work.cardinalities],
         optimizer=kind,
         learning_rate=0.01,
     )
-    offsets = torch.arange(len(cardinalities) * args.batch_size + 1)
+    offsets = torch.arange(len(work.cardinalities) * args.batch_size + 1)
 
     def step(ids, lengths):
         tables(ids.reshape(-1), offsets).sum().backward()
@@ -145,54 +225,129 @@ def fbgemm_step(cardinalities, args):
     return step
 
 
+# Where the collection's step spends its time: (label, depth, owner, attribute) of the functions
+# timed, each inside the one above it of lower depth.
+STAGES = [
+    ("forward", 0, TieredEmbeddingBagCollection, "forward"),
+    ("distinct ids (one sort)", 1, pooled_lookup, "distinct"),
+    ("make the rows resident in the host tier", 1, TierStack, "make_resident"),
+    ("fetch misses from the cold store", 2, TierStack, "_fetch"),
+    ("admit misses, evict victims", 2, RowCache, "admit"),
+    ("gather the rows", 1, RowCache, "read"),
+    ("pooled lookup (torch's embedding_bag)", 1, pooled_lookup._KernelGradientBag, "forward"),
+    ("gradient sum per row (kernel)", 0, pooled_lookup._KernelGradientBag, "backward"),
+    ("fused optimizer update", 0, TieredStore, "apply_gradients"),
+]
+
+
+def time_breakdown(step, batches: list) -> list[tuple[str, int, float]]:
+    """``(label, depth, ms per step)`` of ``STAGES`` and of the whole step over ``batches``."""
+    spent = {label: 0.0 for label, *_ in STAGES}
+    originals = []
+    for label, _, owner, attribute in STAGES:
+        raw = owner.__dict__[attribute]
+        function = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def timed(*arguments, _function=function, _label=label, **keywords):
+            start = time.perf_counter()
+            try:
+                return _function(*arguments, **keywords)
+            finally:
+                spent[_label] += time.perf_counter() - start
+
+        originals.append((owner, attribute, raw))
+        setattr(owner, attribute, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+    try:
+        start = time.perf_counter()
+        for batch in batches:
+            step(*batch)
+        total = time.perf_counter() - start
+    finally:
+        for owner, attribute, raw in originals:
+            setattr(owner, attribute, raw)
+    per_step = 1e3 / len(batches)
+    return [("step", -1, total * per_step)] + [
+        (label, depth, spent[label] * per_step) for label, depth, *_ in STAGES
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every table's cardinality")
+    parser.add_argument("--trace", type=Path, help="a CSV/TSV trace whose --columns are the features")
+    parser.add_argument("--columns", default="0,1", help="the trace's id columns (names or 0-based indices)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every synthetic cardinality")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--host-share", type=float, default=0.10, help="host cache, share of all rows")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd")
-    parser.add_argument("--warm-up", type=int, default=20, help="steps before timing (fills the caches)")
-    parser.add_argument("--rounds", type=int, default=3, help="turns of timing, each method once")
-    parser.add_argument("--steps", type=int, default=10, help="batches per method per round")
+    parser.add_argument("--warm-up", type=int, default=20, help="steps of every method before timing")
+    parser.add_argument(
+        "--fill-batch", type=int, default=32768, help="samples per batch filling the collection's host cache"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="turns of timing, each method once")
+    parser.add_argument("--steps", type=int, default=40, help="batches per method per round")
     parser.add_argument("--json", type=Path, default=Path("bench/results/dlrm.json"))
     args = parser.parse_args()
 
-    cardinalities = [max(1, int(rows * args.scale)) for rows in CRITEO_KAGGLE]
-    samplers = [ZipfIds(rows, args.alpha, seed=index) for index, rows in enumerate(cardinalities)]
-    lengths = torch.ones(len(cardinalities) * args.batch_size, dtype=torch.int64)
+    work = trace_workload(args) if args.trace else zipf_workload(args)
+    lengths = torch.ones(len(work.features) * args.batch_size, dtype=torch.int64)
 
     def batch():
-        return torch.stack([torch.from_numpy(sample(args.batch_size)) for sample in samplers]), lengths
+        return work.next_ids(args.batch_size), lengths
 
     with tempfile.TemporaryDirectory() as directory:
+        collection, host_rows, store = collection_step(work, args, Path(directory))
         steps = {
-            "collection": collection_step(cardinalities, args, Path(directory)),
-            "separate": separate_step(cardinalities, args, Path(directory)),
-            "nn_embedding_bag": torch_step(cardinalities, args),
+            "collection": collection,
+            "separate": separate_step(work, args, Path(directory)),
+            "nn_embedding_bag": torch_step(work, args),
         }
-        fbgemm = fbgemm_step(cardinalities, args)
+        fbgemm = fbgemm_step(work, args)
         if fbgemm is not None:
             steps["fbgemm"] = fbgemm
         for _ in tqdm(range(args.warm_up), desc="warming up", leave=False, disable=None):
-            work = batch()
+            ids = batch()
             for step in steps.values():
-                step(*work)
+                step(*ids)
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
+        before = store.stats()["host"]
         rates = interleaved_samples_per_second(steps, timed, samples_per_batch=args.batch_size)
+        after = store.stats()["host"]
+        breakdown = time_breakdown(collection, [batch() for _ in range(args.steps)])
+    lookups = after["hits"] + after["misses"] - before["hits"] - before["misses"]
+    host = {
+        "rows": host_rows,
+        "hit_rate": (after["hits"] - before["hits"]) / lookups,
+        "evictions_per_step": (after["evictions"] - before["evictions"]) / (args.rounds * args.steps),
+    }
     print(
-        f"26 Criteo Kaggle tables x{args.scale} ({sum(cardinalities):,} rows), dim {args.dim}, "
-        f"batch {args.batch_size}, Zipf({args.alpha}), {args.optimizer}, host cache {args.host_share:.0%}"
+        f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, host cache "
+        f"{host_rows:,} rows ({host_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the tables hold)"
     )
     baseline = rates["nn_embedding_bag"]
     print(f"{'method':<20}{'samples/s':>12}{'vs nn.EmbeddingBag':>20}{'vs FBGEMM':>11}")
     for name, rate in rates.items():
         versus_fbgemm = f"{rate / rates['fbgemm']:>11.2f}" if "fbgemm" in rates else f"{'':>11}"
         print(f"{name:<20}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
+    print(
+        f"collection's host cache while timed: hit rate {host['hit_rate']:.3f}, "
+        f"{host['evictions_per_step']:,.0f} rows evicted per step"
+    )
+    print("where the collection's step goes (ms per step, each stage inside the one above it):")
+    for label, depth, milliseconds in breakdown:
+        print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{milliseconds:>8.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "samples_per_s": rates})
+        json.dumps(
+            {
+                "config": {k: str(v) for k, v in vars(args).items()},
+                "workload": work.description,
+                "samples_per_s": rates,
+                "host_cache": host,
+                "breakdown_ms_per_step": {label: milliseconds for label, _, milliseconds in breakdown},
+            }
+        )
     )
     print(f"results: {args.json}")
 
