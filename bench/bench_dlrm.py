@@ -153,9 +153,11 @@ def collection_step(work: Workload, args, directory: Path):
     fill = min(args.fill_batch, host_rows // len(configs))  # a fill batch's ids fit the cache
     fill_lengths = torch.ones(len(configs) * fill, dtype=torch.int64)
     with tqdm(desc="filling the collection's host cache", unit="row", disable=None, leave=False) as bar:
-        while store.stats()["host"]["evictions"] == 0 and len(store) < sum(work.rows):
+        host = store.stats()["host"]
+        while host["evictions"] == 0 and host["resident_rows"] < sum(work.rows):
             step(work.next_ids(fill), fill_lengths)
-            bar.update(store.stats()["host"]["resident_rows"] - bar.n)
+            host = store.stats()["host"]
+            bar.update(host["resident_rows"] - bar.n)
     return step, host_rows, store
 
 
