@@ -242,7 +242,10 @@ class LmdbColdStore(ColdStore):
             cursor = txn.cursor(self._rows)
 
             def item() -> tuple[bytes, bytes]:
-                return bytes(cursor.key()), bytes(cursor.value())
+                key, value = cursor.key(), cursor.value()  # views into the map: lengths checked
+                if len(key) != 8 or len(value) != self.codec.stored_bytes:  # before a copy reads them
+                    raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed entries")
+                return bytes(key), bytes(value)
 
             def neighbours(key: bytes) -> tuple[bytes, tuple | None, tuple | None]:
                 after = item() if cursor.set_range(key) else None
