@@ -2,9 +2,13 @@ import cachetools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierstore.errors import CacheCapacityError
 from tierstore.tiers import RowCache, Rows
+from tierstore.tiers.backends import TorchRows
+from tierstore.tiers.policies import LfuWithAgeing
 
 
 def rows_for(keys, width=2):
@@ -42,7 +46,7 @@ def test_lfu_matches_cachetools_reference_hit_for_hit_on_a_zipf_trace():
     # most recently used row, as cachetools.LFUCache does; otherwise this is plain LFU.
     rng = np.random.default_rng(0)
     trace = (rng.zipf(1.2, 20000) % 2000).tolist()
-    ours = RowCache("host", 100, 2, torch.float32, half_life=1e6, spare_share=0)  # one victim per miss
+    ours = RowCache("host", 100, 2, torch.float32, half_life=1e6)
     reference = cachetools.LFUCache(maxsize=100)
     our_hits = [access(ours, key) for key in trace]
     reference_hits = []
@@ -96,27 +100,40 @@ def test_byte_accounting_is_exact():
     assert cache.nbytes == RowCache.nbytes_for(1000, 64, torch.float32)
 
 
-def test_a_full_cache_evicts_a_spare_share_at_once_and_fills_the_spare_slots_without_evicting():
-    cache = RowCache("host", 64, 2, torch.float32, half_life=float("inf"), spare_share=1 / 8)
-    slots, _ = cache.admit(rows_for(range(64)))
-    cache.touch(slots, torch.arange(1, 65))  # key k was looked up k + 1 times
-    protected = cache.find(torch.tensor([0, 1]))  # the two coldest rows, needed by this batch
-    _, evicted = cache.admit(rows_for([100]), protected=protected)
-    assert sorted(evicted.keys.tolist()) == list(range(2, 11))  # the one needed + 8 spare, lowest first
-    assert torch.equal(evicted.rows[:, 0], evicted.keys.float())  # handed down with their rows
-    assert len(cache) == 64 - 8 and cache.stats.evictions == 9
-    for key in range(101, 109):  # the spare slots take the next rows: nothing more is evicted
-        _, evicted = cache.admit(rows_for([key]))
-        assert len(evicted) == 0
-    assert len(cache) == 64
-    found = cache.find(torch.tensor([0, 1, *range(11, 64), *range(100, 109)]))
-    assert bool((found >= 0).all()) and bool((cache.find(torch.arange(2, 11)) < 0).all())
-
-
-def test_spare_victims_never_exceed_what_can_be_evicted():
-    cache = RowCache("host", 16, 2, torch.float32, spare_share=1 / 2)
-    cache.admit(rows_for(range(16)))
-    protected = cache.find(torch.arange(12))  # 4 evictable rows, 1 needed, 8 spare wanted
-    _, evicted = cache.admit(rows_for([99]), protected=protected)
-    assert sorted(evicted.keys.tolist()) == [12, 13, 14, 15]
-    assert len(cache) == 13 and bool((cache.find(torch.arange(12)) >= 0).all())
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1e9, 50.0]))
+def test_lfu_victims_from_its_pool_are_always_the_lowest_scored_slots(seed, half_life):
+    """Victims come from a pool ranked by an earlier scan (and slots filled since); whatever was
+    touched, filled or emptied in between, they must be exactly the lowest-scored evictable slots."""
+    rng = np.random.default_rng(seed)
+    capacity = 320  # a pool of 10
+    policy = LfuWithAgeing(capacity, torch.device("cpu"), TorchRows(), half_life)
+    slot_keys = torch.arange(capacity)
+    scans = 0
+    for _ in range(60):
+        occupied = (slot_keys >= 0).nonzero().squeeze(1)
+        touched = occupied[torch.from_numpy(rng.integers(0, occupied.numel(), 30))]
+        policy.touch(touched, torch.from_numpy(rng.integers(1, 4, 30)))
+        if rng.random() < 0.2:  # rows taken up a tier: their slots empty, then refilled later
+            emptied = occupied[torch.from_numpy(rng.choice(occupied.numel(), 3, replace=False))]
+            slot_keys[emptied] = -1
+            policy.reset(emptied)
+        protected = occupied[torch.from_numpy(rng.choice(occupied.numel(), 20, replace=False))]
+        count = int(rng.integers(1, 9))
+        had_pool = policy._pool is not None
+        victims = policy.victims(count, slot_keys, protected)
+        scans += not had_pool or policy._threshold != getattr(policy, "_last_threshold", None)
+        policy._last_threshold = policy._threshold
+        others = torch.ones(capacity, dtype=torch.bool)
+        others[victims] = False
+        others[protected] = False
+        others &= slot_keys >= 0
+        assert victims.numel() == count and bool((slot_keys[victims] >= 0).all())
+        assert not bool(torch.isin(victims, protected).any())
+        assert float(policy.score[victims].max()) <= float(policy.score[others].min())
+        refill = (slot_keys < 0).nonzero().squeeze(1)
+        slot_keys[victims] = 1000 + victims  # new rows in the victims' slots and the emptied ones
+        slot_keys[refill] = 2000 + refill
+        policy.reset(torch.cat([victims, refill]))
+        policy.touch(victims, None)
+    assert scans < 60  # the pool served some batches without a scan

@@ -65,9 +65,7 @@ def test_a_new_eviction_policy_is_a_small_class_that_plugs_into_the_cache(cache_
     """The FIFO policy above, in a RowCache on either backend, hit for hit with cachetools' FIFOCache."""
     rng = np.random.default_rng(3)
     trace = (rng.zipf(1.3, 5000) % 300).tolist()
-    ours = RowCache(
-        "host", 40, 2, torch.float32, backend=cache_backend, policy=FirstInFirstOut, spare_share=0
-    )
+    ours = RowCache("host", 40, 2, torch.float32, backend=cache_backend, policy=FirstInFirstOut)
     reference = cachetools.FIFOCache(maxsize=40)
     our_hits, reference_hits = [], []
     for key in trace:

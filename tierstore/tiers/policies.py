@@ -17,6 +17,7 @@ import torch
 from ..errors import CacheCapacityError
 
 _RENORMALISE_AT = 2.0**20
+POOL_SHARE = 1 / 32  # of the capacity: victims ranked ahead by one scan of every slot
 
 
 class EvictionPolicy(abc.ABC):
@@ -51,9 +52,17 @@ class LfuWithAgeing(EvictionPolicy):
     """LFU with ageing: an access adds ``increment`` to its slot's score, and ``increment`` grows by
     ``2 ** (1 / half_life)`` per access, which is the same as halving every older score each
     ``half_life`` accesses (so a shifted distribution is followed) at O(batch) cost.
-    ``half_life``: accesses (default 4x the capacity); ``inf`` is plain LFU."""
+    ``half_life``: accesses (default 4x the capacity); ``inf`` is plain LFU.
 
-    bytes_per_slot = 4 + 1  # the score and the victim mask
+    Victims are exactly the lowest-scored slots, but not found by a scan of every slot per batch:
+    a scan ranks ``POOL_SHARE`` of the capacity beyond the victims it needs into a pool (with the
+    slots the batch protects that rank as low), ``threshold`` being the highest score ranked.
+    Scores only grow (ageing rescales them all alike), so every slot outside the pool and the
+    slots filled since scores at least ``threshold``; the next batches take their victims from
+    the pool and those new slots while enough of them score at most ``threshold``, and scan
+    again when too few do."""
+
+    bytes_per_slot = 4 + 1 + 1  # the score, the victim mask, and at most 1 for the pool and new slots
 
     def __init__(self, capacity: int, device: torch.device, backend, half_life: float | None = None) -> None:
         super().__init__(capacity, device, backend)
@@ -61,10 +70,14 @@ class LfuWithAgeing(EvictionPolicy):
         self._blocked = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._increment = 1.0
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
+        self._pool_size = int(capacity * POOL_SHARE)
+        self._pool: torch.Tensor | None = None  # slots ranked low by the last scan, not yet taken
+        self._threshold = 0.0  # the highest score that scan ranked
+        self._filled: list[torch.Tensor] = []  # slots filled or emptied since then
 
     @property
     def nbytes(self) -> int:
-        return self.score.nbytes + self._blocked.nbytes
+        return self.score.nbytes + self._blocked.nbytes + self.capacity  # the pool's bound
 
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         if counts is None:
@@ -75,24 +88,56 @@ class LfuWithAgeing(EvictionPolicy):
         self._increment *= self._growth**accesses
         if self._increment > _RENORMALISE_AT:
             self.score /= self._increment
+            self._threshold /= self._increment
             self._increment = 1.0
 
     def reset(self, slots: torch.Tensor) -> None:
         self.score[slots] = 0
+        if self._pool is not None:
+            self._filled.append(slots.clone())
+            if sum(part.numel() for part in self._filled) > self._pool_size:  # bounded: scan anew
+                self._pool, self._filled = None, []
 
     def victims(self, count: int, slot_keys: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
         self._blocked.zero_()
         if protected is not None and protected.numel():
             self._blocked[protected] = 1
-        candidates = self.backend.victim_scores(self.score, slot_keys, self._blocked)
-        if candidates.device.type == "cpu":  # numpy's introselect beats torch.topk on the CPU
-            victims = torch.from_numpy(np.argpartition(candidates.numpy(), count - 1)[:count])
-        else:
-            victims = torch.topk(candidates, count, largest=False, sorted=False).indices
-        if not bool(torch.isfinite(candidates[victims]).all()):
-            available = int(torch.isfinite(candidates).sum())
+        if self._pool is not None:
+            candidates = torch.unique(torch.cat([self._pool, *self._filled]))
+            candidates = candidates[
+                (self.score[candidates] <= self._threshold) & (slot_keys[candidates] >= 0)
+            ]
+            if int((self._blocked[candidates] == 0).sum()) >= count:
+                return self._take(candidates, count)
+        scores = self.backend.victim_scores(self.score, slot_keys, self._blocked)
+        ranked = _lowest(scores, min(count + self._pool_size, self.capacity))
+        ranked = ranked[torch.isfinite(scores[ranked])]
+        if ranked.numel() < count:
+            available = int(torch.isfinite(scores).sum())
             raise CacheCapacityError(
                 f"the current batch needs {count} more than it can evict ({available} evictable); "
                 f"raise its budget or split the batch"
             )
-        return victims
+        self._threshold = float(scores[ranked].max())
+        if protected is not None and protected.numel():  # needed now, but ranked low: pooled for later
+            ranked = torch.cat([ranked, protected[self.score[protected] <= self._threshold]])
+        return self._take(ranked, count)
+
+    def _take(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` lowest-scored of ``candidates`` (distinct slots) not blocked now; the
+        others become the pool."""
+        choosable = (self._blocked[candidates] == 0).nonzero().squeeze(1)
+        chosen = choosable[_lowest(self.score[candidates[choosable]], count)]
+        rest = torch.ones(candidates.numel(), dtype=torch.bool, device=candidates.device)
+        rest[chosen] = False
+        self._pool, self._filled = candidates[rest], []
+        return candidates[chosen]
+
+
+def _lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of the ``count`` lowest of ``scores``, in no order."""
+    if count >= scores.numel():
+        return torch.arange(scores.numel(), device=scores.device)
+    if scores.device.type == "cpu":  # numpy's introselect beats torch.topk on the CPU
+        return torch.from_numpy(np.argpartition(scores.numpy(), count - 1)[:count])
+    return torch.topk(scores, count, largest=False, sorted=False).indices

@@ -20,9 +20,6 @@ from .contract import Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing
 
 _SLOT_BYTES = 8 + 1 + 1 + 8  # key, dirty and fresh flags, free-slot stack
-# A full tier evicts at least this share of its capacity at once (by default): choosing victims
-# reads every slot's score, so that cost is paid once per this many rows, not once per batch.
-SPARE_SHARE = 1 / 32
 
 
 class RowCache:
@@ -30,10 +27,7 @@ class RowCache:
 
     ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: an
     ``EvictionPolicy`` subclass, built as ``policy(capacity, device, backend)`` (default: LFU with
-    ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU).
-    ``spare_share``: when the tier must evict, it evicts at least this share of its capacity (the
-    rows the policy ranks lowest) and keeps the spare slots free for the next batches; 0 evicts
-    exactly what each batch needs."""
+    ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
 
     def __init__(
         self,
@@ -46,7 +40,6 @@ class RowCache:
         pin_memory: bool = False,
         backend=None,
         policy: type[EvictionPolicy] | None = None,
-        spare_share: float = SPARE_SHARE,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
@@ -66,7 +59,6 @@ class RowCache:
         self.fresh = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
-        self._spare = int(capacity * spare_share)  # victims beyond a batch's need, when it must evict
         if policy is None:
             self.policy = LfuWithAgeing(capacity, self.device, self.backend, half_life)
         else:
@@ -166,11 +158,7 @@ class RowCache:
         count = len(incoming)
         from_free = min(count, self._free_count)
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
-        victims = None
-        if count > from_free:
-            needed = count - from_free
-            evictable = len(self) - (0 if protected is None else protected.numel())
-            victims = self._victims(needed + min(self._spare, max(0, evictable - needed)), protected)
+        victims = self._victims(count - from_free, protected) if count > from_free else None
         if victims is not None:
             evicted = self._rows_at(victims)
             if before_evicting is not None:
@@ -179,8 +167,7 @@ class RowCache:
         self._free_count -= from_free
         if victims is not None:
             self.index.remove(evicted.keys)
-            slots = torch.cat([slots, victims[:needed]])
-            self._release(victims[needed:])  # the spare victims' slots
+            slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()
             self.stats.writebacks += int(evicted.dirty.sum())
         keys = incoming.keys.to(self.device)
