@@ -54,26 +54,34 @@ class LfuWithAgeing(EvictionPolicy):
     ``half_life`` accesses (so a shifted distribution is followed) at O(batch) cost.
     ``half_life``: accesses (default 4x the capacity); ``inf`` is plain LFU.
 
-    Victims are exactly the lowest-scored slots, but not found by a scan of every slot per batch:
-    a scan ranks ``POOL_SHARE`` of the capacity beyond the victims it needs into a pool (with the
-    slots the batch protects that rank as low), ``threshold`` being the highest score ranked.
-    Scores only grow (ageing rescales them all alike), so every slot outside the pool and the
-    slots filled since scores at least ``threshold``; the next batches take their victims from
-    the pool and those new slots while enough of them score at most ``threshold``, and scan
-    again when too few do."""
+    Victims are not found by a scan of every slot per batch: a scan (counted in ``scans``) ranks
+    ``pool_share`` of the capacity beyond the victims it needs, in ascending score, and the next
+    batches take their victims from the front of that pool, skipping slots accessed, emptied or
+    refilled since; when it runs out, a scan again. Scores only grow, so a victim scores at most
+    any slot not accessed or refilled since the scan: exact LFU but for rows that entered the
+    tier or were accessed since (with ageing, they score above the pool anyway). ``pool_share=0``
+    scans at every batch (exact LFU)."""
 
-    bytes_per_slot = 4 + 1 + 1  # the score, the victim mask, and at most 1 for the pool and new slots
+    bytes_per_slot = 4 + 1 + 1  # the score, the victim mask, and at most 1 for the pool
 
-    def __init__(self, capacity: int, device: torch.device, backend, half_life: float | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        device: torch.device,
+        backend,
+        half_life: float | None = None,
+        pool_share: float = POOL_SHARE,
+    ) -> None:
         super().__init__(capacity, device, backend)
         self.score = torch.zeros(capacity, dtype=torch.float32, device=device)
         self._blocked = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._increment = 1.0
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
-        self._pool_size = int(capacity * POOL_SHARE)
-        self._pool: torch.Tensor | None = None  # slots ranked low by the last scan, not yet taken
-        self._threshold = 0.0  # the highest score that scan ranked
-        self._filled: list[torch.Tensor] = []  # slots filled or emptied since then
+        self._pool_size = int(capacity * pool_share)
+        self._pool = torch.zeros(0, dtype=torch.int64, device=device)  # ranked slots, lowest first
+        self._pool_scores = self.score[:0]  # their scores and keys when ranked
+        self._pool_keys = self._pool
+        self.scans = 0
 
     @property
     def nbytes(self) -> int:
@@ -88,27 +96,21 @@ class LfuWithAgeing(EvictionPolicy):
         self._increment *= self._growth**accesses
         if self._increment > _RENORMALISE_AT:
             self.score /= self._increment
-            self._threshold /= self._increment
+            self._pool = self._pool[:0]  # ranked scores no longer compare: scan anew
+            self._pool_scores, self._pool_keys = self._pool_scores[:0], self._pool_keys[:0]
             self._increment = 1.0
 
     def reset(self, slots: torch.Tensor) -> None:
         self.score[slots] = 0
-        if self._pool is not None:
-            self._filled.append(slots.clone())
-            if sum(part.numel() for part in self._filled) > self._pool_size:  # bounded: scan anew
-                self._pool, self._filled = None, []
 
     def victims(self, count: int, slot_keys: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
         self._blocked.zero_()
         if protected is not None and protected.numel():
             self._blocked[protected] = 1
-        if self._pool is not None:
-            candidates = torch.unique(torch.cat([self._pool, *self._filled]))
-            candidates = candidates[
-                (self.score[candidates] <= self._threshold) & (slot_keys[candidates] >= 0)
-            ]
-            if int((self._blocked[candidates] == 0).sum()) >= count:
-                return self._take(candidates, count)
+        taken = self._from_pool(count, slot_keys)
+        if taken is not None:
+            return taken
+        self.scans += 1
         scores = self.backend.victim_scores(self.score, slot_keys, self._blocked)
         ranked = _lowest(scores, min(count + self._pool_size, self.capacity))
         ranked = ranked[torch.isfinite(scores[ranked])]
@@ -118,20 +120,32 @@ class LfuWithAgeing(EvictionPolicy):
                 f"the current batch needs {count} more than it can evict ({available} evictable); "
                 f"raise its budget or split the batch"
             )
-        self._threshold = float(scores[ranked].max())
-        if protected is not None and protected.numel():  # needed now, but ranked low: pooled for later
-            ranked = torch.cat([ranked, protected[self.score[protected] <= self._threshold]])
-        return self._take(ranked, count)
+        ranked = ranked[torch.argsort(scores[ranked], stable=True)]
+        pool = ranked[count:]
+        self._pool, self._pool_scores, self._pool_keys = pool, scores[pool], slot_keys[pool]
+        return ranked[:count]
 
-    def _take(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
-        """The ``count`` lowest-scored of ``candidates`` (distinct slots) not blocked now; the
-        others become the pool."""
-        choosable = (self._blocked[candidates] == 0).nonzero().squeeze(1)
-        chosen = choosable[_lowest(self.score[candidates[choosable]], count)]
-        rest = torch.ones(candidates.numel(), dtype=torch.bool, device=candidates.device)
-        rest[chosen] = False
-        self._pool, self._filled = candidates[rest], []
-        return candidates[chosen]
+    def _from_pool(self, count: int, slot_keys: torch.Tensor) -> torch.Tensor | None:
+        """The first ``count`` slots of the pool that hold the row and the score they were ranked
+        with and are not protected now (those skipped leave the pool), or None if it has too few."""
+        size = 2 * count + 256
+        while True:
+            window = self._pool[:size]
+            valid = (
+                (self.score[window] == self._pool_scores[:size])
+                & (slot_keys[window] == self._pool_keys[:size])
+                & (self._blocked[window] == 0)
+            )
+            found = valid.nonzero().squeeze(1)
+            if found.numel() >= count:
+                rest = slice(int(found[count - 1]) + 1, None) if count else slice(0, None)
+                chosen = window[found[:count]]
+                self._pool, self._pool_scores = self._pool[rest], self._pool_scores[rest]
+                self._pool_keys = self._pool_keys[rest]
+                return chosen
+            if size >= self._pool.numel():
+                return None
+            size *= 2
 
 
 def _lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
