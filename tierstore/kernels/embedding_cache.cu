@@ -343,8 +343,15 @@ extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_ou
                                                i64 rows, i64 dim, float* __restrict__ grad_weight) {
 #ifdef TIERSTORE_OPENMP
     // Rows differ in entry count by orders of magnitude (skewed ids): threads take rows in chunks as they go.
+    const i64 entries = starts[rows];
 #pragma omp parallel for schedule(dynamic, 256)
     for (i64 r = 0; r < rows; ++r) {
+        // the gradient rows of the entries AHEAD places on (whichever rows they belong to)
+        const i64 first = starts[r] + AHEAD < entries ? starts[r] + AHEAD : entries;
+        const i64 last = starts[r + 1] + AHEAD < entries ? starts[r + 1] + AHEAD : entries;
+        for (i64 e = first; e < last; ++e) {
+            for (i64 c = 0; c < dim; c += 16) __builtin_prefetch(grad_out + bag[order[e]] * dim + c);
+        }
         sum_entries(grad_weight + r * dim, grad_out, order + starts[r], starts[r + 1] - starts[r], bag, scale,
                     dim);
     }
