@@ -104,9 +104,16 @@ class LfuWithAgeing(EvictionPolicy):
         self.score[slots] = 0
 
     def victims(self, count: int, slot_keys: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
-        self._blocked.zero_()
-        if protected is not None and protected.numel():
+        blocked = protected is not None and protected.numel() > 0
+        if blocked:
             self._blocked[protected] = 1
+        try:
+            return self._victims(count, slot_keys)
+        finally:
+            if blocked:
+                self._blocked[protected] = 0  # cleared where set: no pass over every slot
+
+    def _victims(self, count: int, slot_keys: torch.Tensor) -> torch.Tensor:
         taken = self._from_pool(count, slot_keys)
         if taken is not None:
             return taken
