@@ -111,7 +111,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         tables = [self._table_of_feature[key] for key in keys]
         counts = lengths.sum(dim=1)  # ids per feature
         values = values.cpu()
-        entry_keys = _checked_keys(values, tables, counts)  # before any table is touched
+        feature_of_entry = torch.repeat_interleave(torch.arange(len(keys)), counts)
+        entry_keys = _checked_keys(values, tables, feature_of_entry)  # before any table is touched
         for table, count in zip(tables, counts.tolist()):
             self.lookups[table["name"]] += count
         blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
@@ -124,7 +125,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             else:
                 in_group = torch.zeros(len(keys), dtype=torch.bool)
                 in_group[positions] = True
-                entries = torch.repeat_interleave(in_group, counts)
+                entries = in_group[feature_of_entry]
                 group_keys = entry_keys[entries]
                 group_weights = None if weights is None else weights[entries.to(weights.device)]
             blocks.append(
@@ -253,22 +254,21 @@ def _check_layout(root: Path, tables: dict[str, dict]) -> None:
         )
 
 
-def _checked_keys(values: torch.Tensor, tables: list[dict], counts: torch.Tensor) -> torch.Tensor:
-    """Keys (int64 [N]) of ``values`` (CPU ids, feature after feature, ``counts [features]`` of
-    each) in their groups' stores, ``tables[f]`` being feature f's; ``IndexError`` naming the
-    table if an id is negative or past its table's ``num_embeddings``."""
+def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: torch.Tensor) -> torch.Tensor:
+    """Keys (int64 [N]) of ``values`` (CPU ids, entry i of feature ``feature_of_entry[i]``, whose
+    table is ``tables[f]``) in their groups' stores; ``IndexError`` naming the table if an id is
+    negative or past its table's ``num_embeddings``."""
     bounds = [
         1 << ID_BITS if table["num_embeddings"] is None else table["num_embeddings"] for table in tables
     ]
-    entry_bounds = torch.repeat_interleave(torch.tensor(bounds, dtype=torch.int64), counts)
-    bad = (values < 0) | (values >= entry_bounds)
+    bad = (values < 0) | (values >= torch.tensor(bounds, dtype=torch.int64)[feature_of_entry])
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
-        feature = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
+        feature = int(feature_of_entry[first])
         name, value = tables[feature]["name"], int(values[first])
         raise IndexError(f"table {name!r}: ids must be in [0, {bounds[feature]}), got {value}")
     numbers = torch.tensor([table["number"] for table in tables], dtype=torch.int64)
-    return (torch.repeat_interleave(numbers, counts) << ID_BITS) | values
+    return (numbers[feature_of_entry] << ID_BITS) | values
 
 
 def _group_name(table: dict) -> str:
