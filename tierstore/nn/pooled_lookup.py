@@ -135,9 +135,9 @@ class _KernelGradientBag(torch.autograd.Function):
         bag, scale = _entry_bags_and_scales(
             local, offsets, mode, per_sample_weights, include_last_offset, padding_idx, grad_output.shape[0]
         )
-        if bag.device.type == "cpu":  # each entry's bag and scale in row order: read in sequence
-            bag, scale = bag.index_select(0, order), scale.index_select(0, order)
-            order = torch.arange(order.numel())
+        # each entry's bag and scale in row order, so the kernel reads them in sequence
+        bag, scale = bag.index_select(0, order), scale.index_select(0, order)
+        order = torch.arange(order.numel(), device=order.device)
         grad_weight = torch.empty(rows, dim, dtype=torch.float32, device=grad_output.device)
         kernels.launch(
             "bag_weight_gradient",
