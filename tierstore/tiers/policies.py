@@ -59,8 +59,8 @@ class LfuWithAgeing(EvictionPolicy):
     batches take their victims from the front of that pool, skipping slots accessed, emptied or
     refilled since; when it runs out, a scan again. Scores only grow, so a victim scores at most
     any slot not accessed or refilled since the scan: exact LFU but for rows that entered the
-    tier or were accessed since (with ageing, they score above the pool anyway). ``pool_share=0``
-    scans at every batch (exact LFU)."""
+    tier or were accessed since (with ageing, their new accesses count most, so they usually
+    score above the pool). ``pool_share=0`` scans at every batch (exact LFU)."""
 
     bytes_per_slot = 4 + 1 + 1  # the score, the victim mask, and at most 1 for the pool
 
