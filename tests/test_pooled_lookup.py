@@ -119,3 +119,29 @@ def test_one_sort_gives_unique_counts_rows_and_the_entries_by_row(values, paddin
         assert torch.equal(local.rows.reshape(-1)[~padding], inverse)
     else:
         assert torch.equal(local.rows.reshape(-1), inverse)
+
+
+@pytest.mark.parametrize("layout", ["a slice of a wider output", "expanded (a sum's gradient)", "transposed"])
+def test_gradients_of_any_layout_match_torch(host, layout):
+    local, offsets = torch.randint(0, 9, (40,)), torch.tensor([0, 3, 3, 17, 30])
+    weights, dim = torch.randn(9, 6), 6
+
+    def grad_of(function):
+        weight = weights.clone().requires_grad_(True)
+        output = function(weight)
+        if layout == "a slice of a wider output":  # as a model's torch.cat([dense, pooled]) gives
+            wider = torch.cat([torch.ones(output.shape[0], 3), output, torch.ones(output.shape[0], 2)], 1)
+            wider.backward(torch.linspace(-1, 1, wider.numel()).reshape(wider.shape))
+        elif layout == "expanded (a sum's gradient)":
+            output.sum().backward()
+        else:
+            output.backward(torch.linspace(-1, 1, output.numel()).reshape(dim, -1).t())
+        return weight.grad
+
+    grad = grad_of(
+        lambda w: pooled_lookup.embedding_bag(
+            LocalIds.of(local, None, 9), w, offsets, "sum", None, False, host
+        )
+    )
+    expected = grad_of(lambda w: F.embedding_bag(local, w, offsets, mode="sum"))
+    torch.testing.assert_close(grad, expected)

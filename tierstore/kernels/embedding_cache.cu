@@ -322,15 +322,16 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
 // weight: grad_weight[r, :] = sum over the entries j that read row r of scale[j] * grad_out[bag[j], :].
 // The entries of row r are order[starts[r]] .. order[starts[r + 1] - 1] (entries sorted by row),
 // so each row is summed by one thread (GPU: one per element) without atomics. scale[j]: the
-// per-sample weight, 1 / bag length for mode "mean", or 1. grad_out [bags, dim], grad_weight [rows, dim].
+// per-sample weight, 1 / bag length for mode "mean", or 1. grad_out [bags, dim] with bag b's row at
+// grad_out + b * grad_stride (a slice of a wider gradient is read in place), grad_weight [rows, dim].
 #ifdef TIERSTORE_OPENMP
 __device__ __forceinline__ void sum_entries(float* __restrict__ target, const float* __restrict__ grad_out,
                                             const i64* __restrict__ entries, i64 count,
                                             const i64* __restrict__ bag, const float* __restrict__ scale,
-                                            i64 dim) {
+                                            i64 dim, i64 grad_stride) {
     for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
     for (i64 e = 0; e < count; ++e) {
-        const float* __restrict__ source = grad_out + bag[entries[e]] * dim;
+        const float* __restrict__ source = grad_out + bag[entries[e]] * grad_stride;
         float weight = scale[entries[e]];
         for (i64 c = 0; c < dim; ++c) target[c] += weight * source[c];
     }
@@ -340,7 +341,8 @@ __device__ __forceinline__ void sum_entries(float* __restrict__ target, const fl
 extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_out,
                                                const i64* __restrict__ order, const i64* __restrict__ starts,
                                                const i64* __restrict__ bag, const float* __restrict__ scale,
-                                               i64 rows, i64 dim, float* __restrict__ grad_weight) {
+                                               i64 rows, i64 dim, i64 grad_stride,
+                                               float* __restrict__ grad_weight) {
 #ifdef TIERSTORE_OPENMP
     // Rows differ in entry count by orders of magnitude (skewed ids): threads take rows in chunks as they go.
     const i64 entries = starts[rows];
@@ -350,16 +352,16 @@ extern "C" __global__ void bag_weight_gradient(const float* __restrict__ grad_ou
         const i64 first = starts[r] + AHEAD < entries ? starts[r] + AHEAD : entries;
         const i64 last = starts[r + 1] + AHEAD < entries ? starts[r + 1] + AHEAD : entries;
         for (i64 e = first; e < last; ++e) {
-            for (i64 c = 0; c < dim; c += 16) __builtin_prefetch(grad_out + bag[order[e]] * dim + c);
+            for (i64 c = 0; c < dim; c += 16) __builtin_prefetch(grad_out + bag[order[e]] * grad_stride + c);
         }
         sum_entries(grad_weight + r * dim, grad_out, order + starts[r], starts[r + 1] - starts[r], bag, scale,
-                    dim);
+                    dim, grad_stride);
     }
 #else
     FOR_EACH_ROW_ELEMENT(r, c, rows, dim) {
         float sum = 0.0f;
         for (i64 e = starts[r]; e < starts[r + 1]; ++e)
-            sum += scale[order[e]] * grad_out[bag[order[e]] * dim + c];
+            sum += scale[order[e]] * grad_out[bag[order[e]] * grad_stride + c];
         grad_weight[r * dim + c] = sum;
     }
 #endif

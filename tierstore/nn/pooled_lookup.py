@@ -139,19 +139,32 @@ class _KernelGradientBag(torch.autograd.Function):
         bag, scale = bag.index_select(0, order), scale.index_select(0, order)
         order = torch.arange(order.numel(), device=order.device)
         grad_weight = torch.empty(rows, dim, dtype=torch.float32, device=grad_output.device)
+        grad_rows, grad_stride = _rows_in_place(grad_output)
         kernels.launch(
             "bag_weight_gradient",
             rows * dim,
-            grad_output.contiguous(),
+            grad_rows,
             order,
             starts,
             bag,
             scale,
             rows,
             dim,
+            grad_stride,
             grad_weight,
         )
         return grad_weight, None, None, None, None, None, None
+
+
+def _rows_in_place(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(a contiguous 1-D view over the rows of grad [bags, dim], elements from one row to the
+    next)``: a gradient whose rows are packed but spaced out (a slice of a wider output, as a
+    model's ``torch.cat`` of features gives) is read in place; any other layout is copied."""
+    bags, dim = grad.shape
+    if bags == 0 or grad.stride(1) != 1 or grad.stride(0) < dim:
+        grad = grad.contiguous()
+    span = (bags - 1) * grad.stride(0) + dim if bags else 0
+    return grad.as_strided((span,), (1,)), grad.stride(0) if bags else dim
 
 
 def _entry_bags_and_scales(
