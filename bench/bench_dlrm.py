@@ -9,8 +9,10 @@ rows (hot ids scattered), every row first written to the tiered tables' mmap col
 trained table); every timed step sees a fresh batch. ``--trace``: each record of the file is a
 sample, its ``--columns`` the features (one table each, ids as the file has them), read in order
 and again from the start when it ends (epochs); the tiered tables start empty and grow on demand.
-One step is the pooled lookup of all features, a backward from their sum, and the optimizer (SGD
-or Adagrad):
+One step is what a DLRM's sparse arch does: the pooled lookup of all features, side by side as the
+interaction layer takes them (``[batch, features x dim]``: ``torch.cat`` of the per-table outputs
+where the tables are separate modules), a backward of the gradient the interaction layer hands
+down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 
 - ``collection``: one ``TieredEmbeddingBagCollection`` (the tables fused in one store), host cache
   ``--host-share`` of the rows the tables hold (at least one batch's ids); before timing, batches
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import tempfile
 import time
@@ -121,6 +124,14 @@ def tiered_optimizer(name: str):
     return optim.SGD(lr=0.01) if name == "sgd" else optim.Adagrad(lr=0.01)
 
 
+@functools.cache
+def upstream_gradient(batch: int, width: int) -> torch.Tensor:
+    """``[batch, width]`` (width: features x dim): the gradient of the pooled features, the same
+    every step."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch, width, generator=generator) * 1e-3
+
+
 def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
     """Write the initial rows of ``keys`` straight to ``store``'s cold tier (as a trained table holds)."""
     for part in keys.split(1 << 20):
@@ -148,7 +159,7 @@ def collection_step(work: Workload, args, directory: Path):
 
     def step(ids, lengths):
         kjt = KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
-        collection(kjt).values().sum().backward()
+        collection(kjt).values().backward(upstream_gradient(ids.shape[1], len(configs) * args.dim))
 
     fill = min(args.fill_batch, host_rows // len(configs))  # a fill batch's ids fit the cache
     fill_lengths = torch.ones(len(configs) * fill, dtype=torch.int64)
@@ -182,7 +193,8 @@ def separate_step(work: Workload, args, directory: Path):
     offsets = torch.arange(args.batch_size)
 
     def step(ids, lengths):
-        sum(table(feature_ids, offsets).sum() for table, feature_ids in zip(tables, ids)).backward()
+        pooled = [table(feature_ids, offsets) for table, feature_ids in zip(tables, ids)]
+        torch.cat(pooled, dim=1).backward(upstream_gradient(ids.shape[1], len(tables) * args.dim))
 
     return step
 
@@ -197,7 +209,8 @@ def torch_step(work: Workload, args):
 
     def step(ids, lengths):
         dense_optimizer.zero_grad()
-        sum(table(feature_ids, offsets).sum() for table, feature_ids in zip(tables, ids)).backward()
+        pooled = [table(feature_ids, offsets) for table, feature_ids in zip(tables, ids)]
+        torch.cat(pooled, dim=1).backward(upstream_gradient(ids.shape[1], len(tables) * args.dim))
         dense_optimizer.step()
 
     return step
@@ -222,7 +235,9 @@ def fbgemm_step(work: Workload, args):
     offsets = torch.arange(len(work.cardinalities) * args.batch_size + 1)
 
     def step(ids, lengths):
-        tables(ids.reshape(-1), offsets).sum().backward()
+        tables(ids.reshape(-1), offsets).backward(
+            upstream_gradient(ids.shape[1], len(work.cardinalities) * args.dim)
+        )
 
     return step
 
