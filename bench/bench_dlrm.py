@@ -17,6 +17,8 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``collection``: one ``TieredEmbeddingBagCollection`` (the tables fused in one store), host cache
   ``--host-share`` of the rows the tables hold (at least one batch's ids); before timing, batches
   fill its host cache until it evicts (steady state: misses evict rows, as in a long run);
+- ``collection_lookahead``: the same collection trained through ``tierstore.prefetch`` with
+  ``--lookahead`` batches (0: left out), which moves the next batches' rows up in a worker thread;
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);
@@ -24,8 +26,9 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``fbgemm``: FBGEMM's CPU table-batched embedding with its fused optimizer, when ``fbgemm_gpu`` is
   installed (``pip install fbgemm-gpu-cpu==1.8.0``).
 
-Reports samples/s and ratios, the collection's host hit rate and where its step's time goes; JSON
-to ``--json``. ``--scale`` multiplies every synthetic cardinality.
+Reports samples/s and ratios, the collection's host hit rate (with the pipeline: of the steps'
+own lookups, the ones that did not wait for a row) and where its step's time goes, on the training
+thread, with and without the pipeline; JSON to ``--json``. ``--scale`` multiplies every synthetic cardinality.
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ import argparse
 import dataclasses
 import functools
 import json
+import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
-from bench_train import interleaved_samples_per_second
 from torch import nn
 from tqdm import tqdm
 
@@ -52,6 +56,7 @@ from tierstore import (
     TieredEmbeddingBagCollection,
     initial_rows,
     optim,
+    prefetch,
 )
 from tierstore.cli.traces import load_trace
 from tierstore.nn import pooled_lookup
@@ -139,7 +144,8 @@ def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
 
 
 def collection_step(work: Workload, args, directory: Path):
-    """``(step, its host cache rows, its store)``, the host cache filled until it evicts."""
+    """``(step, the collection, its host cache rows, its store)``, the host cache filled until it
+    evicts."""
     configs = [
         EmbeddingBagConfig(rows, args.dim, name=f"t{index:02d}", feature_names=[feature])
         for index, (rows, feature) in enumerate(zip(work.cardinalities, work.features))
@@ -169,7 +175,67 @@ def collection_step(work: Workload, args, directory: Path):
             step(work.next_ids(fill), fill_lengths)
             host = store.stats()["host"]
             bar.update(host["resident_rows"] - bar.n)
-    return step, host_rows, store
+    return step, collection, host_rows, store
+
+
+def each(step):
+    """A per-batch ``step`` as a run over a list of batches."""
+
+    def run(batches: list) -> None:
+        for batch in batches:
+            step(*batch)
+
+    return run
+
+
+def lookahead_run(step, collection, work: Workload, lookahead: int):
+    """A run of ``step`` over a list of batches through ``tierstore.prefetch``."""
+
+    def features(batch):
+        ids, lengths = batch
+        return KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
+
+    def run(batches: list) -> None:
+        for batch in prefetch(batches, collection, lookahead, ids=features):
+            step(*batch)
+
+    return run
+
+
+def counted(run, store, totals: dict):
+    """``run``, adding the host tier's lookups, hits and rows moved in during it to ``totals``."""
+
+    def counting(batches: list) -> None:
+        before = store.stats()["host"]
+        run(batches)
+        after = store.stats()["host"]
+        for name in ("hits", "misses", "rows_in"):
+            totals[name] = totals.get(name, 0) + after[name] - before[name]
+        totals["steps"] = totals.get("steps", 0) + len(batches)
+
+    return counting
+
+
+def host_figures(totals: dict, host_rows: int) -> dict:
+    lookups = totals["hits"] + totals["misses"]
+    return {
+        "rows": host_rows,
+        "hit_rate": totals["hits"] / lookups,
+        "rows_in_per_step": totals["rows_in"] / totals["steps"],
+    }
+
+
+def interleaved_samples_per_second(runs: dict, timed: list[list], samples_per_batch: int) -> dict:
+    """Samples/s of each warmed-up ``runs[name](batches)``, timed in turns on each list of ``timed``
+    batches (so the machine's drift hits every method alike)."""
+    times = {name: [] for name in runs}
+    for batches in timed:
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(batches)
+            times[name].append(time.perf_counter() - start)
+    samples = len(timed[0]) * samples_per_batch
+    return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
 
 
 def separate_step(work: Workload, args, directory: Path):
@@ -257,15 +323,19 @@ STAGES = [
 ]
 
 
-def time_breakdown(step, batches: list) -> list[tuple[str, int, float]]:
-    """``(label, depth, ms per step)`` of ``STAGES`` and of the whole step over ``batches``."""
+def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
+    """``(label, depth, ms per step)`` of ``STAGES`` on the training thread (not a lookahead
+    pipeline's worker) and of the whole step, over ``run(batches)``."""
     spent = {label: 0.0 for label, *_ in STAGES}
     originals = []
+    training = threading.current_thread()
     for label, _, owner, attribute in STAGES:
         raw = owner.__dict__[attribute]
         function = raw.__func__ if isinstance(raw, staticmethod) else raw
 
         def timed(*arguments, _function=function, _label=label, **keywords):
+            if threading.current_thread() is not training:
+                return _function(*arguments, **keywords)
             start = time.perf_counter()
             try:
                 return _function(*arguments, **keywords)
@@ -276,8 +346,7 @@ def time_breakdown(step, batches: list) -> list[tuple[str, int, float]]:
         setattr(owner, attribute, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
     try:
         start = time.perf_counter()
-        for batch in batches:
-            step(*batch)
+        run(batches)
         total = time.perf_counter() - start
     finally:
         for owner, attribute, raw in originals:
@@ -298,6 +367,9 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--host-share", type=float, default=0.10, help="host cache, share of all rows")
     parser.add_argument("--optimizer", choices=["sgd", "adagrad"], default="sgd")
+    parser.add_argument(
+        "--lookahead", type=int, default=8, help="batches tierstore.prefetch reads ahead (0: off)"
+    )
     parser.add_argument("--warm-up", type=int, default=20, help="steps of every method before timing")
     parser.add_argument(
         "--fill-batch", type=int, default=32768, help="samples per batch filling the collection's host cache"
@@ -314,46 +386,59 @@ def main() -> None:
         return work.next_ids(args.batch_size), lengths
 
     with tempfile.TemporaryDirectory() as directory:
-        collection, host_rows, store = collection_step(work, args, Path(directory))
-        steps = {
-            "collection": collection,
-            "separate": separate_step(work, args, Path(directory)),
-            "nn_embedding_bag": torch_step(work, args),
-        }
+        step, collection, host_rows, store = collection_step(work, args, Path(directory))
+        runs = {"collection": counted(each(step), store, host := {})}
+        if args.lookahead:
+            with_lookahead = lookahead_run(step, collection, work, args.lookahead)
+            runs["collection_lookahead"] = counted(with_lookahead, store, host_lookahead := {})
+        runs["separate"] = each(separate_step(work, args, Path(directory)))
+        runs["nn_embedding_bag"] = each(torch_step(work, args))
         fbgemm = fbgemm_step(work, args)
         if fbgemm is not None:
-            steps["fbgemm"] = fbgemm
-        for _ in tqdm(range(args.warm_up), desc="warming up", leave=False, disable=None):
-            ids = batch()
-            for step in steps.values():
-                step(*ids)
+            runs["fbgemm"] = each(fbgemm)
+        warm_up = [batch() for _ in range(args.warm_up)]
+        for run in tqdm(runs.values(), desc="warming up", leave=False, disable=None):
+            run(warm_up)
+        host.clear()
+        if args.lookahead:
+            host_lookahead.clear()
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
-        before = store.stats()["host"]
-        rates = interleaved_samples_per_second(steps, timed, samples_per_batch=args.batch_size)
-        after = store.stats()["host"]
-        breakdown = time_breakdown(collection, [batch() for _ in range(args.steps)])
-    lookups = after["hits"] + after["misses"] - before["hits"] - before["misses"]
-    host = {
-        "rows": host_rows,
-        "hit_rate": (after["hits"] - before["hits"]) / lookups,
-        "evictions_per_step": (after["evictions"] - before["evictions"]) / (args.rounds * args.steps),
-    }
+        rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
+        breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
+        if args.lookahead:
+            breakdowns["collection_lookahead"] = time_breakdown(
+                runs["collection_lookahead"], [batch() for _ in range(args.steps)]
+            )
+    caches = {"collection": host_figures(host, host_rows)}
+    if args.lookahead:
+        caches["collection_lookahead"] = host_figures(host_lookahead, host_rows)
     print(
         f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, host cache "
         f"{host_rows:,} rows ({host_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the tables hold)"
     )
     baseline = rates["nn_embedding_bag"]
-    print(f"{'method':<20}{'samples/s':>12}{'vs nn.EmbeddingBag':>20}{'vs FBGEMM':>11}")
+    print(f"{'method':<22}{'samples/s':>12}{'vs nn.EmbeddingBag':>20}{'vs FBGEMM':>11}")
     for name, rate in rates.items():
         versus_fbgemm = f"{rate / rates['fbgemm']:>11.2f}" if "fbgemm" in rates else f"{'':>11}"
-        print(f"{name:<20}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
+        print(f"{name:<22}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
+    for name, figures in caches.items():
+        print(
+            f"{name}'s host cache while timed: its steps' lookups hit {figures['hit_rate']:.3f}, "
+            f"{figures['rows_in_per_step']:,.0f} rows moved in per step"
+        )
+    names = list(breakdowns)
     print(
-        f"collection's host cache while timed: hit rate {host['hit_rate']:.3f}, "
-        f"{host['evictions_per_step']:,.0f} rows evicted per step"
+        "where the collection's step goes on the training thread "
+        "(ms per step, each stage inside the one above it):"
     )
-    print("where the collection's step goes (ms per step, each stage inside the one above it):")
-    for label, depth, milliseconds in breakdown:
-        print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{milliseconds:>8.2f}")
+    print(f"  {'':<48}" + "".join(f"{name:>22}" for name in names))
+    for row, (label, depth, _) in enumerate(breakdowns["collection"]):
+        figures = "".join(f"{breakdowns[name][row][2]:>22.2f}" for name in names)
+        print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{figures}")
+    if args.lookahead:
+        moving = [label for label, depth, _ in breakdowns["collection"] if label.startswith("make the rows")]
+        before, after = (dict((label, ms) for label, _, ms in breakdowns[name])[moving[0]] for name in names)
+        print(f"share of the rows' movement taken off the training thread: {1 - after / before:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -361,8 +446,11 @@ def main() -> None:
                 "config": {k: str(v) for k, v in vars(args).items()},
                 "workload": work.description,
                 "samples_per_s": rates,
-                "host_cache": host,
-                "breakdown_ms_per_step": {label: milliseconds for label, _, milliseconds in breakdown},
+                "host_cache": caches,
+                "breakdown_ms_per_step": {
+                    name: {label: milliseconds for label, _, milliseconds in rows}
+                    for name, rows in breakdowns.items()
+                },
             }
         )
     )

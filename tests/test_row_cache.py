@@ -132,7 +132,9 @@ def test_lfu_victims_from_its_pool_score_no_more_than_any_row_untouched_since_th
         protected = occupied[torch.from_numpy(rng.choice(occupied.numel(), 20, replace=False))]
         count = int(rng.integers(1, 9))
         scans = policy.scans
-        victims = policy.victims(count, slot_keys, protected)
+        pins = torch.zeros(capacity, dtype=torch.uint8)
+        pins[protected] = 1
+        victims = policy.victims(count, slot_keys, pins)
         if policy.scans > scans:
             changed[:] = False
         unchanged = ~changed & (slot_keys >= 0)

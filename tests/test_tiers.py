@@ -38,11 +38,9 @@ class FirstInFirstOut(EvictionPolicy):
         self.clock += 1
         self.filled_at[slots] = self.clock
 
-    def victims(self, count, slot_keys, protected):
+    def victims(self, count, slot_keys, pins):
         never = torch.iinfo(torch.int64).max
-        order = self.filled_at.masked_fill(slot_keys < 0, never)
-        if protected is not None:
-            order[protected] = never
+        order = self.filled_at.masked_fill((slot_keys < 0) | (pins > 0), never)
         victims = torch.argsort(order)[:count]
         if bool((order[victims] == never).any()):
             raise CacheCapacityError(f"the current batch needs {count} more than it can evict")

@@ -11,6 +11,7 @@ from .errors import (
     StoreMismatchError,
 )
 from .initializer import initial_rows, initial_weights
+from .lookahead import prefetch
 from .nn import (
     EmbeddingBagConfig,
     KeyedJaggedTensor,
@@ -30,6 +31,7 @@ __all__ = [
     "KeyedTensor",
     "TieredStore",
     "TierConfig",
+    "prefetch",
     "optim",
     "initial_rows",
     "initial_weights",

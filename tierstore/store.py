@@ -7,9 +7,11 @@ It validates every argument before anything changes, then hands the work to its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,18 @@ from .tiers.build import build_caches, check_backends, open_tiers
 from .validation import as_device, as_ids, as_rows, check_out, integral
 
 _OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
+
+
+def _serialized(method):
+    """``method`` run holding the store's lock: a lookahead pipeline's worker moves rows between
+    the tiers while the training loop reads and updates them."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class TieredStore:
@@ -70,6 +84,8 @@ class TieredStore:
         tiers: TierConfig | None = None,
         **tier_settings,
     ) -> None:
+        self._lock = threading.RLock()
+        self.prefetch_stats = None  # a lookahead pipeline's counters (``tierstore.prefetch``)
         # Everything is checked, and the caches allocated, before anything is created on disk.
         config = TierConfig.from_settings(tiers, tier_settings)
         self.device = as_device(device)
@@ -117,6 +133,7 @@ class TieredStore:
 
     # -- public API --------------------------------------------------------------------------
 
+    @_serialized
     def get(
         self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None, grow: bool = True
     ) -> torch.Tensor:
@@ -160,6 +177,7 @@ class TieredStore:
             return self.stack.rows_without_growing(unique, counts, width, self.device)
         return self.stack.top.read(self.stack.make_resident(unique, counts), width).to(self.device)
 
+    @_serialized
     def put(self, ids: Any, rows: Any, allow_nonfinite: bool = False) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.
 
@@ -179,6 +197,7 @@ class TieredStore:
             slots = self.stack.make_resident(unique[part], counts[part])
             top.write(slots, rows[last[part]], rows.shape[1])
 
+    @_serialized
     def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
         """Write the weights (``rows [N, dim]``: optimizer state kept, zero for new ids) or whole rows
         (``[N, row_width]``) of any number of ``ids`` straight into the cold store, bypassing the
@@ -204,6 +223,7 @@ class TieredStore:
             self.stack.load(unique[part], rows[part] if last is None else rows[last[part]])
         self.stack.cold.flush()
 
+    @_serialized
     def get_distinct(
         self, ids: torch.Tensor, counts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,6 +244,7 @@ class TieredStore:
         weights = self.stack.top.read(slots, self.dim).to(self.device)
         return weights, slots
 
+    @_serialized
     def apply_gradients(
         self,
         ids: torch.Tensor,
@@ -252,11 +273,13 @@ class TieredStore:
         top = self.stack.top
         return top.kernels if top.device == device else None
 
+    @_serialized
     def flush(self) -> None:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
         self._check_writable("flush")
         self.stack.flush()
 
+    @_serialized
     def refresh(self) -> None:
         """Move a read-only store to the newest completed flush. A read-only store sees one flush
         (a snapshot, whatever a writer does meanwhile) from its open until ``refresh``; a writable
@@ -264,6 +287,7 @@ class TieredStore:
         self._check_open()
         self.stack.refresh()
 
+    @_serialized
     def close(self) -> None:
         """Flush (unless read-only) and release the store; a temporary store is deleted."""
         if self._closed:
@@ -348,6 +372,7 @@ class TieredStore:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    @_serialized
     def __len__(self) -> int:
         """Distinct ids in the table (every id ever read or written, unless read-only)."""
         self._check_open()
@@ -356,6 +381,7 @@ class TieredStore:
     def __contains__(self, id_: int) -> bool:
         return bool(self.contains(id_)[0])
 
+    @_serialized
     def contains(self, ids: Any) -> torch.Tensor:
         """bool [N]: which ``ids`` the table holds (without adding them)."""
         self._check_open()
@@ -370,15 +396,34 @@ class TieredStore:
         self._check_open()
         return self.stack.iter_rows(batch_size, self.row_width if with_state else self.dim)
 
+    @_serialized
     def stats(self) -> dict:
         """Counters per tier ("device", "host", "cold"): lookups served (hits), misses, rows and bytes
         moved, evictions; each cache tier's capacity, residency, memory and backend.
 
         ``hits`` and ``misses`` count id lookups (a repeated id counts each time); every lookup is
         a hit in exactly one tier, so hit counts add up to the ids looked up. The cold tier's
-        ``initialized`` counts lookups of ids never seen before.
+        ``initialized`` counts lookups of ids never seen before. While a lookahead pipeline
+        (``tierstore.prefetch``) runs on the store, ``"prefetch"`` holds its counters.
         """
-        return self.stack.report()
+        report = self.stack.report()
+        if self.prefetch_stats is not None:
+            report["prefetch"] = dict(vars(self.prefetch_stats))
+        return report
+
+    @_serialized
+    def pin_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Move the rows of distinct ``ids`` (int64) that the table holds into the top tier and pin
+        them there until ``unpin_rows``, counting no lookup: ``(their keys, their slots, rows moved
+        up)``. Ids the table does not hold are left out: a lookup adds them."""
+        self._check_open()
+        return self.stack.pin_held(as_ids(ids))
+
+    @_serialized
+    def unpin_rows(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Undo a ``pin_rows`` (its keys and slots); rows taken out of the tier since are skipped."""
+        if not self._closed:
+            self.stack.unpin(keys, slots)
 
     def structure_problems(self) -> list[str]:
         """What is malformed in the cold store's committed data, found without decoding rows."""

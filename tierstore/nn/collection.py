@@ -24,6 +24,7 @@ from ..budget import parse_bytes
 from ..config import TierConfig
 from ..metadata import write_json_atomic
 from ..optim import SGD, SparseOptimizer
+from ..store import TieredStore
 from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
 
@@ -96,36 +97,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
 
     def forward(self, features: Any) -> KeyedTensor:
-        keys, values, lengths, weights = jagged_parts(features)
-        unknown = [key for key in keys if key not in self._table_of_feature]
-        if unknown:
-            raise KeyError(
-                f"feature(s) {unknown} have no table; the tables' features are "
-                f"{sorted(self._table_of_feature)}"
-            )
-        for key in keys if weights is not None else ():
-            if self._table_of_feature[key]["pooling"] == "mean":
-                raise ValueError(
-                    f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
-                )
-        tables = [self._table_of_feature[key] for key in keys]
-        counts = lengths.sum(dim=1)  # ids per feature
-        values = values.cpu()
-        feature_of_entry = torch.repeat_interleave(torch.arange(len(keys)), counts)
-        entry_keys = _checked_keys(values, tables, feature_of_entry)  # before any table is touched
-        for table, count in zip(tables, counts.tolist()):
+        keys, lengths, weights, tables, feature_of_entry, entry_keys = self._checked_input(features)
+        for table, count in zip(tables, lengths.sum(dim=1).tolist()):
             self.lookups[table["name"]] += count
         blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
         for group_name, group in self.groups.items():
-            positions = [index for index, table in enumerate(tables) if _group_name(table) == group_name]
+            positions, entries = _in_group(group_name, tables, feature_of_entry)
             if not positions:
                 continue
-            if len(positions) == len(keys):
+            if entries is None:
                 group_keys, group_weights = entry_keys, weights
             else:
-                in_group = torch.zeros(len(keys), dtype=torch.bool)
-                in_group[positions] = True
-                entries = in_group[feature_of_entry]
                 group_keys = entry_keys[entries]
                 group_weights = None if weights is None else weights[entries.to(weights.device)]
             blocks.append(
@@ -144,6 +126,39 @@ class TieredEmbeddingBagCollection(nn.Module):
             columns = torch.cat([torch.arange(starts[index], starts[index] + dims[index]) for index in order])
             values_out = values_out.index_select(1, torch.argsort(columns).to(values_out.device))
         return KeyedTensor(keys, dims, values_out)
+
+    def _checked_input(self, features: Any) -> tuple:
+        """``(keys, lengths [F, B], weights, each key's table, feature_of_entry [N], entry_keys [N])``
+        of a KJT, everything checked before any table is touched; entry i is of feature
+        ``feature_of_entry[i]`` and has key ``entry_keys[i]`` in its group's store."""
+        keys, values, lengths, weights = jagged_parts(features)
+        unknown = [key for key in keys if key not in self._table_of_feature]
+        if unknown:
+            raise KeyError(
+                f"feature(s) {unknown} have no table; the tables' features are "
+                f"{sorted(self._table_of_feature)}"
+            )
+        for key in keys if weights is not None else ():
+            if self._table_of_feature[key]["pooling"] == "mean":
+                raise ValueError(
+                    f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
+                )
+        tables = [self._table_of_feature[key] for key in keys]
+        feature_of_entry = torch.repeat_interleave(torch.arange(len(keys)), lengths.sum(dim=1))
+        entry_keys = _checked_keys(values.cpu(), tables, feature_of_entry)
+        return keys, lengths, weights, tables, feature_of_entry, entry_keys
+
+    def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
+        lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
+        _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
+        stores = []
+        for group_name, group in self.groups.items():
+            positions, entries = _in_group(group_name, tables, feature_of_entry)
+            if positions:
+                group_keys = entry_keys if entries is None else entry_keys[entries]
+                stores.append((group.store, torch.unique(group_keys)))
+        return stores
 
     @staticmethod
     def _group_forward(group, tables, keys, lengths, weights) -> torch.Tensor:
@@ -269,6 +284,17 @@ def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: to
         raise IndexError(f"table {name!r}: ids must be in [0, {bounds[feature]}), got {value}")
     numbers = torch.tensor([table["number"] for table in tables], dtype=torch.int64)
     return (numbers[feature_of_entry] << ID_BITS) | values
+
+
+def _in_group(group_name: str, tables: list[dict], feature_of_entry: torch.Tensor) -> tuple:
+    """``(positions of the features whose table is in the group, a bool mask of their entries or
+    None when every feature is)``."""
+    positions = [index for index, table in enumerate(tables) if _group_name(table) == group_name]
+    if len(positions) in (0, len(tables)):
+        return positions, None
+    in_group = torch.zeros(len(tables), dtype=torch.bool)
+    in_group[positions] = True
+    return positions, in_group[feature_of_entry]
 
 
 def _group_name(table: dict) -> str:

@@ -135,6 +135,14 @@ class _TieredTable(nn.Module):
             )
         return weight, local.to(weight.device)
 
+    def store_keys(self, input: Any) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(store, the distinct keys forward(input) looks up there)]``, for a lookahead pipeline
+        (``tierstore.prefetch``); bad input raises as ``forward`` would."""
+        ids = check_lookup_ids(input, self.num_embeddings).reshape(-1)
+        if self.padding_idx is not None:
+            ids = ids[ids != self.padding_idx]
+        return [(self.store, torch.unique(ids))]
+
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
         (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""

@@ -154,6 +154,12 @@ class CacheTier(Protocol):
     def holds(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
         """Whether ``slots [N]`` still hold ``keys [N]``."""
 
+    def pin(self, slots: torch.Tensor) -> None:
+        """Keep the rows at ``slots`` (distinct) from eviction until as many ``unpin``s."""
+
+    def unpin(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Undo a ``pin`` of ``slots`` where they still hold ``keys``."""
+
     def clear(self) -> None:
         """Drop every cached row, counting nothing (a read-only store's rows, all clean)."""
 

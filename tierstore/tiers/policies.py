@@ -43,9 +43,11 @@ class EvictionPolicy(abc.ABC):
         """``slots`` were just filled or emptied: forget their history."""
 
     @abc.abstractmethod
-    def victims(self, count: int, slot_keys: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
-        """``count`` occupied slots (int64) to evict, none of ``protected``; ``slot_keys [capacity]``
-        is -1 at slots being filled. Raises ``CacheCapacityError`` when fewer can be evicted."""
+    def victims(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
+        """``count`` occupied slots (int64) to evict, none pinned (``pins [capacity]``, uint8, is
+        nonzero at slots the tier must keep: the current batch's, a lookahead window's);
+        ``slot_keys [capacity]`` is -1 at slots being filled. Raises ``CacheCapacityError`` when
+        fewer can be evicted."""
 
 
 class LfuWithAgeing(EvictionPolicy):
@@ -62,7 +64,7 @@ class LfuWithAgeing(EvictionPolicy):
     tier or were accessed since (with ageing, their new accesses count most, so they usually
     score above the pool). ``pool_share=0`` scans at every batch (exact LFU)."""
 
-    bytes_per_slot = 4 + 1 + 1  # the score, the victim mask, and at most 1 for the pool
+    bytes_per_slot = 4 + 1  # the score, and at most 1 for the pool
 
     def __init__(
         self,
@@ -74,7 +76,6 @@ class LfuWithAgeing(EvictionPolicy):
     ) -> None:
         super().__init__(capacity, device, backend)
         self.score = torch.zeros(capacity, dtype=torch.float32, device=device)
-        self._blocked = torch.zeros(capacity, dtype=torch.uint8, device=device)
         self._increment = 1.0
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
         self._pool_size = int(capacity * pool_share)
@@ -85,7 +86,7 @@ class LfuWithAgeing(EvictionPolicy):
 
     @property
     def nbytes(self) -> int:
-        return self.score.nbytes + self._blocked.nbytes + self.capacity  # the pool's bound
+        return self.score.nbytes + self.capacity  # the pool's bound
 
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         if counts is None:
@@ -103,22 +104,12 @@ class LfuWithAgeing(EvictionPolicy):
     def reset(self, slots: torch.Tensor) -> None:
         self.score[slots] = 0
 
-    def victims(self, count: int, slot_keys: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
-        blocked = protected is not None and protected.numel() > 0
-        if blocked:
-            self._blocked[protected] = 1
-        try:
-            return self._victims(count, slot_keys)
-        finally:
-            if blocked:
-                self._blocked[protected] = 0  # cleared where set: no pass over every slot
-
-    def _victims(self, count: int, slot_keys: torch.Tensor) -> torch.Tensor:
-        taken = self._from_pool(count, slot_keys)
+    def victims(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
+        taken = self._from_pool(count, slot_keys, pins)
         if taken is not None:
             return taken
         self.scans += 1
-        scores = self.backend.victim_scores(self.score, slot_keys, self._blocked)
+        scores = self.backend.victim_scores(self.score, slot_keys, pins)
         ranked = _lowest(scores, min(count + self._pool_size, self.capacity))
         ranked = ranked[torch.isfinite(scores[ranked])]
         if ranked.numel() < count:
@@ -132,16 +123,16 @@ class LfuWithAgeing(EvictionPolicy):
         self._pool, self._pool_scores, self._pool_keys = pool, scores[pool], slot_keys[pool]
         return ranked[:count]
 
-    def _from_pool(self, count: int, slot_keys: torch.Tensor) -> torch.Tensor | None:
+    def _from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
         """The first ``count`` slots of the pool that hold the row and the score they were ranked
-        with and are not protected now (those skipped leave the pool), or None if it has too few."""
+        with and are not pinned now (those skipped leave the pool), or None if it has too few."""
         size = 2 * count + 256
         while True:
             window = self._pool[:size]
             valid = (
                 (self.score[window] == self._pool_scores[:size])
                 & (slot_keys[window] == self._pool_keys[:size])
-                & (self._blocked[window] == 0)
+                & (pins[window] == 0)
             )
             found = valid.nonzero().squeeze(1)
             if found.numel() >= count:

@@ -5,7 +5,8 @@ flags: ``dirty`` (newer than the tier below) and ``fresh`` (never written to the
 key is counted by nobody else). What differs between tiers is a value, not a subclass: the
 ``backend`` (``tiers.backends``: torch ops, or the kernels on the GPU or the CPU) runs the bulk
 operations, and the ``policy`` (``tiers.policies``, LFU with ageing by default) picks victims.
-Slots the current batch needs are passed as ``protected`` and are never chosen as victims.
+Pinned slots are never chosen as victims: the current batch's (passed as ``protected``) while
+it is admitted, and those a lookahead pipeline pins until its batch has run (``pin``/``unpin``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .backends import TorchRows
 from .contract import Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing
 
-_SLOT_BYTES = 8 + 1 + 1 + 8  # key, dirty and fresh flags, free-slot stack
+_SLOT_BYTES = 8 + 1 + 1 + 1 + 8  # key, dirty and fresh flags, pin count, free-slot stack
 
 
 class RowCache:
@@ -57,6 +58,7 @@ class RowCache:
         self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         self.fresh = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        self.pins = torch.zeros(capacity, dtype=torch.uint8, device=self.device)  # 0: evictable
         self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
         if policy is None:
@@ -85,7 +87,7 @@ class RowCache:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.rows, self.slot_keys, self.dirty, self.fresh, self._free)
+        tensors = (self.rows, self.slot_keys, self.dirty, self.fresh, self.pins, self._free)
         return self.index.nbytes + self.policy.nbytes + sum(tensor.nbytes for tensor in tensors)
 
     def __len__(self) -> int:
@@ -121,6 +123,19 @@ class RowCache:
     def holds(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
         return slots.shape == keys.shape and bool((self.slot_keys[slots] == keys.to(self.device)).all())
 
+    def pin(self, slots: torch.Tensor) -> None:
+        """Keep the rows at ``slots`` (distinct) from eviction until as many ``unpin``s."""
+        self.pins[slots] += 1
+
+    def unpin(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Undo a ``pin`` of ``slots`` (distinct) where they still hold ``keys`` (a pinned row taken
+        out of the tier since, by ``load`` or ``clear``, left its pins behind)."""
+        slots = slots[(self.slot_keys[slots] == keys.to(self.device)) & (self.pins[slots] > 0)]
+        self.pins[slots] -= 1
+
+    def pinned_count(self) -> int:
+        return int((self.pins > 0).sum())
+
     # -- movement ------------------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -146,6 +161,7 @@ class RowCache:
         self.policy.reset(slots)
         self.dirty[slots] = False
         self.fresh[slots] = False
+        self.pins[slots] = 0
         self._free[self._free_count : self._free_count + slots.numel()] = slots
         self._free_count += slots.numel()
 
@@ -181,12 +197,19 @@ class RowCache:
         return slots, evicted
 
     def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
+        protect = protected is not None and protected.numel() > 0
+        if protect:
+            self.pins[protected] += 1
         try:
-            return self.policy.victims(count, self.slot_keys, protected)
+            return self.policy.victims(count, self.slot_keys, self.pins)
         except CacheCapacityError as error:
-            raise CacheCapacityError(
-                f"the {self.name} cache holds {self.capacity} rows and {error}"
-            ) from None
+            reason = str(error)
+        finally:
+            if protect:
+                self.pins[protected] -= 1  # undone where done: no pass over every slot
+        pinned = self.pinned_count()
+        window = f" ({pinned} pinned by a lookahead window)" if pinned else ""
+        raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows{window} and {reason}")
 
     # -- flush and enumeration -----------------------------------------------------------------
 

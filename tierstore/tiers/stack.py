@@ -60,6 +60,24 @@ class TierStack:
         top.touch(slots, counts, missed)
         return slots
 
+    def pin_held(self, unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make the rows of ``unique`` (distinct) ids that the table holds resident in the top tier and
+        pin them there, counting no access (a lookahead pipeline's move ahead of a batch; ids the
+        table does not hold are left to the batch, which adds them). Returns ``(their keys, their
+        slots, how many were moved up)``."""
+        top = self.top
+        absent = (top.find(unique) < 0).cpu()
+        held = ~absent
+        if bool(absent.any()):
+            held[absent] = self.contains(unique[absent])
+        keys = unique[held]
+        slots = self.make_resident(keys, torch.zeros_like(keys))
+        top.pin(slots)
+        return keys, slots, int((held & absent).sum())
+
+    def unpin(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        self.top.unpin(slots, keys)
+
     def rows_without_growing(
         self, unique: torch.Tensor, counts: torch.Tensor, width: int, device: torch.device
     ) -> torch.Tensor:

@@ -329,6 +329,12 @@ class MmapColdStore(ColdStore):
         rows[hit] = self.codec.decode(keys[hit].numpy(), stored[hit].numpy(), self.directory / ROWS_FILE)
         return rows, found
 
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        found = self._index.find(keys) >= 0  # the indexes alone: no row is read
+        if self._wal_count:
+            found |= self._wal_index.find(keys) >= 0
+        return found
+
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, self._count, batch_size):
             stop = min(start + batch_size, self._count)

@@ -1,0 +1,223 @@
+"""``prefetch``: a lookahead pipeline that moves the next batches' rows up the tiers while this
+batch trains.
+
+The batches of an epoch are known before they are trained (Bagpipe's oracle cacher, TorchRec's
+prefetch pipeline). A worker thread reads up to ``lookahead`` batches ahead of the training loop;
+for each it moves the rows the batch will look up (those the table holds; new ids are added by
+the batch itself) into the top tier and pins them there until the batch has run. The step then
+finds its rows resident, and no eviction takes a row the window needs: victims come from the
+rows outside the window, by the tier's own policy (LFU with ageing), which is Belady's choice
+within the window. Tiers are exclusive and a move carries a row whole, so training gives the same
+rows with or without the pipeline, bit for bit; the store's lock orders the worker's moves and
+the loop's lookups and updates.
+
+Pinned rows count in the top tier's budget: the window pins at most the tier's capacity less the
+largest batch's distinct rows, so any batch fits beside it. A batch that does not fit waits for
+earlier ones to run (the window shrinks); one larger than that is not pinned at all. Both are
+counted in ``store.stats()["prefetch"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
+
+
+@dataclasses.dataclass
+class PrefetchStats:
+    """A pipeline's counters for one store (``store.stats()["prefetch"]``)."""
+
+    lookahead: int  # batches it may read ahead
+    batches: int = 0  # batches read ahead
+    pinned_batches: int = 0  # batches whose rows it pinned
+    skipped_batches: int = 0  # batches larger than the window's room: looked up on demand
+    waits: int = 0  # batches that waited for room (the window shrank)
+    rows_moved_up: int = 0  # rows it moved into the top tier
+    window_batches: int = 0  # batches whose rows are pinned now
+    pinned_rows: int = 0  # rows pinned now (a row pinned for two batches counts twice)
+
+
+@dataclasses.dataclass
+class _Pins:
+    """The rows pinned in ``store`` for one batch (``count`` keys asked for)."""
+
+    store: Any
+    count: int
+    keys: Any
+    slots: Any
+
+
+@dataclasses.dataclass
+class _Failure:
+    error: BaseException
+
+
+_END = object()
+
+
+def prefetch(
+    batches: Iterable,
+    module: Any,
+    lookahead: int = 8,
+    ids: Callable[[Any], Any] | None = None,
+) -> Iterator:
+    """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
+    ``lookahead`` batches into ``module``'s top cache tier.
+
+    ``module``: a ``TieredEmbeddingBag``, ``TieredEmbedding`` or ``TieredEmbeddingBagCollection``.
+    ``ids(batch)``: what the module is called with for that batch (its ``input`` ids, or a
+    ``KeyedJaggedTensor``); default: the batch itself. An error of the loader or the store in the
+    background is raised in the loop at the batch it concerns; a batch ``module`` would refuse is
+    not prefetched (its step raises). Leaving the loop (``break``, an exception) stops the worker
+    and unpins its rows.
+    """
+    if not hasattr(module, "store_keys"):
+        raise TypeError(
+            "module must be a TieredEmbeddingBag, TieredEmbedding or TieredEmbeddingBagCollection, "
+            f"got {type(module).__name__}"
+        )
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= MAX_LOOKAHEAD:
+        raise ValueError(f"lookahead must be an int in [1, {MAX_LOOKAHEAD}] (batches), got {lookahead!r}")
+    if ids is not None and not callable(ids):
+        raise TypeError(f"ids must be a function of a batch or None, got {type(ids).__name__}")
+    return _Pipeline(iter(batches), module, lookahead, ids or (lambda batch: batch)).run()
+
+
+class _Pipeline:
+    def __init__(self, batches: Iterator, module: Any, lookahead: int, ids: Callable) -> None:
+        self._batches = batches
+        self._module = module
+        self._lookahead = lookahead
+        self._ids = ids
+        self._ready: queue.Queue = queue.Queue()  # (batch, pins), then _END or a _Failure
+        self._changed = threading.Condition()  # guards what follows
+        self._queued = 0  # batches read ahead, not yet handed to the loop
+        self._stopping = False
+        self._pinned: dict[int, int] = {}  # id(store) -> rows pinned now
+        self._largest: dict[int, int] = {}  # id(store) -> most distinct keys a batch had
+        self._stats: dict[int, PrefetchStats] = {}
+        self._worker = threading.Thread(target=self._work, name="tierstore-prefetch", daemon=True)
+
+    def run(self) -> Iterator:
+        self._worker.start()
+        current: list[_Pins] = []
+        try:
+            while True:
+                item = self._ready.get()
+                with self._changed:
+                    self._queued -= 1
+                    self._changed.notify_all()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                batch, current = item
+                yield batch
+                self._release(current)
+                current = []
+        finally:
+            self._stop(current)
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    while self._queued >= self._lookahead and not self._stopping:
+                        self._changed.wait()
+                    if self._stopping:
+                        return
+                    self._queued += 1
+                try:
+                    batch = next(self._batches)
+                except StopIteration:
+                    self._ready.put(_END)
+                    return
+                self._ready.put((batch, self._pin(batch)))
+        except BaseException as error:  # the loop raises it at this batch
+            self._ready.put(_Failure(error))
+
+    def _pin(self, batch: Any) -> list[_Pins]:
+        """Pin the rows of ``batch`` in each store it looks up, waiting for room."""
+        try:
+            wanted = self._module.store_keys(self._ids(batch))
+        except (TypeError, ValueError, IndexError, KeyError):
+            return []  # the step refuses this batch, with the module's own message
+        pins: list[_Pins] = []
+        try:
+            for store, keys in wanted:
+                pinned = self._pin_in(store, keys)
+                if pinned is not None:
+                    pins.append(pinned)
+        except BaseException:
+            self._release(pins)
+            raise
+        return pins
+
+    def _pin_in(self, store: Any, keys: Any) -> _Pins | None:
+        key = id(store)
+        stats = self._stats.get(key)
+        if stats is None:
+            stats = self._stats[key] = store.prefetch_stats = PrefetchStats(self._lookahead)
+        stats.batches += 1
+        count = keys.numel()
+        largest = self._largest[key] = max(self._largest.get(key, 0), count)
+        room = store.stack.top.capacity - largest  # any batch fits beside the window
+        with self._changed:
+            pinned = self._pinned.get(key, 0)
+            if pinned and pinned + count > room and not self._stopping:
+                stats.waits += 1
+                while pinned and pinned + count > room and not self._stopping:
+                    self._changed.wait()
+                    pinned = self._pinned.get(key, 0)
+            if self._stopping or count == 0:
+                return None
+            if count > room:
+                stats.skipped_batches += 1
+                return None
+            self._pinned[key] = pinned + count
+        held, slots, moved = store.pin_rows(keys)
+        with self._changed:
+            stats.pinned_batches += 1
+            stats.rows_moved_up += moved
+            stats.window_batches += 1
+            stats.pinned_rows += count
+        return _Pins(store, count, held, slots)
+
+    # -- both threads --------------------------------------------------------------------------
+
+    def _release(self, pins: list[_Pins]) -> None:
+        """Unpin ``pins`` (a batch that has run, or was never handed out) and wake the worker."""
+        for pinned in pins:
+            pinned.store.unpin_rows(pinned.keys, pinned.slots)
+        with self._changed:
+            for pinned in pins:
+                key = id(pinned.store)
+                self._pinned[key] -= pinned.count
+                stats = self._stats[key]
+                stats.window_batches -= 1
+                stats.pinned_rows -= pinned.count
+            self._changed.notify_all()
+
+    def _stop(self, current: list[_Pins]) -> None:
+        """Stop the worker (it finishes the batch it is reading or pinning) and unpin everything."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._release(current)
+        while True:
+            try:
+                item = self._ready.get(timeout=0.05)
+            except queue.Empty:
+                if not self._worker.is_alive():
+                    break
+                continue
+            if isinstance(item, tuple):
+                self._release(item[1])
+        self._worker.join()
