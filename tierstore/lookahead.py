@@ -19,11 +19,14 @@ counted in ``store.stats()["prefetch"]``.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 
@@ -126,6 +129,7 @@ class _Pipeline:
     # -- the worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        _one_openmp_thread()
         try:
             while True:
                 with self._changed:
@@ -221,3 +225,15 @@ class _Pipeline:
             if isinstance(item, tuple):
                 self._release(item[1])
         self._worker.join()
+
+
+def _one_openmp_thread() -> None:
+    """Run this thread's parallel loops (torch's and the kernels') on one thread: the training
+    thread's OpenMP team keeps the cores, and two teams spinning on them would slow both.
+    OpenMP's thread count is per thread; ``torch.set_num_threads`` would change the default of
+    every thread started later too."""
+    torch.get_num_threads()  # torch's first call in a thread sets its count: make it before ours
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)
+    except (OSError, AttributeError):  # another OpenMP runtime: its default stands
+        pass
