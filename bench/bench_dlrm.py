@@ -153,7 +153,7 @@ def collection_step(work: Workload, args, directory: Path):
     kind = tiered_optimizer(args.optimizer)
     host_rows = max(int(sum(work.rows) * args.host_share), len(configs) * args.batch_size)
     collection = TieredEmbeddingBagCollection(
-        configs, directory / "collection", host_cache=host_rows, optimizer=kind
+        configs, directory, host_cache=host_rows, optimizer=kind
     )
     store = collection.groups[f"dim{args.dim}"].store
     if work.preloaded:
@@ -386,11 +386,12 @@ def main() -> None:
         return work.next_ids(args.batch_size), lengths
 
     with tempfile.TemporaryDirectory() as directory:
-        step, collection, host_rows, store = collection_step(work, args, Path(directory))
+        step, _, host_rows, store = collection_step(work, args, Path(directory) / "plain")
         runs = {"collection": counted(each(step), store, host := {})}
-        if args.lookahead:
+        if args.lookahead:  # its own tables: batches the other collection ran would be resident
+            step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
             with_lookahead = lookahead_run(step, collection, work, args.lookahead)
-            runs["collection_lookahead"] = counted(with_lookahead, store, host_lookahead := {})
+            runs["collection_lookahead"] = counted(with_lookahead, own_store, host_lookahead := {})
         runs["separate"] = each(separate_step(work, args, Path(directory)))
         runs["nn_embedding_bag"] = each(torch_step(work, args))
         fbgemm = fbgemm_step(work, args)

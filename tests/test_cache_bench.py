@@ -90,6 +90,7 @@ def test_criteo_layout_uses_the_hex_categorical_columns(tmp_path):
         (["zipf:n=abc"], "must be name=number"),
         (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
         (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
+        (["{csv}", "--columns", "user", "--lookahead", "65"], "--lookahead must be in [0, 64]"),
     ],
 )
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -138,6 +139,21 @@ def test_bench_reports_every_figure_and_draws_the_curve(tmp_path, capsys):
         assert host["evictions"] > 0 and ours["batch_latency_ms_p99"] >= ours["batch_latency_ms_p50"] > 0
     rates = [entry["belady"]["hit_rate"] for entry in report["sizes"]]
     assert rates[0] < rates[1]  # a bigger cache hits more
+
+
+def test_bench_replays_through_a_lookahead_pipeline_beside_lfu(tmp_path, capsys):
+    keys = load_trace("zipf:alpha=1.05,n=5000,length=20000,seed=2").keys
+    np.save(tmp_path / "trace.npy", keys)
+    arguments = ["bench", str(tmp_path / "trace.npy"), "--sizes", "20%", "--batch-size", "64"]
+    assert main([*arguments, "--lookahead", "4", "--out", str(tmp_path / "out")]) == 0
+    assert "lookahead 4" in capsys.readouterr().out
+    entry = json.loads((tmp_path / "out.json").read_text())["sizes"][0]
+    ahead, plain = entry["tierstore_lookahead"], entry["tierstore_lfu"]
+    host = ahead["tiers"]["host"]
+    assert ahead["hit_rate"] == pytest.approx(1 - host["rows_in"] / keys.size)  # rows moved ahead count
+    assert ahead["hit_rate"] <= entry["belady"]["hit_rate"]  # nothing moves fewer rows than MIN
+    assert ahead["tiers"]["prefetch"]["pinned_batches"] > 0
+    assert ahead["lookup_hit_rate"] > plain["lookup_hit_rate"]  # the batches found their rows resident
 
 
 def test_separate_tables_give_each_column_back_its_own_ids(tmp_path, capsys):

@@ -72,16 +72,17 @@ def prefetch(
     """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
     ``lookahead`` batches into ``module``'s top cache tier.
 
-    ``module``: a ``TieredEmbeddingBag``, ``TieredEmbedding`` or ``TieredEmbeddingBagCollection``.
-    ``ids(batch)``: what the module is called with for that batch (its ``input`` ids, or a
-    ``KeyedJaggedTensor``); default: the batch itself. An error of the loader or the store in the
-    background is raised in the loop at the batch it concerns; a batch ``module`` would refuse is
-    not prefetched (its step raises). Leaving the loop (``break``, an exception) stops the worker
-    and unpins its rows.
+    ``module``: a ``TieredEmbeddingBag``, ``TieredEmbedding`` or ``TieredEmbeddingBagCollection``
+    (or a ``TieredStore``, whose ``get`` the loop calls). ``ids(batch)``: what the module is called
+    with for that batch (its ``input`` ids, or a ``KeyedJaggedTensor``); default: the batch
+    itself. An error of the loader or the store in the background is raised in the loop at the
+    batch it concerns; a batch ``module`` would refuse is not prefetched (its step raises).
+    Leaving the loop (``break``, an exception) stops the worker and unpins its rows.
     """
     if not hasattr(module, "store_keys"):
         raise TypeError(
-            "module must be a TieredEmbeddingBag, TieredEmbedding or TieredEmbeddingBagCollection, "
+            "module must be a TieredEmbeddingBag, TieredEmbedding, TieredEmbeddingBagCollection or "
+            "TieredStore, "
             f"got {type(module).__name__}"
         )
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= MAX_LOOKAHEAD:

@@ -411,6 +411,11 @@ class TieredStore:
             report["prefetch"] = dict(vars(self.prefetch_stats))
         return report
 
+    def store_keys(self, ids: Any) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(self, the distinct ids get(ids) looks up)]``, for a lookahead pipeline
+        (``tierstore.prefetch``)."""
+        return [(self, torch.unique(as_ids(ids)))]
+
     @_serialized
     def pin_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Move the rows of distinct ``ids`` (int64) that the table holds into the top tier and pin

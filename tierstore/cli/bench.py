@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..budget import parse_bytes
+from ..lookahead import prefetch
 from ..store import TieredStore
 from .progress import bar as progress_bar
 from .reference_policies import policy_hits
@@ -55,18 +56,31 @@ def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
 
 
 def run_store(
-    trace: Trace, rows: int, batch_size: int, dim: int, backend: str, progress: bool | None
+    trace: Trace,
+    rows: int,
+    batch_size: int,
+    dim: int,
+    backend: str,
+    progress: bool | None,
+    lookahead: int = 0,
 ) -> dict:
-    """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows."""
+    """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows, through a
+    lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0."""
     keys = torch.from_numpy(trace.keys)
     latencies = []
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-") as directory:
         with TieredStore(Path(directory) / "store", dim=dim, backend=backend, host_cache=rows) as store:
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
+            loop = prefetch(batches, store, lookahead) if lookahead else batches
             start = time.perf_counter()
             for batch in progress_bar(
-                batches, desc=f"store, {rows:,} rows", unit="batch", leave=False, progress=progress
+                loop,
+                total=len(batches),
+                desc=f"store, {rows:,} rows" + (f", lookahead {lookahead}" if lookahead else ""),
+                unit="batch",
+                leave=False,
+                progress=progress,
             ):
                 began = time.perf_counter()
                 store.get(batch, out=out[: batch.numel()])
@@ -92,9 +106,11 @@ def run_bench(
     dim: int = 16,
     backend: str = "mmap",
     progress: bool | None = None,
+    lookahead: int = 0,
 ) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
-    rows is replayed in batches of its size."""
+    rows is replayed in batches of its size. ``lookahead``: also replay through a lookahead
+    pipeline of that many batches (``tierstore_lookahead``)."""
     distinct = int(np.unique(trace.keys).size)
     row_bytes = dim * 4
     report = {
@@ -105,6 +121,7 @@ def run_bench(
         "batch_size": batch_size,
         "dim": dim,
         "backend": backend,
+        "lookahead": lookahead,
         "sizes": [],
     }
     all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
@@ -117,6 +134,8 @@ def run_bench(
             "batch_size": batch,
             "tierstore_lfu": run_store(trace, rows, batch, dim, backend, progress),
         }
+        if lookahead:
+            entry["tierstore_lookahead"] = run_store(trace, rows, batch, dim, backend, progress, lookahead)
         for policy in policies:
             entry[policy] = {"hit_rate": policy_hits(trace.keys, rows, policy) / trace.keys.size}
         report["sizes"].append(entry)
@@ -125,7 +144,9 @@ def run_bench(
 
 def format_table(report: dict, policies: list[str]) -> str:
     """The report as a readable text table, one line per cache size."""
-    names = ["tierstore LFU"] + [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
+    lookahead = report.get("lookahead", 0)
+    names = ["tierstore LFU"] + ([f"lookahead {lookahead}"] if lookahead else [])
+    names += [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
     header = (
         f"{'cache':>10} {'rows':>10} "
         + " ".join(f"{name:>13}" for name in names)
@@ -133,19 +154,30 @@ def format_table(report: dict, policies: list[str]) -> str:
     )
     lines = [
         f"{report['trace']}: {report['accesses']:,} accesses, {report['distinct_ids']:,} distinct ids, "
-        f"batches of up to {report['batch_size']:,}; hit rate = 1 - rows brought in / lookups",
-        header,
+        f"batches of up to {report['batch_size']:,}; hit rate = 1 - rows brought in / lookups"
+        + (
+            f"; lookahead {lookahead}: rows moved ahead count as brought in, and 'waited' is the share "
+            "of lookups whose row was not resident when its batch ran"
+            if lookahead
+            else ""
+        ),
+        header + (f" {'waited':>8}" if lookahead else ""),
     ]
     for entry in report["sizes"]:
         ours = entry["tierstore_lfu"]
         host = ours["tiers"]["host"]
-        rates = [ours["hit_rate"]] + [entry[p]["hit_rate"] for p in policies]
+        ahead = entry.get("tierstore_lookahead")
+        rates = (
+            [ours["hit_rate"]]
+            + ([ahead["hit_rate"]] if ahead else [])
+            + [entry[p]["hit_rate"] for p in policies]
+        )
         lines.append(
             f"{entry['size']:>10} {entry['rows']:>10,} "
             + " ".join(f"{rate:>13.1%}" for rate in rates)
             + f" {ours['lookups_per_s']:>11,.0f} {ours['batch_latency_ms_p50']:>8.2f}"
             f" {ours['batch_latency_ms_p99']:>8.2f} {host['rows_in']:>10,} {host['bytes_in'] / 1e6:>8.1f}"
-            f" {host['evictions']:>10,}"
+            f" {host['evictions']:>10,}" + (f" {1 - ahead['lookup_hit_rate']:>8.1%}" if ahead else "")
         )
     return "\n".join(lines)
 
@@ -167,6 +199,13 @@ def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
         marker="o",
         label="tierstore LFU",
     )
+    if report.get("lookahead"):
+        axes.plot(
+            shares,
+            [100 * e["tierstore_lookahead"]["hit_rate"] for e in report["sizes"]],
+            marker="o",
+            label=f"tierstore LFU, lookahead {report['lookahead']}",
+        )
     for policy in policies:
         label = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}[policy]
         axes.plot(

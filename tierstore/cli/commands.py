@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import StoreFormatError, StoreMismatchError
+from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE
 from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .inspection import inspect_collection, inspect_store, verify_store
@@ -207,6 +208,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
     command.add_argument(
+        "--lookahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also replay through a lookahead pipeline (tierstore.prefetch) of N batches (1-64)",
+    )
+    command.add_argument(
         "--out",
         type=Path,
         default=Path("tierstore-bench"),
@@ -311,6 +319,10 @@ def _bench(args) -> int:
         raise CommandError(
             f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}"
         )
+    if not 0 <= args.lookahead <= MAX_LOOKAHEAD:
+        raise CommandError(
+            f"--lookahead must be in [0, {MAX_LOOKAHEAD}] batches (0: off), got {args.lookahead}"
+        )
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes:
         raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
@@ -321,7 +333,9 @@ def _bench(args) -> int:
     tables = split_columns(trace) if args.separate else [trace]
     reports = []
     for number, table in enumerate(tables):
-        report = run_bench(table, sizes, policies, args.batch_size, args.dim, args.backend, _progress(args))
+        report = run_bench(
+            table, sizes, policies, args.batch_size, args.dim, args.backend, _progress(args), args.lookahead
+        )
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
         plotted = plot_curve(report, policies, png)
