@@ -152,9 +152,7 @@ def collection_step(work: Workload, args, directory: Path):
     ]
     kind = tiered_optimizer(args.optimizer)
     host_rows = max(int(sum(work.rows) * args.host_share), len(configs) * args.batch_size)
-    collection = TieredEmbeddingBagCollection(
-        configs, directory, host_cache=host_rows, optimizer=kind
-    )
+    collection = TieredEmbeddingBagCollection(configs, directory, host_cache=host_rows, optimizer=kind)
     store = collection.groups[f"dim{args.dim}"].store
     if work.preloaded:
         for rows, config in zip(
