@@ -17,8 +17,9 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``collection``: one ``TieredEmbeddingBagCollection`` (the tables fused in one store), host cache
   ``--host-share`` of the rows the tables hold (at least one batch's ids); before timing, batches
   fill its host cache until it evicts (steady state: misses evict rows, as in a long run);
-- ``collection_lookahead``: the same collection trained through ``tierstore.prefetch`` with
-  ``--lookahead`` batches (0: left out), which moves the next batches' rows up in a worker thread;
+- ``collection_lookahead``: a second collection like it (its own tables: rows the first one just
+  looked up would be resident) trained through ``tierstore.prefetch`` with ``--lookahead``
+  batches (0: left out), which moves the next batches' rows up in a worker thread;
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);

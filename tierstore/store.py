@@ -403,8 +403,8 @@ class TieredStore:
 
         ``hits`` and ``misses`` count id lookups (a repeated id counts each time); every lookup is
         a hit in exactly one tier, so hit counts add up to the ids looked up. The cold tier's
-        ``initialized`` counts lookups of ids never seen before. While a lookahead pipeline
-        (``tierstore.prefetch``) runs on the store, ``"prefetch"`` holds its counters.
+        ``initialized`` counts lookups of ids never seen before. Once a lookahead pipeline
+        (``tierstore.prefetch``) has run on the store, ``"prefetch"`` holds the last one's counters.
         """
         report = self.stack.report()
         if self.prefetch_stats is not None:
