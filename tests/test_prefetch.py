@@ -46,7 +46,7 @@ def train(table, batches, lookahead=None):
     outputs = []
     for step, (ids, offsets) in enumerate(loop):
         out = table(ids, offsets)
-        (out * targets[step]).sum().backward()
+        (out * targets[step].to(out.device)).sum().backward()
         outputs.append(out.detach())
     return outputs
 
@@ -80,6 +80,32 @@ def test_training_with_the_pipeline_gives_the_same_rows_and_outputs_bit_for_bit(
     assert torch.equal(rows, prefetched_rows) and size == prefetched_size
     assert stats["prefetch"]["batches"] == len(batches)
     assert stats["prefetch"]["window_batches"] == 0 and stats["prefetch"]["pinned_rows"] == 0
+
+
+@pytest.mark.parametrize("host_backend", ["openmp", "torch"])
+def test_rows_pinned_in_a_device_tier_over_a_host_tier_train_the_same(tmp_path, device_tier, host_backend):
+    batches = bag_batches(6, 25, 4)
+    runs = []
+    for lookahead in (None, 3):
+        table = TieredEmbeddingBag(
+            None,
+            4,
+            mode="sum",
+            path=tmp_path / f"t{lookahead}",
+            host_cache=20,
+            device_cache=16,
+            optimizer=optim.Adagrad(lr=0.1),
+            host_cache_backend=host_backend,
+            **device_tier,
+        )
+        outputs = [out.cpu() for out in train(table, batches, lookahead)]
+        stats = table.store.stats()
+        runs.append((outputs, table.store.get(torch.arange(ROWS), with_state=True, grow=False).cpu(), stats))
+        table.close()
+    (outputs, rows, plain), (prefetched_outputs, prefetched_rows, stats) = runs
+    assert all(torch.equal(a, b) for a, b in zip(outputs, prefetched_outputs))
+    assert torch.equal(rows, prefetched_rows)
+    assert plain["host"]["rows_in"] > 20 and stats["prefetch"]["pinned_batches"] > 0  # rows moved all along
 
 
 def test_the_collection_trains_the_same_with_the_pipeline(tmp_path):
