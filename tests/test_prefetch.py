@@ -297,3 +297,16 @@ def test_a_loop_killed_mid_epoch_leaves_the_store_at_its_last_flush(tmp_path):
         expected = reference.store.get(torch.arange(ROWS), with_state=True, grow=False)
     with closing(TieredEmbeddingBag(None, 4, mode="sum", path=tmp_path / "t", host_cache=20)) as reopened:
         assert torch.equal(reopened.store.get(torch.arange(ROWS), with_state=True, grow=False), expected)
+
+
+def test_pinning_more_rows_than_the_tier_holds_is_refused_and_pins_nothing(tmp_path):
+    with closing(preloaded_table(tmp_path / "t", host_rows=10)) as table:
+        with pytest.raises(
+            tierstore.CacheCapacityError, match="pinning 20 rows needs more than the host cache's 10"
+        ):
+            table.store.pin_rows(torch.arange(20))
+        assert table.store.stack.top.pinned_count() == 0
+        keys, slots, moved = table.store.pin_rows(torch.arange(8))
+        assert moved == 8 and table.store.stack.top.pinned_count() == 8
+        table.store.unpin_rows(keys, slots)
+        assert table.store.stack.top.pinned_count() == 0

@@ -48,16 +48,21 @@ class TierStack:
         if not bool(hit.all()):
             missed = ~hit
             missed_cpu = missed.cpu()
-            taken: list[tuple[CacheTier, Rows]] = []
-            fetched = self._fetch(unique[missed_cpu], counts[missed_cpu], 1, taken)
-            try:
-                new_slots, _ = top.admit(fetched, slots[hit], lambda victims: self._move_down(victims, 1))
-            except BaseException:  # e.g. a full disk while staging victims: every row stays where it was
-                for cache, rows in taken:
-                    cache.admit(rows)  # into the slots taking them freed
-                raise
-            slots[missed] = new_slots
+            slots[missed] = self._bring_in(unique[missed_cpu], counts[missed_cpu], slots[hit])
         top.touch(slots, counts, missed)
+        return slots
+
+    def _bring_in(self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        """Top-tier slots of ``keys`` (distinct, none in the top tier), taken from the tiers below and
+        admitted without evicting ``protected`` slots."""
+        taken: list[tuple[CacheTier, Rows]] = []
+        fetched = self._fetch(keys, counts, 1, taken)
+        try:
+            slots, _ = self.top.admit(fetched, protected, lambda victims: self._move_down(victims, 1))
+        except BaseException:  # e.g. a full disk while staging victims: every row stays where it was
+            for cache, rows in taken:
+                cache.admit(rows)  # into the slots taking them freed
+            raise
         return slots
 
     def pin_held(self, unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -66,14 +71,21 @@ class TierStack:
         table does not hold are left to the batch, which adds them). Returns ``(their keys, their
         slots, how many were moved up)``."""
         top = self.top
-        absent = (top.find(unique) < 0).cpu()
-        held = ~absent
-        if bool(absent.any()):
-            held[absent] = self.contains(unique[absent])
-        keys = unique[held]
-        slots = self.make_resident(keys, torch.zeros_like(keys))
+        slots = top.find(unique)
+        resident = slots >= 0
+        keys, slots = unique[resident.cpu()], slots[resident]
+        absent = unique[~resident.cpu()]
+        moving = absent[self.contains(absent)] if absent.numel() else absent
+        if moving.numel():
+            if keys.numel() + moving.numel() > top.capacity:
+                raise CacheCapacityError(
+                    f"pinning {keys.numel() + moving.numel()} rows needs more than the {top.name} cache's "
+                    f"{top.capacity}; pin fewer"
+                )
+            slots = torch.cat([slots, self._bring_in(moving, torch.zeros_like(moving), slots)])
+            keys = torch.cat([keys, moving])
         top.pin(slots)
-        return keys, slots, int((held & absent).sum())
+        return keys, slots, moving.numel()
 
     def unpin(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         self.top.unpin(slots, keys)
