@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import tempfile
 import threading
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_train import each, interleaved_samples_per_second
 from torch import nn
 from tqdm import tqdm
 
@@ -177,16 +177,6 @@ def collection_step(work: Workload, args, directory: Path):
     return step, collection, host_rows, store
 
 
-def each(step):
-    """A per-batch ``step`` as a run over a list of batches."""
-
-    def run(batches: list) -> None:
-        for batch in batches:
-            step(*batch)
-
-    return run
-
-
 def lookahead_run(step, collection, work: Workload, lookahead: int):
     """A run of ``step`` over a list of batches through ``tierstore.prefetch``."""
 
@@ -222,19 +212,6 @@ def host_figures(totals: dict, host_rows: int) -> dict:
         "hit_rate": totals["hits"] / lookups,
         "rows_in_per_step": totals["rows_in"] / totals["steps"],
     }
-
-
-def interleaved_samples_per_second(runs: dict, timed: list[list], samples_per_batch: int) -> dict:
-    """Samples/s of each warmed-up ``runs[name](batches)``, timed in turns on each list of ``timed``
-    batches (so the machine's drift hits every method alike)."""
-    times = {name: [] for name in runs}
-    for batches in timed:
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run(batches)
-            times[name].append(time.perf_counter() - start)
-    samples = len(timed[0]) * samples_per_batch
-    return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
 
 
 def separate_step(work: Workload, args, directory: Path):

@@ -44,18 +44,28 @@ def batches(
     return [(torch.from_numpy(sample(size * FEATURES)), offsets) for _ in range(count)]
 
 
+def each(step):
+    """A per-batch ``step(*batch)`` as a run over a list of batches."""
+
+    def run(batches: list) -> None:
+        for batch in batches:
+            step(*batch)
+
+    return run
+
+
 def interleaved_samples_per_second(
-    steps: dict, timed: list[list], samples_per_batch: int | None = None
+    runs: dict, timed: list[list], samples_per_batch: int | None = None
 ) -> dict[str, float]:
-    """Samples/s of each warmed-up ``steps[name]``, timed in turns on each list of ``timed`` batches
-    (so the machine's drift hits every method alike; each list is fresh to the tiered table).
-    A batch holds ``samples_per_batch`` samples (default: its offsets' length)."""
-    times = {name: [] for name in steps}
-    for work in timed:
-        for name, step in steps.items():
+    """Samples/s of each warmed-up ``runs[name](batches)`` (``each(step)`` for a per-batch step),
+    timed in turns on each list of ``timed`` batches (so the machine's drift hits every method
+    alike; each list is fresh to the tiered table). A batch holds ``samples_per_batch`` samples
+    (default: its offsets' length)."""
+    times = {name: [] for name in runs}
+    for batches in timed:
+        for name, run in runs.items():
             start = time.perf_counter()
-            for batch in work:
-                step(*batch)
+            run(batches)
             times[name].append(time.perf_counter() - start)
     samples = len(timed[0]) * (samples_per_batch or timed[0][0][1].numel())
     return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
@@ -170,7 +180,7 @@ def main() -> None:
                 for batch in warm_up[:2]:
                     step(*batch)
             before = table.store.stats()["host"]
-            rates = interleaved_samples_per_second(steps, timed)
+            rates = interleaved_samples_per_second({name: each(step) for name, step in steps.items()}, timed)
             after = table.store.stats()["host"]
             lookups = after["hits"] + after["misses"] - before["hits"] - before["misses"]
             hit_rate = (after["hits"] - before["hits"]) / lookups
