@@ -42,7 +42,9 @@ class PrefetchStats:
     waits: int = 0  # batches that waited for room (the window shrank)
     rows_moved_up: int = 0  # rows it moved into the top tier
     window_batches: int = 0  # batches whose rows are pinned now
-    pinned_rows: int = 0  # rows pinned now (a row pinned for two batches counts twice)
+    # slots the window holds now: its batches' distinct ids, new ones included (they take a slot
+    # when their batch runs); a row in two batches counts twice
+    pinned_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -172,16 +174,18 @@ class _Pipeline:
             stats = self._stats[key] = store.prefetch_stats = PrefetchStats(self._lookahead)
         stats.batches += 1
         count = keys.numel()
+        if count == 0:
+            return None
         largest = self._largest[key] = max(self._largest.get(key, 0), count)
         room = store.stack.top.capacity - largest  # any batch fits beside the window
         with self._changed:
-            pinned = self._pinned.get(key, 0)
-            if pinned and pinned + count > room and not self._stopping:
-                stats.waits += 1
-                while pinned and pinned + count > room and not self._stopping:
-                    self._changed.wait()
-                    pinned = self._pinned.get(key, 0)
-            if self._stopping or count == 0:
+            pinned, waited = self._pinned.get(key, 0), False
+            while pinned and pinned + count > room and not self._stopping:
+                waited = True
+                self._changed.wait()
+                pinned = self._pinned.get(key, 0)
+            stats.waits += waited
+            if self._stopping:
                 return None
             if count > room:
                 stats.skipped_batches += 1
