@@ -19,7 +19,6 @@ counted in ``store.stats()["prefetch"]``.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import queue
 import threading
@@ -27,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from .kernels.host import openmp_runtime
 
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 
@@ -238,7 +239,6 @@ def _one_openmp_thread() -> None:
     OpenMP's thread count is per thread; ``torch.set_num_threads`` would change the default of
     every thread started later too."""
     torch.get_num_threads()  # torch's first call in a thread sets its count: make it before ours
-    try:
-        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(1)
-    except (OSError, AttributeError):  # another OpenMP runtime: its default stands
-        pass
+    runtime = openmp_runtime()
+    if runtime is not None:  # under another OpenMP runtime its default stands
+        runtime.omp_set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The ``tierstore`` command line: import, export, inspect, verify and bench.
+"""The ``tierstore`` command line: import, export, inspect, verify, bench and profile.
 
 Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input (a one-line error, no
 traceback); 130 interrupted.
@@ -11,14 +11,28 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import psutil
+import torch
+
+from ..budget import parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE
 from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
+from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_store
+from .profile import format_profile, plot_profile, profile_trace
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
-from .transfer import OPTIMIZER_CHOICES, export_table, import_into_table, import_table, optimizer_choice
+from .transfer import (
+    OPTIMIZER_CHOICES,
+    export_table,
+    import_into_table,
+    import_table,
+    optimizer_choice,
+    state_width,
+)
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -67,6 +81,28 @@ def _parser() -> argparse.ArgumentParser:
     quiet = argparse.ArgumentParser(add_help=False)
     quiet.add_argument(
         "--quiet", action="store_true", help="no progress bars (they are shown only on a terminal anyway)"
+    )
+
+    trace_input = argparse.ArgumentParser(add_help=False)
+    trace_input.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="zipf:alpha=1.05,n=10000000[,length=N,seed=S] | "
+        "uniform:n=N | drift:n=N,hot=H,period=P | a .npy of ids | a CSV/TSV file (with --columns) "
+        "| a Criteo Kaggle TSV (with --criteo)",
+    )
+    trace_input.add_argument(
+        "--columns",
+        help="comma-separated id columns of a CSV/TSV (names from its header, or "
+        "0-based indices); several fuse into one key space with per-column offsets",
+    )
+    trace_input.add_argument(
+        "--criteo",
+        action="store_true",
+        help="the trace is Criteo Kaggle TSV: use its 26 categorical columns, skip empty fields",
+    )
+    trace_input.add_argument(
+        "--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)"
     )
 
     formats = ", ".join(SUFFIXES)
@@ -157,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
 
     command = commands.add_parser(
         "bench",
-        parents=[quiet],
+        parents=[quiet, trace_input],
         help="replay an id trace through a store at several cache sizes",
         description="Replay an id trace through a store whose host cache takes each of --sizes, and "
         "report per size: hit rate, rows and bytes moved, evictions, lookups/s and per-batch latency "
@@ -167,29 +203,11 @@ def _parser() -> argparse.ArgumentParser:
         "'tierstore[plot]').",
     )
     command.add_argument(
-        "trace",
-        metavar="TRACE",
-        help="zipf:alpha=1.05,n=10000000[,length=N,seed=S] | "
-        "uniform:n=N | drift:n=N,hot=H,period=P | a .npy of ids | a CSV/TSV file (with --columns) "
-        "| a Criteo Kaggle TSV (with --criteo)",
-    )
-    command.add_argument(
-        "--columns",
-        help="comma-separated id columns of a CSV/TSV (names from its header, or "
-        "0-based indices); several fuse into one key space with per-column offsets",
-    )
-    command.add_argument(
         "--separate",
         action="store_true",
         help="each column its own table, with its own "
         "cache of each size (default: one table, columns fused with per-column key offsets)",
     )
-    command.add_argument(
-        "--criteo",
-        action="store_true",
-        help="the trace is Criteo Kaggle TSV: use its 26 categorical columns, skip empty fields",
-    )
-    command.add_argument("--delimiter", help="field delimiter (default: tab for .tsv and Criteo, else comma)")
     command.add_argument(
         "--sizes",
         default="1%,5%,10%",
@@ -221,6 +239,66 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix of the outputs: OUT.json and OUT.png",
     )
     command.set_defaults(run=_bench)
+
+    command = commands.add_parser(
+        "profile",
+        parents=[quiet, trace_input],
+        help="predict hit rates and hot-set sizes of an id trace from a sample, and recommend budgets",
+        description="From a sample of the trace's ids (SHARDS-style spatial sampling, bounded memory): "
+        "the hit rate our LFU and Belady's MIN would reach at each cache size, by miniature "
+        "simulation; how many rows take 50/80/90/99%% of the accesses; and, from a cost model of "
+        "bandwidths measured on this machine, the host and device budgets that come within 5%% of "
+        "the least row movement per training step the memory allows. Writes OUT.json (sizes_rows "
+        "and predicted_hit_rate, comparable with bench's JSON), OUT.npy (hot ids, most accessed "
+        "first: a warm-start file) and OUT.png (the curve; needs matplotlib).",
+    )
+    command.add_argument(
+        "--sample",
+        default="5%",
+        help="share of the ids sampled: a percentage (5%%) or a fraction (0.05); default 5%%",
+    )
+    command.add_argument(
+        "--max-ids",
+        type=positive_int,
+        default=1 << 20,
+        help="most distinct ids the sample keeps (bounds its memory; the rate drops past it)",
+    )
+    command.add_argument(
+        "--sizes",
+        default="1%,5%,10%",
+        help="cache sizes to predict: shares of the trace's estimated distinct ids (5%%), row counts "
+        "(20000) or bytes (64MiB); default 1%%,5%%,10%%",
+    )
+    command.add_argument("--batch-size", type=positive_int, default=4096, help="lookups per training step")
+    command.add_argument("--dim", type=positive_int, default=16, help="embedding dim (sets bytes moved)")
+    command.add_argument(
+        "--optimizer",
+        type=optimizer_choice,
+        default="sgd",
+        metavar="{" + ",".join(OPTIMIZER_CHOICES) + "}",
+        help="the sparse optimizer whose state travels with each row (sets bytes moved); default sgd",
+    )
+    command.add_argument("--backend", choices=["mmap", "lmdb"], default="mmap")
+    command.add_argument(
+        "--host-memory",
+        default="50%",
+        help="DRAM the host tier may take: bytes (8GiB) or a share of RAM (50%%); default 50%%",
+    )
+    command.add_argument(
+        "--device-memory",
+        default="50%",
+        help="GPU memory the device tier may take: bytes or a share (ignored without a GPU); default 50%%",
+    )
+    command.add_argument(
+        "--hot-rows", type=positive_int, help="ids in the hot-set file (default: the largest of --sizes)"
+    )
+    command.add_argument(
+        "--out",
+        type=Path,
+        default=Path("tierstore-profile"),
+        help="prefix of the outputs: OUT.json, OUT.npy and OUT.png",
+    )
+    command.set_defaults(run=_profile)
     return parser
 
 
@@ -323,13 +401,10 @@ def _bench(args) -> int:
         raise CommandError(
             f"--lookahead must be in [0, {MAX_LOOKAHEAD}] batches (0: off), got {args.lookahead}"
         )
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes:
-        raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
+    sizes = _sizes(args)
     json_path = args.out.with_name(args.out.name + ".json")
     _check_writable(json_path)  # before the run, not after it
-    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
-    trace = load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
+    trace = _trace(args)
     tables = split_columns(trace) if args.separate else [trace]
     reports = []
     for number, table in enumerate(tables):
@@ -348,6 +423,84 @@ def _bench(args) -> int:
     json_path.write_text(json.dumps({"tables": reports} if args.separate else reports[0], indent=2))
     print(f"figures: {json_path}")
     return 0
+
+
+def _profile(args) -> int:
+    rate = _sample_rate(args.sample)
+    sizes = _sizes(args)
+    host_memory = _memory("--host-memory", args.host_memory, psutil.virtual_memory().total)
+    device_total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    device_memory = _memory("--device-memory", args.device_memory, device_total)
+    json_path, ids_path, png_path = (
+        args.out.with_name(args.out.name + suffix) for suffix in (".json", ".npy", ".png")
+    )
+    for path in (json_path, ids_path):
+        _check_writable(path)  # before the run, not after it
+    trace = _trace(args)
+    report, hot_ids = profile_trace(
+        trace,
+        sizes,
+        rate,
+        args.max_ids,
+        args.batch_size,
+        args.dim,
+        args.backend,
+        args.hot_rows,
+        _progress(args),
+    )
+    bandwidths = measure_bandwidths(args.dim + state_width(args.optimizer, args.dim), args.backend)
+    curve = report["curve"]
+    report["recommendation"] = recommend(
+        curve["rows"],
+        curve["lfu"],
+        args.batch_size,
+        args.dim + state_width(args.optimizer, args.dim),
+        bandwidths,
+        host_memory,
+        device_memory,
+    )
+    print(format_profile(report))
+    np.save(ids_path, hot_ids)
+    json_path.write_text(json.dumps(report, indent=2))
+    plotted = plot_profile(report, png_path)
+    print(f"hot ids: {ids_path}")
+    print(
+        f"curve: {png_path}"
+        if plotted
+        else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')"
+    )
+    print(f"figures: {json_path}")
+    return 0
+
+
+def _trace(args):
+    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
+    return load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
+
+
+def _sizes(args) -> list[str]:
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not sizes:
+        raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
+    return sizes
+
+
+def _sample_rate(text: str) -> float:
+    """``--sample``: "5%" or "0.05" as a fraction in (0, 1]."""
+    try:
+        rate = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        rate = float("nan")
+    if not 0 < rate <= 1:
+        raise CommandError(f"--sample must be a share in (0, 100%], e.g. 5% or 0.05; got {text!r}")
+    return rate
+
+
+def _memory(option: str, text: str, total: int) -> int:
+    try:
+        return parse_bytes(text, total)
+    except ValueError as error:
+        raise CommandError(f"{option}: {error}") from None
 
 
 def _progress(args) -> bool | None:

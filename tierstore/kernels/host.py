@@ -53,9 +53,25 @@ def _cpu_identity() -> str:
     return "\n".join(wanted[:2])
 
 
+SERIAL_BELOW = 1024  # items: a launch of fewer runs on the calling thread alone
+
+
+@functools.cache
+def openmp_runtime() -> ctypes.CDLL | None:
+    """libgomp (the OpenMP runtime g++ links and torch uses), None under another runtime."""
+    try:
+        runtime = ctypes.CDLL("libgomp.so.1")
+        runtime.omp_get_max_threads, runtime.omp_set_num_threads  # noqa: B018 (both must exist)
+        return runtime
+    except (OSError, AttributeError):
+        return None
+
+
 class HostKernels:
-    """One host build behind the GPU build's ``launch(name, n, *args)`` (CPU tensors; ``n`` sizes
-    GPU grids and is unused here: each kernel loops over all its items)."""
+    """One host build behind the GPU build's ``launch(name, n, *args)`` (CPU tensors; each kernel
+    loops over all its ``n`` items). A launch of fewer than ``SERIAL_BELOW`` items runs on one
+    thread: waking an OpenMP team costs more than such a loop, and far more on a busy machine,
+    where the team's barrier waits for a thread the OS has put aside."""
 
     def __init__(self, library: Path) -> None:
         self._library = ctypes.CDLL(str(library))
@@ -64,7 +80,17 @@ class HostKernels:
         if n <= 0:
             return
         values, types = kernel_arguments(name, args, _CPU)
-        getattr(self._library, name)(*(kind(value) for value, kind in zip(values, types)))
+        kernel = getattr(self._library, name)
+        runtime = openmp_runtime() if n < SERIAL_BELOW else None
+        if runtime is None:
+            kernel(*(kind(value) for value, kind in zip(values, types)))
+            return
+        threads = runtime.omp_get_max_threads()  # this thread's setting (OpenMP's is per thread)
+        runtime.omp_set_num_threads(1)
+        try:
+            kernel(*(kind(value) for value, kind in zip(values, types)))
+        finally:
+            runtime.omp_set_num_threads(threads)
 
 
 def build(parallel: bool, source_name: str = SOURCE) -> Path:

@@ -1,0 +1,237 @@
+"""``tierstore profile``: what a trace asks of the cache tiers, predicted from a sample of it.
+
+From a spatial sample of the ids (``sampling.spatial_sample``): the hit-rate curve against cache
+size of our store's LFU and of Belady's MIN, by miniature simulation (the sample replayed
+through a cache whose size, and batch, are scaled by the sample rate; FAE and SHARDS find hot
+sets the same way, without parsing every access), and the hot-set sizes that cover a share of
+the accesses. From a uniform sample of the accesses: the hot ids, ranked (a warm-start file).
+The cost model (``cost_model``) turns the curve into recommended budgets.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .bench import cache_rows, run_store
+from .progress import bar as progress_bar
+from .reference_policies import belady_hits
+from .sampling import CHUNK, SpatialSample, ranked_ids, spatial_sample
+from .traces import Trace
+
+COVERAGE = (0.5, 0.8, 0.9, 0.99)
+CURVE_POINTS = 12  # cache sizes of the curve, geometric up to every id
+MIN_SCALED_ROWS = 256  # fewer simulated rows hold too few sampled ids: the prediction is noise
+WELL_COUNTED = 10  # an id counted this often in a sample of the accesses: its frequency is known
+
+
+def coverage_rows(sample: SpatialSample, head: np.ndarray, head_accesses: np.ndarray) -> dict[str, int]:
+    """Estimated rows of the most accessed ids that take each share of ``COVERAGE`` of the accesses.
+
+    Few ids take most accesses, so an id sample holds few of them, by chance: the ``head`` ids
+    (the busiest in a sample of the accesses) count with their exact ``head_accesses``; the
+    other ids come from the id sample, each standing for ``1 / rate`` ids of its (exact) count."""
+    _, tail = np.unique(sample.keys[~np.isin(sample.keys, head)], return_counts=True)
+    frequency = np.concatenate([head_accesses, tail]).astype(np.float64)
+    weight = np.concatenate([np.ones(head.size), np.full(tail.size, 1 / sample.rate)])
+    order = np.argsort(-frequency, kind="stable")
+    frequency, weight = frequency[order], weight[order]
+    covered = np.cumsum(frequency * weight) / np.sum(frequency * weight)
+    rows = np.cumsum(weight)
+    return {
+        f"{share:.0%}": round(float(rows[min(int(np.searchsorted(covered, share - 1e-12)), rows.size - 1)]))
+        for share in COVERAGE
+    }
+
+
+def exact_counts(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """int64 [len(ids)]: how often each of ``ids`` (distinct) occurs in ``keys``, counted in chunks."""
+    order = np.argsort(ids)
+    ordered = ids[order]
+    counts = np.zeros(ids.size, dtype=np.int64)
+    if ids.size == 0:
+        return counts
+    for start in range(0, keys.size, CHUNK):
+        chunk = keys[start : start + CHUNK]
+        where = np.minimum(np.searchsorted(ordered, chunk), ids.size - 1)
+        counts[order] += np.bincount(where[ordered[where] == chunk], minlength=ids.size)
+    return counts
+
+
+def predicted_hit_rates(
+    sample: SpatialSample, rows: int, batch_size: int, dim: int, backend: str
+) -> dict[str, float]:
+    """Hit rates of our LFU and of MIN with a ``rows``-row cache, replayed over ``sample`` with the
+    cache and the batch scaled by its rate (a miniature simulation; a batch is at most the
+    cache, as in ``bench``).
+
+    SHARDS' adjustment: the sample holds more (or fewer) accesses than the rate's share of the
+    trace when it drew busier (or quieter) ids, mostly hot ones; the difference is taken from (or
+    added to) its hits, and its hit rate is over the expected count."""
+    scaled = max(1, round(rows * sample.rate))
+    batch = max(1, min(round(batch_size * sample.rate), scaled))
+    store = run_store(Trace(sample.keys, "sample", []), scaled, batch, dim, backend, progress=False)
+    hits = {
+        "lfu": sample.keys.size - round(sample.keys.size * (1 - store["hit_rate"])),
+        "min": belady_hits(sample.keys, scaled),
+    }
+    expected = sample.rate * sample.accesses
+    surplus = sample.keys.size - expected
+    return {policy: min(1.0, max(0.0, (count - surplus) / expected)) for policy, count in hits.items()}
+
+
+def profile_trace(
+    trace: Trace,
+    sizes: list[str],
+    sample_rate: float,
+    max_ids: int,
+    batch_size: int = 4096,
+    dim: int = 16,
+    backend: str = "mmap",
+    hot_rows: int | None = None,
+    progress: bool | None = None,
+) -> tuple[dict, np.ndarray]:
+    """``(every figure, JSON-ready; the hot ids ranked)``. ``sizes`` are as ``bench --sizes``,
+    shares taken of the estimated distinct ids. The id sample takes ``sample_rate`` of the ids, or
+    more where the smallest size would be simulated with fewer than ``MIN_SCALED_ROWS`` rows.
+    ``hot_rows``: length of the ranking (default: the largest size)."""
+    sample = spatial_sample(trace.keys, sample_rate, max_ids)
+    if sample.keys.size == 0:
+        raise ValueError(
+            f"a {sample_rate:.2%} sample of {trace.name} holds no ids ({trace.keys.size:,} accesses); "
+            f"raise --sample"
+        )
+    distinct = max(1, round(sample.distinct / sample.rate))
+    row_bytes = dim * 4
+    sizes_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]
+    needed = min(1.0, MIN_SCALED_ROWS / min(sizes_rows))
+    raised = needed > sample.rate and sample.distinct < max_ids
+    if raised:  # the smallest cache would scale to too few rows to behave like the real one
+        sample = spatial_sample(trace.keys, needed, max_ids)
+        distinct = max(1, round(sample.distinct / sample.rate))
+        sizes_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]
+    smallest = max(1, math.ceil(MIN_SCALED_ROWS / sample.rate))
+    grid = sorted(
+        {round(x) for x in np.geomspace(smallest, max(smallest, distinct), CURVE_POINTS)} | set(sizes_rows)
+    )
+    curve = {}
+    for rows in progress_bar(grid, desc="miniature simulations", unit="size", leave=False, progress=progress):
+        curve[rows] = predicted_hit_rates(sample, rows, batch_size, dim, backend)
+    hot_ids, hot_counts, ranking_bytes = ranked_ids(trace.keys, sample_rate, hot_rows or max(sizes_rows))
+    head = hot_ids[hot_counts >= WELL_COUNTED]
+    report = {
+        "trace": trace.name,
+        "accesses": int(trace.keys.size),
+        "estimated_distinct_ids": distinct,
+        "sample": {
+            "rate": sample.rate,
+            "requested_rate": sample_rate,
+            "raised_for_smallest_size": raised,
+            "max_ids": max_ids,
+            "accesses": int(sample.keys.size),
+            "ids": sample.distinct,
+        },
+        "profiler_bytes": sample.nbytes + ranking_bytes,
+        "batch_size": batch_size,
+        "dim": dim,
+        "sizes": sizes,
+        "sizes_rows": sizes_rows,
+        "predicted_hit_rate": {
+            policy: [curve[rows][policy] for rows in sizes_rows] for policy in ("lfu", "min")
+        },
+        "curve": {
+            "rows": grid,
+            "lfu": [curve[rows]["lfu"] for rows in grid],
+            "min": [curve[rows]["min"] for rows in grid],
+        },
+        "hot_set_rows": coverage_rows(sample, head, exact_counts(trace.keys, head)),
+        "hot_ids": int(hot_ids.size),
+        "hot_ids_sampled_accesses": int(hot_counts.sum()),
+    }
+    return report, hot_ids
+
+
+def format_profile(report: dict) -> str:
+    """The report as readable text: the sample, the predicted hit rates, the hot set, the budgets."""
+    sample = report["sample"]
+    lines = [
+        f"{report['trace']}: {report['accesses']:,} accesses, about {report['estimated_distinct_ids']:,} "
+        f"distinct ids; sampled {sample['rate']:.2%} of the ids ({sample['ids']:,} ids, "
+        f"{sample['accesses']:,} accesses), profiler memory {report['profiler_bytes'] / 2**20:,.1f} MiB",
+        *(
+            [
+                f"(the sample was raised from {sample['requested_rate']:.2%}: the smallest cache would "
+                f"have been simulated with fewer than {MIN_SCALED_ROWS} rows)"
+            ]
+            if sample["raised_for_smallest_size"]
+            else []
+        ),
+        f"predicted hit rate (1 - rows brought in / lookups), batches of {report['batch_size']:,} lookups:",
+        f"{'cache':>10} {'rows':>12} {'LFU (ours)':>11} {'Belady MIN':>11}",
+    ]
+    predicted = report["predicted_hit_rate"]
+    for size, rows, lfu, best in zip(
+        report["sizes"], report["sizes_rows"], predicted["lfu"], predicted["min"]
+    ):
+        lines.append(f"{size:>10} {rows:>12,} {lfu:>11.1%} {best:>11.1%}")
+    lines.append(
+        "rows taking a share of the accesses: "
+        + ", ".join(f"{share}: {rows:,}" for share, rows in report["hot_set_rows"].items())
+    )
+    advice = report.get("recommendation")
+    if advice:
+        bandwidths = advice["bandwidths_bytes_per_s"]
+        measured = (
+            f"cold read {bandwidths['cold_read'] / 1e6:,.0f} MB/s, "
+            f"cold write {bandwidths['cold_write'] / 1e6:,.0f} MB/s"
+        )
+        if bandwidths["host_to_device"]:
+            measured += f", host to device {bandwidths['host_to_device'] / 1e6:,.0f} MB/s"
+        device = (
+            f", device_cache={advice['device_cache_bytes'] / 2**20:,.1f}MiB "
+            f"({advice['device_cache_rows']:,} rows)"
+            if advice["device_memory_bytes"]
+            else ""
+        )
+        lines += [
+            f"bandwidths measured here: {measured}",
+            f"recommended: host_cache={advice['host_cache_bytes'] / 2**20:,.1f}MiB "
+            f"({advice['host_cache_rows']:,} rows){device}; predicted "
+            f"{advice['predicted_rows_moved_per_step']:,.0f} rows moved and "
+            f"{advice['predicted_movement_ms_per_step']:.2f} ms of movement per step "
+            f"(best the memory allows: {advice['best_movement_ms_per_step']:.2f} ms)",
+        ]
+    return "\n".join(lines)
+
+
+def plot_profile(report: dict, path: Path) -> bool:
+    """The predicted hit-rate curves against cache size, as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    curve = report["curve"]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(curve["rows"], [100 * r for r in curve["lfu"]], marker="o", label="tierstore LFU (predicted)")
+    axes.plot(
+        curve["rows"],
+        [100 * r for r in curve["min"]],
+        marker=".",
+        linestyle="--",
+        label="Belady MIN (predicted)",
+    )
+    axes.set_xscale("log")
+    axes.set_xlabel("cache size (rows)")
+    axes.set_ylabel("hit rate (% of lookups)")
+    axes.set_title(f"{report['trace']}, {report['sample']['rate']:.1%} id sample")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
