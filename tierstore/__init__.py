@@ -21,8 +21,10 @@ from .nn import (
     TieredEmbeddingBagCollection,
 )
 from .store import TieredStore
+from .tiers.admission import admission_filter
 
 __all__ = [
+    "admission_filter",
     "TieredEmbedding",
     "TieredEmbeddingBag",
     "TieredEmbeddingBagCollection",

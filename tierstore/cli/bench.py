@@ -25,6 +25,7 @@ import torch
 from ..budget import parse_bytes
 from ..lookahead import prefetch
 from ..store import TieredStore
+from ..tiers.admission import admission_filter
 from .progress import bar as progress_bar
 from .reference_policies import policy_hits
 from .traces import Trace
@@ -63,13 +64,18 @@ def run_store(
     backend: str,
     progress: bool | None,
     lookahead: int = 0,
+    admission: int = 0,
 ) -> dict:
     """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows, through a
-    lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0."""
+    lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0, behind
+    an admission filter of ``admission`` lookups if that is not 0."""
     keys = torch.from_numpy(trace.keys)
     latencies = []
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-") as directory:
-        with TieredStore(Path(directory) / "store", dim=dim, backend=backend, host_cache=rows) as store:
+        policy = admission_filter(admission) if admission else None
+        with TieredStore(
+            Path(directory) / "store", dim=dim, backend=backend, host_cache=rows, policy=policy
+        ) as store:
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
             loop = prefetch(batches, store, lookahead) if lookahead else batches
@@ -77,7 +83,9 @@ def run_store(
             for batch in progress_bar(
                 loop,
                 total=len(batches),
-                desc=f"store, {rows:,} rows" + (f", lookahead {lookahead}" if lookahead else ""),
+                desc=f"store, {rows:,} rows"
+                + (f", lookahead {lookahead}" if lookahead else "")
+                + (f", admission {admission}" if admission else ""),
                 unit="batch",
                 leave=False,
                 progress=progress,
@@ -110,10 +118,12 @@ def run_bench(
     backend: str = "mmap",
     progress: bool | None = None,
     lookahead: int = 0,
+    admission: int = 0,
 ) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
     rows is replayed in batches of its size. ``lookahead``: also replay through a lookahead
-    pipeline of that many batches (``tierstore_lookahead``)."""
+    pipeline of that many batches (``tierstore_lookahead``); ``admission``: also behind an
+    admission filter of that many lookups (``tierstore_admission``)."""
     distinct = int(np.unique(trace.keys).size)
     row_bytes = dim * 4
     report = {
@@ -125,6 +135,7 @@ def run_bench(
         "dim": dim,
         "backend": backend,
         "lookahead": lookahead,
+        "admission": admission,
         "sizes": [],
     }
     all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
@@ -139,6 +150,10 @@ def run_bench(
         }
         if lookahead:
             entry["tierstore_lookahead"] = run_store(trace, rows, batch, dim, backend, progress, lookahead)
+        if admission:
+            entry["tierstore_admission"] = run_store(
+                trace, rows, batch, dim, backend, progress, admission=admission
+            )
         for policy in policies:
             entry[policy] = {"hit_rate": policy_hits(trace.keys, rows, policy) / trace.keys.size}
         report["sizes"].append(entry)
@@ -147,8 +162,9 @@ def run_bench(
 
 def format_table(report: dict, policies: list[str]) -> str:
     """The report as a readable text table, one line per cache size."""
-    lookahead = report.get("lookahead", 0)
+    lookahead, admission = report.get("lookahead", 0), report.get("admission", 0)
     names = ["tierstore LFU"] + ([f"lookahead {lookahead}"] if lookahead else [])
+    names += [f"admission {admission}"] if admission else []
     names += [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
     header = (
         f"{'cache':>10} {'rows':>10} "
@@ -170,9 +186,11 @@ def format_table(report: dict, policies: list[str]) -> str:
         ours = entry["tierstore_lfu"]
         host = ours["tiers"]["host"]
         ahead = entry.get("tierstore_lookahead")
+        admitted = entry.get("tierstore_admission")
         rates = (
             [ours["hit_rate"]]
             + ([ahead["hit_rate"]] if ahead else [])
+            + ([admitted["hit_rate"]] if admitted else [])
             + [entry[p]["hit_rate"] for p in policies]
         )
         lines.append(
@@ -208,6 +226,13 @@ def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
             [100 * e["tierstore_lookahead"]["hit_rate"] for e in report["sizes"]],
             marker="o",
             label=f"tierstore LFU, lookahead {report['lookahead']}",
+        )
+    if report.get("admission"):
+        axes.plot(
+            shares,
+            [100 * e["tierstore_admission"]["hit_rate"] for e in report["sizes"]],
+            marker="o",
+            label=f"tierstore LFU, admission after {report['admission']} lookups",
         )
     for policy in policies:
         label = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}[policy]

@@ -35,6 +35,7 @@ from .transfer import (
 )
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+MAX_ADMISSION = 255
 
 
 class CommandError(Exception):
@@ -233,6 +234,14 @@ def _parser() -> argparse.ArgumentParser:
         help="also replay through a lookahead pipeline (tierstore.prefetch) of N batches (1-64)",
     )
     command.add_argument(
+        "--admission",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also replay behind an admission filter (tierstore.admission_filter): a row stays "
+        "cached once its id was looked up N times (1-255)",
+    )
+    command.add_argument(
         "--out",
         type=Path,
         default=Path("tierstore-bench"),
@@ -401,6 +410,10 @@ def _bench(args) -> int:
         raise CommandError(
             f"--lookahead must be in [0, {MAX_LOOKAHEAD}] batches (0: off), got {args.lookahead}"
         )
+    if not 0 <= args.admission <= MAX_ADMISSION:
+        raise CommandError(
+            f"--admission must be in [0, {MAX_ADMISSION}] lookups (0: off), got {args.admission}"
+        )
     sizes = _sizes(args)
     json_path = args.out.with_name(args.out.name + ".json")
     _check_writable(json_path)  # before the run, not after it
@@ -409,7 +422,15 @@ def _bench(args) -> int:
     reports = []
     for number, table in enumerate(tables):
         report = run_bench(
-            table, sizes, policies, args.batch_size, args.dim, args.backend, _progress(args), args.lookahead
+            table,
+            sizes,
+            policies,
+            args.batch_size,
+            args.dim,
+            args.backend,
+            _progress(args),
+            args.lookahead,
+            args.admission,
         )
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")

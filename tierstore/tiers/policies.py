@@ -24,6 +24,7 @@ class EvictionPolicy(abc.ABC):
     """Per-slot state of one tier's policy; slots are int64 ``[N]`` positions in its row buffer."""
 
     bytes_per_slot = 0  # what the policy allocates per slot (the tier's byte budget counts it)
+    needs_keys = False  # touch is also given the rows' keys and which rows were just admitted
 
     def __init__(self, capacity: int, device: torch.device, backend) -> None:
         self.capacity = capacity
@@ -36,7 +37,9 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
-        """``counts [N]`` accesses (default one each) of the rows at ``slots``."""
+        """``counts [N]`` accesses (default one each) of the rows at ``slots``. A policy that
+        ``needs_keys`` is called as ``touch(slots, counts, keys, missed)``: the rows' keys [N], and
+        bool [N] set for rows admitted for these accesses (None: none)."""
 
     @abc.abstractmethod
     def reset(self, slots: torch.Tensor) -> None:

@@ -101,7 +101,10 @@ class RowCache:
     def touch(
         self, slots: torch.Tensor, counts: torch.Tensor | None = None, missed: torch.Tensor | None = None
     ) -> None:
-        self.policy.touch(slots, counts)
+        if self.policy.needs_keys:
+            self.policy.touch(slots, counts, self.slot_keys[slots], missed)
+        else:
+            self.policy.touch(slots, counts)
         if missed is None:
             self.stats.hits += slots.numel() if counts is None else int(counts.sum())
         else:

@@ -1,0 +1,130 @@
+"""The admission filter (``tierstore.admission_filter``): its sketch against exact counts, which
+rows it keeps, a store behind it against a dict, and ``bench --admission``."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import TieredStore, admission_filter
+from tierstore.cli import main
+from tierstore.tiers import RowCache, Rows
+from tierstore.tiers.admission import WINDOW_SHARE, FrequencySketch
+
+
+def test_the_sketch_never_counts_less_than_the_truth_and_is_close_for_hot_keys():
+    rng = np.random.default_rng(0)
+    sketch = FrequencySketch(width=4096, age_every=10**9, device=torch.device("cpu"))
+    truth = {}
+    for _ in range(50):
+        keys = np.unique(rng.zipf(1.2, 200))
+        counts = rng.integers(1, 4, keys.size)
+        sketch.add(torch.from_numpy(keys), torch.from_numpy(counts))
+        for key, count in zip(keys.tolist(), counts.tolist()):
+            truth[key] = truth.get(key, 0) + count
+    keys = torch.tensor(list(truth))
+    estimate = sketch.estimate(keys)
+    exact = torch.tensor(list(truth.values())).clamp(max=255)  # counters stop at 255
+    assert bool((estimate >= exact).all())
+    hottest = exact >= 100
+    assert bool(((estimate[hottest] - exact[hottest]) <= 0.05 * exact[hottest]).all())
+
+
+def test_the_sketch_halves_its_counts_as_it_ages():
+    sketch = FrequencySketch(width=64, age_every=100, device=torch.device("cpu"))
+    sketch.add(torch.tensor([7]), torch.tensor([60]))
+    assert int(sketch.estimate(torch.tensor([7]))) == 60
+    sketch.add(torch.tensor([8]), torch.tensor([40]))  # 100 counted: halved
+    assert int(sketch.estimate(torch.tensor([7]))) == 30
+
+
+def admit(cache, keys, counts=None):
+    """A batch's lookups as the store makes them: find, admit the misses, touch."""
+    keys = torch.tensor(keys)
+    slots = cache.find(keys)
+    missed = slots < 0
+    if bool(missed.any()):
+        absent = keys[missed]
+        rows = Rows(
+            absent, torch.zeros(absent.numel(), 2), *[torch.zeros(absent.numel(), dtype=torch.bool)] * 2
+        )
+        slots[missed], _ = cache.admit(rows, slots[~missed])
+    cache.touch(slots, counts, missed)
+    return slots
+
+
+def test_one_off_ids_cycle_through_while_rows_looked_up_twice_stay():
+    cache = RowCache("host", 100, 2, torch.float32, policy=admission_filter(2))
+    hot = list(range(60))
+    admit(cache, hot)
+    admit(cache, hot)  # counted twice: admitted for good
+    window = int(WINDOW_SHARE * 100)
+    for start in range(1000, 3000, 10):  # a scan of ids seen once, ten a batch
+        admit(cache, list(range(start, start + 10)))
+        assert bool((cache.find(torch.tensor(hot)) >= 0).all())  # no hot row is evicted
+    assert cache.policy.not_admitted == 60 + 2000  # the hot rows too, at their first lookup
+    assert int(cache.policy.transient.sum()) == len(cache) - 60 <= 40
+    assert len(cache) - 60 >= window  # the newest one-offs are still there to be looked up again
+    admit(cache, [2995])  # the newest one-off, looked up a second time: it stays now
+    assert not bool(cache.policy.transient[cache.find(torch.tensor([2995]))])
+
+
+def test_plain_lfu_lets_the_same_scan_evict_hot_rows_that_the_filter_keeps():
+    """The filter's point, on an ageing LFU whose hot rows were looked up long ago."""
+    kept = {}
+    for name, policy in (("lfu", None), ("filter", admission_filter(2))):
+        cache = RowCache("host", 100, 2, torch.float32, policy=policy, half_life=50)
+        hot = list(range(60))
+        admit(cache, hot)
+        admit(cache, hot)
+        for start in range(1000, 3000, 10):
+            admit(cache, list(range(start, start + 10)))
+        kept[name] = int((cache.find(torch.tensor(hot)) >= 0).sum())
+    assert kept["filter"] == 60 and kept["lfu"] < 60
+
+
+def test_threshold_one_admits_every_row_and_a_bad_threshold_is_named():
+    cache = RowCache("host", 10, 2, torch.float32, policy=admission_filter(1))
+    admit(cache, [1, 2, 3])
+    assert cache.policy.not_admitted == 0
+    for bad in (0, -1, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="threshold must be an int of at least 1"):
+            admission_filter(bad)
+
+
+def test_a_store_behind_the_filter_holds_a_dicts_rows(tmp_path):
+    """Rows go through transient slots, both tiers and the cold store; values stay a dict's."""
+    rng = np.random.default_rng(7)
+    oracle = {}
+    with TieredStore(
+        tmp_path / "s", dim=3, host_cache=12, device_cache=6, policy=admission_filter(2)
+    ) as store:
+        for step in range(200):
+            ids = torch.from_numpy(np.unique(rng.zipf(1.3, rng.integers(1, 6)) % 80))
+            if step % 2:
+                rows = torch.from_numpy(rng.standard_normal((ids.numel(), 3)).astype(np.float32))
+                store.put(ids, rows)
+                oracle.update(zip(ids.tolist(), rows))
+            got = store.get(ids)
+            for id_, row in zip(ids.tolist(), got):
+                if id_ in oracle:
+                    assert torch.equal(row, oracle[id_])
+        assert store.stack.top.policy.not_admitted > 0
+        store.flush()
+    with TieredStore(tmp_path / "s") as store:
+        keys = torch.tensor(list(oracle))
+        assert torch.equal(store.get(keys), torch.stack([oracle[k] for k in oracle]))
+
+
+def test_bench_compares_the_filter_with_plain_lfu(tmp_path, capsys):
+    out = tmp_path / "bench"
+    spec = "zipf:alpha=1.1,n=5000,length=20000,seed=1"
+    assert main(["bench", spec, "--admission", "2", "--policy", "lru", "--quiet", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["admission"] == 2
+    for entry in report["sizes"]:
+        assert 0 < entry["tierstore_admission"]["hit_rate"] < 1
+    assert "admission 2" in capsys.readouterr().out
+    assert main(["bench", spec, "--admission", "256", "--quiet", "--out", str(out)]) == 2
+    assert "--admission must be in [0, 255]" in capsys.readouterr().err
