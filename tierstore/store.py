@@ -25,6 +25,7 @@ from .metadata import create_store, dtype_name, resolve_metadata
 from .optim import SparseOptimizer
 from .tiers.build import build_caches, check_backends, open_tiers
 from .validation import as_device, as_ids, as_rows, check_out, integral
+from .warm_start import hot_ids, warm_caches
 
 _OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
 
@@ -61,6 +62,9 @@ class TieredStore:
         tiers: the cache tiers' budgets and backends (``TierConfig``); its fields may also be
             given as keywords (``host_cache="2GiB"``, ``device_cache=...``, ``host_cache_backend=``,
             ``device_cache_backend=``, ``half_life=``), which replace the ones in ``tiers``.
+        warm: a hot-set ranking (a ``.npy`` path as ``tierstore profile --out`` writes, or ids, most
+            wanted first) whose rows the table holds are loaded into the cache tiers at open, top
+            tier first (``warm_start``); ``warmed_rows`` says how many.
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -82,12 +86,14 @@ class TieredStore:
         seed: int | None = None,
         read_only: bool = False,
         tiers: TierConfig | None = None,
+        warm: Any = None,
         **tier_settings,
     ) -> None:
         self._lock = threading.RLock()
         self.prefetch_stats = None  # a lookahead pipeline's counters (``tierstore.prefetch``)
         # Everything is checked, and the caches allocated, before anything is created on disk.
         config = TierConfig.from_settings(tiers, tier_settings)
+        warm_ids = None if warm is None else hot_ids(warm)
         self.device = as_device(device)
         check_backends(config, self.device, dtype or torch.float32)
         dim, optimizer_state_width, seed = (integral(value) for value in (dim, optimizer_state_width, seed))
@@ -123,6 +129,13 @@ class TieredStore:
             raise
         self._closed = False
         _OPEN_HERE[self.path.resolve()] = self
+        self.warmed_rows = 0  # rows a warm start preloaded
+        if warm_ids is not None:
+            try:
+                self.warmed_rows = warm_caches(self.stack, warm_ids)
+            except BaseException:  # a damaged row, say: the store is not left open
+                self.close()
+                raise
 
     @staticmethod
     def open_here(path: str | Path) -> TieredStore | None:

@@ -65,39 +65,60 @@ def run_store(
     progress: bool | None,
     lookahead: int = 0,
     admission: int = 0,
+    held: bool = False,
+    warm: torch.Tensor | None = None,
 ) -> dict:
     """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows, through a
     lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0, behind
-    an admission filter of ``admission`` lookups if that is not 0."""
+    an admission filter of ``admission`` lookups if that is not 0. ``held``: the table holds every
+    id of the trace before the replay (as a trained one does), and ``warm`` ids (a hot-set
+    ranking) are preloaded into its cache at open. Hit rates are also given over the first tenth
+    of the lookups and over the rest."""
     keys = torch.from_numpy(trace.keys)
     latencies = []
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-") as directory:
-        policy = admission_filter(admission) if admission else None
-        with TieredStore(
-            Path(directory) / "store", dim=dim, backend=backend, host_cache=rows, policy=policy
-        ) as store:
+        path = Path(directory) / "store"
+        settings = {"dim": dim, "backend": backend, "host_cache": rows}
+        if admission:
+            settings["policy"] = admission_filter(admission)
+        if held:
+            with TieredStore(path, **settings) as store:
+                distinct = torch.unique(keys)
+                store.load(distinct, torch.zeros(distinct.numel(), dim))
+        with TieredStore(path, warm=warm, **settings) as store:
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
+            first_tenth = max(1, round(len(batches) / 10))
             loop = prefetch(batches, store, lookahead) if lookahead else batches
             start = time.perf_counter()
-            for batch in progress_bar(
-                loop,
-                total=len(batches),
-                desc=f"store, {rows:,} rows"
-                + (f", lookahead {lookahead}" if lookahead else "")
-                + (f", admission {admission}" if admission else ""),
-                unit="batch",
-                leave=False,
-                progress=progress,
+            for number, batch in enumerate(
+                progress_bar(
+                    loop,
+                    total=len(batches),
+                    desc=f"store, {rows:,} rows"
+                    + (f", lookahead {lookahead}" if lookahead else "")
+                    + (f", admission {admission}" if admission else ""),
+                    unit="batch",
+                    leave=False,
+                    progress=progress,
+                )
             ):
+                if number == first_tenth:
+                    at_tenth = store.stats()["host"]["rows_in"]
                 began = time.perf_counter()
                 store.get(batch, out=out[: batch.numel()])
                 latencies.append(time.perf_counter() - began)
             seconds = time.perf_counter() - start
             tiers = store.stats()
+            warmed = store.warmed_rows
     host = tiers["host"]
+    early = sum(batch.numel() for batch in batches[:first_tenth])
+    moved_early = at_tenth - warmed if len(batches) > first_tenth else host["rows_in"] - warmed
     return {
-        "hit_rate": 1 - host["rows_in"] / keys.numel(),
+        "hit_rate": 1 - (host["rows_in"] - warmed) / keys.numel(),
+        "first_tenth_hit_rate": 1 - moved_early / early,
+        "rest_hit_rate": 1 - (host["rows_in"] - moved_early - warmed) / max(keys.numel() - early, 1),
+        "warmed_rows": warmed,
         "lookup_hit_rate": host["hits"] / keys.numel(),
         # lookups of rows the table held but the cache did not when their batch ran (new ids are
         # made, not read)
@@ -119,11 +140,14 @@ def run_bench(
     progress: bool | None = None,
     lookahead: int = 0,
     admission: int = 0,
+    warm: torch.Tensor | None = None,
 ) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
     rows is replayed in batches of its size. ``lookahead``: also replay through a lookahead
     pipeline of that many batches (``tierstore_lookahead``); ``admission``: also behind an
-    admission filter of that many lookups (``tierstore_admission``)."""
+    admission filter of that many lookups (``tierstore_admission``); ``warm`` (hot ids): also
+    replay a table that holds every id, from a cold cache (``tierstore_held``) and warm-started
+    with them (``tierstore_warm``)."""
     distinct = int(np.unique(trace.keys).size)
     row_bytes = dim * 4
     report = {
@@ -136,6 +160,7 @@ def run_bench(
         "backend": backend,
         "lookahead": lookahead,
         "admission": admission,
+        "warm": warm is not None,
         "sizes": [],
     }
     all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
@@ -153,6 +178,11 @@ def run_bench(
         if admission:
             entry["tierstore_admission"] = run_store(
                 trace, rows, batch, dim, backend, progress, admission=admission
+            )
+        if warm is not None:
+            entry["tierstore_held"] = run_store(trace, rows, batch, dim, backend, progress, held=True)
+            entry["tierstore_warm"] = run_store(
+                trace, rows, batch, dim, backend, progress, held=True, warm=warm
             )
         for policy in policies:
             entry[policy] = {"hit_rate": policy_hits(trace.keys, rows, policy) / trace.keys.size}
@@ -200,6 +230,22 @@ def format_table(report: dict, policies: list[str]) -> str:
             f" {ours['batch_latency_ms_p99']:>8.2f} {host['rows_in']:>10,} {host['bytes_in'] / 1e6:>8.1f}"
             f" {host['evictions']:>10,}" + (f" {ahead['waited']:>8.1%}" if ahead else "")
         )
+    if report.get("warm"):
+        lines.append(
+            "warm start (the table holds every id; hit rate over the first tenth of the lookups, "
+            "then over the rest; rows preloaded at open are not counted as brought in):"
+        )
+        lines.append(
+            f"{'cache':>10} {'cold 1st 10%':>13} {'warm 1st 10%':>13} {'cold rest':>10} "
+            f"{'warm rest':>10} {'preloaded':>10}"
+        )
+        for entry in report["sizes"]:
+            cold, warm = entry["tierstore_held"], entry["tierstore_warm"]
+            lines.append(
+                f"{entry['size']:>10} {cold['first_tenth_hit_rate']:>13.1%} "
+                f"{warm['first_tenth_hit_rate']:>13.1%} {cold['rest_hit_rate']:>10.1%} "
+                f"{warm['rest_hit_rate']:>10.1%} {warm['warmed_rows']:>10,}"
+            )
     return "\n".join(lines)
 
 

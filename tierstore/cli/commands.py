@@ -19,6 +19,7 @@ from ..budget import parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE
+from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_store
@@ -242,6 +243,14 @@ def _parser() -> argparse.ArgumentParser:
         "cached once its id was looked up N times (1-255)",
     )
     command.add_argument(
+        "--warm",
+        type=Path,
+        metavar="HOTSET",
+        help="also replay a table holding every id from a cold cache and warm-started with HOTSET "
+        "(a .npy of ids, most wanted first, as 'tierstore profile --out' writes): hit rates over "
+        "the first tenth of the lookups and over the rest",
+    )
+    command.add_argument(
         "--out",
         type=Path,
         default=Path("tierstore-bench"),
@@ -417,6 +426,7 @@ def _bench(args) -> int:
     sizes = _sizes(args)
     json_path = args.out.with_name(args.out.name + ".json")
     _check_writable(json_path)  # before the run, not after it
+    warm = None if args.warm is None else hot_ids(args.warm)
     trace = _trace(args)
     tables = split_columns(trace) if args.separate else [trace]
     reports = []
@@ -431,6 +441,7 @@ def _bench(args) -> int:
             _progress(args),
             args.lookahead,
             args.admission,
+            warm,
         )
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")

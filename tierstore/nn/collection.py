@@ -25,6 +25,7 @@ from ..config import TierConfig
 from ..metadata import write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
+from ..warm_start import hot_ids, warm_caches
 from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
 
@@ -40,7 +41,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     Args: ``tables``; ``path`` (a directory holding one store per embedding dim and
     ``collection.json``; ``None``: temporary stores); ``backend``, ``seed``, ``optimizer`` (one
     fused optimizer for every table, default ``optim.SGD(lr=0.01)``), ``dtype``, ``device`` and the
-    cache tiers' settings (``tiers=`` or keywords) as ``TieredEmbeddingBag`` takes them.
+    cache tiers' settings (``tiers=`` or keywords) as ``TieredEmbeddingBag`` takes them; ``warm``:
+    table name -> hot ids (or a ``.npy`` of them), most wanted first, preloaded into the caches at
+    open as ``TieredStore(warm=)`` does, merged rank by rank where tables share a store.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
     every feature in ``features.keys()`` order. Adam's and Adagrad's step counts are per group
@@ -58,10 +61,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tiers: TierConfig | None = None,
+        warm: dict[str, Any] | None = None,
         **tier_settings,
     ) -> None:
         super().__init__()
         self._tables = _check_tables(tables)
+        warm_keys = self._warm_keys(warm)  # checked before any store is opened
         self._table_of_feature = {
             feature: table for table in self._tables.values() for feature in table["feature_names"]
         }
@@ -94,7 +99,32 @@ class TieredEmbeddingBagCollection(nn.Module):
         )
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
+        for group_name, keys in warm_keys.items():
+            store = self.groups[group_name].store
+            store.warmed_rows = warm_caches(store.stack, keys)
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
+
+    def _warm_keys(self, warm: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+        """Each group's store keys of the ``warm`` rankings (table name -> ids, most wanted first),
+        merged rank by rank across its tables."""
+        if warm is None:
+            return {}
+        if not isinstance(warm, dict):
+            raise TypeError(f"warm must be a dict of table name -> hot ids (or a .npy path), got {warm!r}")
+        unknown = sorted(set(warm) - set(self._tables))
+        if unknown:
+            raise KeyError(f"warm names unknown table(s) {unknown}; the tables are {sorted(self._tables)}")
+        ranked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, ids in warm.items():
+            table = self._tables[name]
+            ids = hot_ids(ids)
+            keys = _checked_keys(ids, [table], torch.zeros(ids.numel(), dtype=torch.int64))
+            ranked.setdefault(_group_name(table), []).append((keys, torch.arange(ids.numel())))
+        merged = {}
+        for group_name, parts in ranked.items():
+            keys, ranks = (torch.cat(column) for column in zip(*parts))
+            merged[group_name] = keys[torch.sort(ranks, stable=True).indices]
+        return merged
 
     def forward(self, features: Any) -> KeyedTensor:
         keys, lengths, weights, tables, feature_of_entry, entry_keys = self._checked_input(features)

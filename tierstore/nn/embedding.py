@@ -269,7 +269,8 @@ class TieredEmbeddingBag(_TieredTable):
     ``path`` (``None``: a temporary store, deleted when closed or collected), ``backend`` (the
     cold store: "mmap", the default, or "lmdb"; see ``TieredStore``), ``seed``; the cache tiers'
     settings as ``tiers=TierConfig(...)`` or its fields as keywords (``host_cache``,
-    ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``half_life``);
+    ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``half_life``, ``policy``);
+    ``warm`` (hot ids preloaded into the caches at open, as ``TieredStore`` takes them);
     ``optimizer`` (default ``optim.SGD(lr=0.01)``), applied during ``backward``; ``missing``:
     what eval / ``no_grad`` lookups of ids the table has never seen give — "init" (their
     initial row), "zero" or "error" (``KeyError``); they never join the table then.
