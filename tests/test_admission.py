@@ -128,3 +128,21 @@ def test_bench_compares_the_filter_with_plain_lfu(tmp_path, capsys):
     assert "admission 2" in capsys.readouterr().out
     assert main(["bench", spec, "--admission", "256", "--quiet", "--out", str(out)]) == 2
     assert "--admission must be in [0, 255]" in capsys.readouterr().err
+
+
+def test_training_behind_the_filter_matches_training_without_it(tmp_path):
+    """Which rows stay cached never changes a row: the same steps give bit-identical rows and state."""
+    from tierstore import TieredEmbeddingBag, optim
+
+    rng = np.random.default_rng(4)
+    batches = [torch.from_numpy(rng.zipf(1.1, (16, 3)) % 300) for _ in range(40)]
+    results = []
+    for policy in (None, admission_filter(2), admission_filter(3)):
+        bag = TieredEmbeddingBag(None, 4, optimizer=optim.Adagrad(lr=0.1), host_cache=48, policy=policy)
+        for batch in batches:
+            bag(batch).pow(2).sum().backward()
+        if policy is not None:
+            assert bag.store.stack.top.policy.not_admitted > 0
+        results.append(bag.store.get(torch.arange(300), with_state=True))
+        bag.store.close()
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
