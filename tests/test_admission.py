@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import puts_and_gets_against_a_dict
 
 from tierstore import TieredStore, admission_filter
 from tierstore.cli import main
@@ -95,21 +96,10 @@ def test_threshold_one_admits_every_row_and_a_bad_threshold_is_named():
 
 def test_a_store_behind_the_filter_holds_a_dicts_rows(tmp_path):
     """Rows go through transient slots, both tiers and the cold store; values stay a dict's."""
-    rng = np.random.default_rng(7)
-    oracle = {}
     with TieredStore(
         tmp_path / "s", dim=3, host_cache=12, device_cache=6, policy=admission_filter(2)
     ) as store:
-        for step in range(200):
-            ids = torch.from_numpy(np.unique(rng.zipf(1.3, rng.integers(1, 6)) % 80))
-            if step % 2:
-                rows = torch.from_numpy(rng.standard_normal((ids.numel(), 3)).astype(np.float32))
-                store.put(ids, rows)
-                oracle.update(zip(ids.tolist(), rows))
-            got = store.get(ids)
-            for id_, row in zip(ids.tolist(), got):
-                if id_ in oracle:
-                    assert torch.equal(row, oracle[id_])
+        oracle = puts_and_gets_against_a_dict(store, np.random.default_rng(7), 200, 80, 3)
         assert store.stack.top.policy.not_admitted > 0
         store.flush()
     with TieredStore(tmp_path / "s") as store:

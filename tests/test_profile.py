@@ -139,6 +139,7 @@ def test_profile_writes_the_figures_bench_can_be_compared_with(tmp_path, capsys)
     hot = np.load(out.with_suffix(".npy"))
     assert hot.dtype == np.int64 and hot.size == max(report["sizes_rows"])
     assert report["recommendation"]["host_cache_bytes"] > 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "predicted hit rate" in printed and "recommended: host_cache=" in printed
 

@@ -5,6 +5,7 @@ import cachetools
 import numpy as np
 import pytest
 import torch
+from helpers import puts_and_gets_against_a_dict
 
 from tierstore import CacheCapacityError, TierConfig, TieredStore, optim
 from tierstore.cli.inspection import optimizer_name
@@ -195,21 +196,10 @@ def test_a_store_records_its_optimizer_and_inspect_says_what_it_knows(tmp_path):
 
 def test_a_store_runs_its_cache_tiers_on_the_policy_it_is_given(tmp_path, backend):
     """FIFO in both cache tiers (TierConfig.policy): rows move through every tier, values stay a dict's."""
-    rng = np.random.default_rng(5)
-    oracle = {}
     config = TierConfig(host_cache=10, device_cache=5, policy=FirstInFirstOut)
     with TieredStore(tmp_path / "s", dim=3, backend=backend, tiers=config) as store:
         assert all(isinstance(cache.policy, FirstInFirstOut) for cache in store.stack.caches)
-        for step in range(80):
-            ids = torch.from_numpy(rng.integers(0, 40, rng.integers(1, 5)))
-            if step % 2:
-                rows = torch.from_numpy(rng.standard_normal((ids.numel(), 3)).astype(np.float32))
-                store.put(ids, rows)
-                oracle.update(zip(ids.tolist(), rows))
-            got = store.get(ids)
-            for id_, row in zip(ids.tolist(), got):
-                if id_ in oracle:
-                    assert torch.equal(row, oracle[id_])
+        puts_and_gets_against_a_dict(store, np.random.default_rng(5), 80, 40, 3)
         stats = store.stats()
         assert stats["device"]["evictions"] > 0 and stats["host"]["evictions"] > 0
         for cache in store.stack.caches:

@@ -26,6 +26,7 @@ from ..budget import parse_bytes
 from ..lookahead import prefetch
 from ..store import TieredStore
 from ..tiers.admission import admission_filter
+from .plotting import plot_hit_rates
 from .progress import bar as progress_bar
 from .reference_policies import policy_hits
 from .traces import Trace
@@ -251,50 +252,14 @@ def format_table(report: dict, policies: list[str]) -> str:
 
 def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
     """Hit rate against cache size per policy, as a PNG; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    shares = [100 * entry["share_of_distinct"] for entry in report["sizes"]]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(
-        shares,
-        [100 * e["tierstore_lfu"]["hit_rate"] for e in report["sizes"]],
-        marker="o",
-        label="tierstore LFU",
-    )
+    entries = report["sizes"]
+    ours = [("tierstore_lfu", "tierstore LFU")]
     if report.get("lookahead"):
-        axes.plot(
-            shares,
-            [100 * e["tierstore_lookahead"]["hit_rate"] for e in report["sizes"]],
-            marker="o",
-            label=f"tierstore LFU, lookahead {report['lookahead']}",
-        )
+        ours.append(("tierstore_lookahead", f"tierstore LFU, lookahead {report['lookahead']}"))
     if report.get("admission"):
-        axes.plot(
-            shares,
-            [100 * e["tierstore_admission"]["hit_rate"] for e in report["sizes"]],
-            marker="o",
-            label=f"tierstore LFU, admission after {report['admission']} lookups",
-        )
-    for policy in policies:
-        label = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}[policy]
-        axes.plot(
-            shares,
-            [100 * e[policy]["hit_rate"] for e in report["sizes"]],
-            marker=".",
-            linestyle="--" if policy == "belady" else "-",
-            label=label,
-        )
-    axes.set_xlabel("host cache size (% of distinct ids)")
-    axes.set_ylabel("hit rate (% of lookups)")
-    axes.set_title(report["trace"])
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+        ours.append(("tierstore_admission", f"tierstore LFU, admission after {report['admission']} lookups"))
+    names = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}
+    curves = [(label, [e[key]["hit_rate"] for e in entries], False) for key, label in ours]
+    curves += [(names[p], [e[p]["hit_rate"] for e in entries], p == "belady") for p in policies]
+    shares = [100 * entry["share_of_distinct"] for entry in entries]
+    return plot_hit_rates(path, shares, curves, "host cache size (% of distinct ids)", report["trace"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench import cache_rows, run_store
+from .plotting import plot_hit_rates
 from .progress import bar as progress_bar
 from .reference_policies import belady_hits
 from .sampling import CHUNK, SpatialSample, ranked_ids, spatial_sample
@@ -208,30 +209,10 @@ def format_profile(report: dict) -> str:
 
 def plot_profile(report: dict, path: Path) -> bool:
     """The predicted hit-rate curves against cache size, as a PNG; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     curve = report["curve"]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(curve["rows"], [100 * r for r in curve["lfu"]], marker="o", label="tierstore LFU (predicted)")
-    axes.plot(
-        curve["rows"],
-        [100 * r for r in curve["min"]],
-        marker=".",
-        linestyle="--",
-        label="Belady MIN (predicted)",
-    )
-    axes.set_xscale("log")
-    axes.set_xlabel("cache size (rows)")
-    axes.set_ylabel("hit rate (% of lookups)")
-    axes.set_title(f"{report['trace']}, {report['sample']['rate']:.1%} id sample")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    curves = [
+        ("tierstore LFU (predicted)", curve["lfu"], False),
+        ("Belady MIN (predicted)", curve["min"], True),
+    ]
+    title = f"{report['trace']}, {report['sample']['rate']:.1%} id sample"
+    return plot_hit_rates(path, curve["rows"], curves, "cache size (rows)", title, log_x=True)
