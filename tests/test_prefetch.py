@@ -310,3 +310,43 @@ def test_pinning_more_rows_than_the_tier_holds_is_refused_and_pins_nothing(tmp_p
         assert moved == 8 and table.store.stack.top.pinned_count() == 8
         table.store.unpin_rows(keys, slots)
         assert table.store.stack.top.pinned_count() == 0
+
+
+def test_a_warm_start_in_the_background_fills_the_caches_and_changes_no_row(tmp_path):
+    """``prefetch(warm=)``: the worker loads the ranking's rows while its window is full; the
+    training is the same, bit for bit, as without it (and without the pipeline)."""
+    batches = bag_batches(5, 40, 4)
+    results = []
+    for name, lookahead, warm in (("plain", None, None), ("warm", 1, torch.arange(ROWS - 1, -1, -1))):
+        path = tmp_path / name
+        seed = TieredEmbeddingBag(None, 4, path=path, optimizer=optim.Adagrad(lr=0.1), host_cache=4 * ROWS)
+        seed(torch.arange(ROWS), torch.arange(ROWS))  # every row joins the table
+        seed.store.close()  # flushes
+        table = TieredEmbeddingBag(None, 4, path=path, optimizer=optim.Adagrad(lr=0.1), host_cache=40)
+        if warm is None:
+            outputs = train(table, batches)
+        else:
+            torch.manual_seed(0)
+            targets = [torch.randn(offsets.numel(), 4) for _, offsets in batches]
+            outputs = []
+            loop = tierstore.prefetch(batches, table, lookahead, ids=lambda b: b[0], warm=warm)
+            for step, (ids, offsets) in enumerate(loop):
+                out = table(ids, offsets)
+                (out * targets[step]).sum().backward()
+                outputs.append(out.detach())
+            stats = table.store.stats()["prefetch"]
+            assert stats["warmed_rows"] > 0 and table.store.warmed_rows == stats["warmed_rows"]
+        results.append((outputs, table.store.get(torch.arange(ROWS), with_state=True)))
+        table.store.close()
+    (plain_out, plain_rows), (warm_out, warm_rows) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain_out, warm_out))
+    assert torch.equal(plain_rows, warm_rows)
+
+
+def test_a_bad_warm_ranking_is_refused_before_the_loop_starts():
+    table = TieredEmbeddingBag(None, 4, host_cache=16)
+    with pytest.raises(ValueError, match="warm"):
+        tierstore.prefetch(bag_batches(0, 2, 2), table, 2, warm=[-3])
+    with pytest.raises(KeyError, match="unknown table"):
+        collection = TieredEmbeddingBagCollection([EmbeddingBagConfig(10, 4, name="t", feature_names=["f"])])
+        tierstore.prefetch([], collection, 2, warm={"u": [1]})

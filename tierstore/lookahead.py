@@ -30,6 +30,7 @@ import torch
 from .kernels.host import openmp_runtime
 
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
+PRELOAD_CHUNK = 1 << 16  # ranked ids the worker loads at a time (the store's lock is held meanwhile)
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class PrefetchStats:
     skipped_batches: int = 0  # batches larger than the window's room: looked up on demand
     waits: int = 0  # batches that waited for room (the window shrank)
     rows_moved_up: int = 0  # rows it moved into the top tier
+    warmed_rows: int = 0  # rows of the warm ranking it loaded into the caches
     window_batches: int = 0  # batches whose rows are pinned now
     # slots the window holds now: its batches' distinct ids, new ones included (they take a slot
     # when their batch runs); a row in two batches counts twice
@@ -71,6 +73,7 @@ def prefetch(
     module: Any,
     lookahead: int = 8,
     ids: Callable[[Any], Any] | None = None,
+    warm: Any = None,
 ) -> Iterator:
     """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
     ``lookahead`` batches into ``module``'s top cache tier.
@@ -80,6 +83,9 @@ def prefetch(
     with for that batch (its ``input`` ids, or a ``KeyedJaggedTensor``); default: the batch
     itself. An error of the loader or the store in the background is raised in the loop at the
     batch it concerns; a batch ``module`` would refuse is not prefetched (its step raises).
+    ``warm``: a hot-set ranking, as the module's ``warm=`` takes it, whose rows the worker loads
+    into the caches' free slots in the background, a chunk at a time while its window is full
+    (a warm start that does not hold up the first batches).
     Leaving the loop (``break``, an exception) stops the worker and unpins its rows.
     """
     if not hasattr(module, "store_keys"):
@@ -92,7 +98,10 @@ def prefetch(
         raise ValueError(f"lookahead must be an int in [1, {MAX_LOOKAHEAD}] (batches), got {lookahead!r}")
     if ids is not None and not callable(ids):
         raise TypeError(f"ids must be a function of a batch or None, got {type(ids).__name__}")
-    return _Pipeline(iter(batches), module, lookahead, ids or (lambda batch: batch)).run()
+    preloads = [] if warm is None else module.warm_keys(warm)  # a bad ranking raises here
+    pipeline = _Pipeline(iter(batches), module, lookahead, ids or (lambda batch: batch))
+    pipeline.preload_later(preloads)
+    return pipeline.run()
 
 
 class _Pipeline:
@@ -108,7 +117,20 @@ class _Pipeline:
         self._pinned: dict[int, int] = {}  # id(store) -> rows pinned now
         self._largest: dict[int, int] = {}  # id(store) -> most distinct keys a batch had
         self._stats: dict[int, PrefetchStats] = {}
+        self._preloads: list[tuple[Any, torch.Tensor]] = []  # (store, ranked ids) chunks left
         self._worker = threading.Thread(target=self._work, name="tierstore-prefetch", daemon=True)
+
+    def preload_later(self, rankings: list[tuple[Any, torch.Tensor]]) -> None:
+        """Have the worker load ``rankings`` (``(store, ranked ids)``) while its window is full."""
+        for store, ranked in rankings:
+            self._stats_of(store)
+            self._preloads.extend((store, chunk) for chunk in ranked.split(PRELOAD_CHUNK))
+
+    def _stats_of(self, store: Any) -> PrefetchStats:
+        stats = self._stats.get(id(store))
+        if stats is None:
+            stats = self._stats[id(store)] = store.prefetch_stats = PrefetchStats(self._lookahead)
+        return stats
 
     def run(self) -> Iterator:
         self._worker.start()
@@ -137,11 +159,16 @@ class _Pipeline:
         try:
             while True:
                 with self._changed:
-                    while self._queued >= self._lookahead and not self._stopping:
+                    while self._queued >= self._lookahead and not self._stopping and not self._preloads:
                         self._changed.wait()
                     if self._stopping:
                         return
-                    self._queued += 1
+                    ahead = self._queued < self._lookahead
+                    self._queued += ahead
+                if not ahead:  # the window is full: warm the caches meanwhile
+                    store, chunk = self._preloads.pop(0)
+                    self._stats_of(store).warmed_rows += store.preload(chunk)
+                    continue
                 try:
                     batch = next(self._batches)
                 except StopIteration:
@@ -170,9 +197,7 @@ class _Pipeline:
 
     def _pin_in(self, store: Any, keys: Any) -> _Pins | None:
         key = id(store)
-        stats = self._stats.get(key)
-        if stats is None:
-            stats = self._stats[key] = store.prefetch_stats = PrefetchStats(self._lookahead)
+        stats = self._stats_of(store)
         stats.batches += 1
         count = keys.numel()
         if count == 0:

@@ -132,7 +132,7 @@ class TieredStore:
         self.warmed_rows = 0  # rows a warm start preloaded
         if warm_ids is not None:
             try:
-                self.warmed_rows = warm_caches(self.stack, warm_ids)
+                self.preload(warm_ids)
             except BaseException:  # a damaged row, say: the store is not left open
                 self.close()
                 raise
@@ -428,6 +428,19 @@ class TieredStore:
         """``[(self, the distinct ids get(ids) looks up)]``, for a lookahead pipeline
         (``tierstore.prefetch``)."""
         return [(self, torch.unique(as_ids(ids)))]
+
+    def warm_keys(self, warm: Any) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(self, the ranked ids of warm)]`` (a ``.npy`` path or ids), for ``prefetch(warm=)``."""
+        return [(self, hot_ids(warm))]
+
+    @_serialized
+    def preload(self, ids: torch.Tensor) -> int:
+        """Load the rows of ranked ``ids`` (int64, distinct) the table holds into the cache tiers'
+        free slots, top tier first, counting no lookup (a warm start); returns how many."""
+        self._check_open()
+        loaded = warm_caches(self.stack, as_ids(ids))
+        self.warmed_rows += loaded
+        return loaded
 
     @_serialized
     def pin_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

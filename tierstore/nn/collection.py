@@ -25,7 +25,7 @@ from ..config import TierConfig
 from ..metadata import write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..warm_start import hot_ids, warm_caches
+from ..warm_start import hot_ids
 from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
 
@@ -100,9 +100,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
         for group_name, keys in warm_keys.items():
-            store = self.groups[group_name].store
-            store.warmed_rows = warm_caches(store.stack, keys)
+            self.groups[group_name].store.preload(keys)
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
+
+    def warm_keys(self, warm: dict[str, Any]) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(a group's store, its keys of the warm rankings)]`` (table name -> ids, most wanted
+        first), for ``prefetch(warm=)``."""
+        return [(self.groups[name].store, keys) for name, keys in self._warm_keys(warm).items()]
 
     def _warm_keys(self, warm: dict[str, Any] | None) -> dict[str, torch.Tensor]:
         """Each group's store keys of the ``warm`` rankings (table name -> ids, most wanted first),

@@ -143,6 +143,10 @@ class _TieredTable(nn.Module):
             ids = ids[ids != self.padding_idx]
         return [(self.store, torch.unique(ids))]
 
+    def warm_keys(self, warm: Any) -> list[tuple[TieredStore, torch.Tensor]]:
+        """``[(store, the ranked ids of warm)]`` (a ``.npy`` path or ids), for ``prefetch(warm=)``."""
+        return self.store.warm_keys(warm)
+
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
         (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""
