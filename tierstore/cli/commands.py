@@ -264,8 +264,8 @@ def _parser() -> argparse.ArgumentParser:
         help="predict hit rates and hot-set sizes of an id trace from a sample, and recommend budgets",
         description="From a sample of the trace's ids (SHARDS-style spatial sampling, bounded memory): "
         "the hit rate our LFU and Belady's MIN would reach at each cache size, by miniature "
-        "simulation; how many rows take 50/80/90/99%% of the accesses; and, from a cost model of "
-        "bandwidths measured on this machine, the host and device budgets that come within 5%% of "
+        "simulation; how many rows take 50/80/90/99% of the accesses; and, from a cost model of "
+        "bandwidths measured on this machine, the host and device budgets that come within 5% of "
         "the least row movement per training step the memory allows. Writes OUT.json (sizes_rows "
         "and predicted_hit_rate, comparable with bench's JSON), OUT.npy (hot ids, most accessed "
         "first: a warm-start file) and OUT.png (the curve; needs matplotlib).",

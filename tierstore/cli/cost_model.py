@@ -3,8 +3,9 @@ machine, the time a training step spends moving rows between the tiers for given
 and the smallest budgets that come near the best the memory allows.
 
 Training writes every row it looks up, so each row brought into the host tier from the cold
-store is written back when evicted: a host miss costs a cold read and a cold write. Each row the
-device tier misses is copied host to device, and written back to the host tier when evicted.
+store is written back when evicted: a host miss costs a cold read and a cold write. On a GPU,
+each row the device tier misses is copied host to device and written back when evicted (without
+a device tier, every row looked up crosses, and its update back).
 Tiers are exclusive, so the device tier of ``D`` rows over a host tier of ``H`` hits as one
 cache of ``D + H`` rows for the cold store.
 """
@@ -112,7 +113,7 @@ def movement_seconds(
     cold_misses = lookups * (1 - both)
     seconds = cold_misses * row_bytes * (1 / bandwidths.cold_read + 1 / bandwidths.cold_write)
     moved = 2 * cold_misses
-    if device_rows and bandwidths.host_to_device:
+    if bandwidths.host_to_device:  # without a device tier every row looked up crosses, twice
         device_misses = lookups * (1 - hit_rate_at(curve_rows, curve_rates, device_rows))
         seconds += 2 * device_misses * row_bytes / bandwidths.host_to_device
         moved += 2 * device_misses
