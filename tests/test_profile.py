@@ -9,7 +9,7 @@ import pytest
 from tierstore.cli import main
 from tierstore.cli.bench import run_store
 from tierstore.cli.cost_model import Bandwidths, hit_rate_at, movement_seconds, recommend
-from tierstore.cli.profile import MIN_SCALED_ROWS, coverage_rows, exact_counts, profile_trace
+from tierstore.cli.profile import MIN_SAMPLED_IDS, MIN_SCALED_ROWS, coverage_rows, exact_counts, profile_trace
 from tierstore.cli.reference_policies import belady_hits
 from tierstore.cli.sampling import HASH_SPACE, id_hash, ranked_ids, spatial_sample
 from tierstore.cli.traces import load_trace
@@ -54,22 +54,24 @@ def test_coverage_rows_estimate_the_hot_set_sizes():
 
 
 @pytest.mark.parametrize(
-    "spec, batch_size",
+    "spec, shares",
     [
-        ("drift:n=200000,hot=5000,period=100000,length=600000,seed=2", 4096),
-        ("zipf:alpha=1.05,n=100000,length=200000,seed=3", 4096),
+        ("zipf:alpha=1.05,n=1000000,length=400000,seed=1", (0.05, 0.10)),
+        ("drift:n=2000000,hot=20000,period=40000,length=400000,seed=2", (0.05, 0.10)),
+        ("zipf:alpha=1.05,n=100000,length=200000,seed=3", (0.01, 0.05, 0.10)),
     ],
 )
-def test_a_sample_predicts_the_measured_hit_rates_within_two_points(spec, batch_size):
+def test_a_sample_predicts_the_measured_hit_rates_within_two_points(spec, shares):
     trace = load_trace(spec)
     distinct = np.unique(trace.keys).size
-    sizes = [round(share * distinct) for share in (0.01, 0.05, 0.10)]
-    report, _ = profile_trace(trace, [str(rows) for rows in sizes], 0.05, 10**6, batch_size, progress=False)
-    raised = sizes[0] * 0.05 < MIN_SCALED_ROWS  # 5% would simulate too few rows
-    assert report["sample"]["raised_for_smallest_size"] == raised
-    assert report["sample"]["rate"] == pytest.approx(MIN_SCALED_ROWS / sizes[0] if raised else 0.05, rel=0.01)
+    sizes = [round(share * distinct) for share in shares]
+    report, _ = profile_trace(trace, [str(rows) for rows in sizes], 0.05, 10**6, progress=False)
+    # these traces are small: 5% would hold too few ids, or simulate the smallest size in too few rows
+    wanted = max(0.05, MIN_SAMPLED_IDS / distinct, MIN_SCALED_ROWS / sizes[0])
+    assert report["sample"]["raised"]
+    assert report["sample"]["rate"] == pytest.approx(min(wanted, 1.0), rel=0.05)
     for number, rows in enumerate(sizes):
-        measured_lfu = run_store(trace, rows, min(batch_size, rows), 16, "mmap", progress=False)["hit_rate"]
+        measured_lfu = run_store(trace, rows, min(4096, rows), 16, "mmap", progress=False)["hit_rate"]
         measured_min = belady_hits(trace.keys, rows) / trace.keys.size
         predicted = report["predicted_hit_rate"]
         assert predicted["lfu"][number] == pytest.approx(measured_lfu, abs=0.02), rows

@@ -25,6 +25,7 @@ from .traces import Trace
 COVERAGE = (0.5, 0.8, 0.9, 0.99)
 CURVE_POINTS = 12  # cache sizes of the curve, geometric up to every id
 MIN_SCALED_ROWS = 256  # fewer simulated rows hold too few sampled ids: the prediction is noise
+MIN_SAMPLED_IDS = 32768  # fewer make the prediction swing by points with the ids drawn
 WELL_COUNTED = 10  # an id counted this often in a sample of the accesses: its frequency is known
 
 
@@ -96,7 +97,8 @@ def profile_trace(
 ) -> tuple[dict, np.ndarray]:
     """``(every figure, JSON-ready; the hot ids ranked)``. ``sizes`` are as ``bench --sizes``,
     shares taken of the estimated distinct ids. The id sample takes ``sample_rate`` of the ids, or
-    more where the smallest size would be simulated with fewer than ``MIN_SCALED_ROWS`` rows.
+    more where it would hold fewer than ``MIN_SAMPLED_IDS`` ids or simulate the smallest size with
+    fewer than ``MIN_SCALED_ROWS`` rows.
     ``hot_rows``: length of the ranking (default: the largest size)."""
     sample = spatial_sample(trace.keys, sample_rate, max_ids)
     if sample.keys.size == 0:
@@ -107,7 +109,7 @@ def profile_trace(
     distinct = max(1, round(sample.distinct / sample.rate))
     row_bytes = dim * 4
     sizes_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]
-    needed = min(1.0, MIN_SCALED_ROWS / min(sizes_rows))
+    needed = min(1.0, max(MIN_SCALED_ROWS / min(sizes_rows), MIN_SAMPLED_IDS / distinct))
     raised = needed > sample.rate and sample.distinct < max_ids
     if raised:  # the smallest cache would scale to too few rows to behave like the real one
         sample = spatial_sample(trace.keys, needed, max_ids)
@@ -129,7 +131,7 @@ def profile_trace(
         "sample": {
             "rate": sample.rate,
             "requested_rate": sample_rate,
-            "raised_for_smallest_size": raised,
+            "raised": raised,
             "max_ids": max_ids,
             "accesses": int(sample.keys.size),
             "ids": sample.distinct,
@@ -163,10 +165,11 @@ def format_profile(report: dict) -> str:
         f"{sample['accesses']:,} accesses), profiler memory {report['profiler_bytes'] / 2**20:,.1f} MiB",
         *(
             [
-                f"(the sample was raised from {sample['requested_rate']:.2%}: the smallest cache would "
-                f"have been simulated with fewer than {MIN_SCALED_ROWS} rows)"
+                f"(the sample was raised from {sample['requested_rate']:.2%}: it would have held fewer "
+                f"than {MIN_SAMPLED_IDS:,} ids, or simulated the smallest cache with fewer than "
+                f"{MIN_SCALED_ROWS} rows)"
             ]
-            if sample["raised_for_smallest_size"]
+            if sample["raised"]
             else []
         ),
         f"predicted hit rate (1 - rows brought in / lookups), batches of {report['batch_size']:,} lookups:",
