@@ -87,21 +87,22 @@ def test_the_curve_is_read_between_its_points_in_log_size():
 
 
 def test_movement_counts_a_cold_read_and_write_per_host_miss_and_two_copies_per_device_miss():
-    on_cpu = Bandwidths(cold_read=100.0, cold_write=50.0, host_to_device=None)
+    on_cpu = Bandwidths(cold_read=100.0, cold_write=50.0, dram_gather=1000.0, host_to_device=None)
     rows, rates = [10, 100, 1000], [0.5, 0.5, 0.9]
     seconds, moved = movement_seconds(rows, rates, 0, 1000, lookups=10, row_bytes=4, bandwidths=on_cpu)
     assert moved == pytest.approx(2 * 10 * 0.1)
-    assert seconds == pytest.approx(10 * 0.1 * 4 * (1 / 100 + 1 / 50))
-    bandwidths = Bandwidths(cold_read=100.0, cold_write=50.0, host_to_device=400.0)
+    assert seconds == pytest.approx(10 * 0.1 * 4 * (1 / 100 + 1 / 50) + 10 * 4 / 1000)  # all gathered
+    bandwidths = Bandwidths(cold_read=100.0, cold_write=50.0, dram_gather=1000.0, host_to_device=400.0)
     seconds, moved = movement_seconds(rows, rates, 0, 1000, lookups=10, row_bytes=4, bandwidths=bandwidths)
     assert moved == pytest.approx(2 * 10 * 0.1 + 2 * 10)  # no device tier: every row crosses, twice
     seconds, moved = movement_seconds(rows, rates, 100, 900, lookups=10, row_bytes=4, bandwidths=bandwidths)
     assert moved == pytest.approx(2 * 10 * 0.1 + 2 * 10 * 0.5)  # the device tier misses half
-    assert seconds == pytest.approx(10 * 0.1 * 4 * (1 / 100 + 1 / 50) + 2 * 10 * 0.5 * 4 / 400)
+    # the device tier misses half: those cross twice and are gathered from the host tier
+    assert seconds == pytest.approx(10 * 0.1 * 4 * (1 / 100 + 1 / 50) + 10 * 0.5 * 4 * (2 / 400 + 1 / 1000))
 
 
 def test_the_recommendation_is_the_smallest_budget_near_the_best():
-    bandwidths = Bandwidths(cold_read=1e6, cold_write=1e6, host_to_device=None)
+    bandwidths = Bandwidths(cold_read=1e6, cold_write=1e6, dram_gather=1e8, host_to_device=None)
     rows = [100, 1000, 10000, 100000]
     flat_after_1000 = [0.5, 0.95, 0.951, 0.952]  # more than 1000 rows buys almost nothing
     advice = recommend(rows, flat_after_1000, 100, 16, bandwidths, host_memory=2**30, device_memory=0)
@@ -113,7 +114,7 @@ def test_the_recommendation_is_the_smallest_budget_near_the_best():
     assert small["host_cache_rows"] == 1000  # the most that fits in the memory given
     with pytest.raises(ValueError, match="--host-memory"):
         recommend(rows, rising, 100, 16, bandwidths, host_memory=1000, device_memory=0)
-    with_gpu = Bandwidths(cold_read=1e6, cold_write=1e6, host_to_device=1e7)
+    with_gpu = Bandwidths(cold_read=1e6, cold_write=1e6, dram_gather=1e8, host_to_device=1e7)
     split = recommend(rows, rising, 100, 16, with_gpu, host_memory=2**30, device_memory=2**30)
     assert split["device_cache_rows"] == 100000  # every device miss is a copy: it takes what it can
     assert split["host_cache_rows"] == 100  # the device tier holds the rest: the host needs a batch

@@ -5,7 +5,8 @@ and the smallest budgets that come near the best the memory allows.
 Training writes every row it looks up, so each row brought into the host tier from the cold
 store is written back when evicted: a host miss costs a cold read and a cold write. On a GPU,
 each row the device tier misses is copied host to device and written back when evicted (without
-a device tier, every row looked up crosses, and its update back).
+a device tier, every row looked up crosses, and its update back). Every row the device tier does
+not hold (every row, without a GPU) is gathered from DRAM.
 Tiers are exclusive, so the device tier of ``D`` rows over a host tier of ``H`` hits as one
 cache of ``D + H`` rows for the cold store.
 """
@@ -32,6 +33,7 @@ class Bandwidths:
 
     cold_read: float
     cold_write: float
+    dram_gather: float  # rows gathered from a host tier larger than the CPU's caches
     host_to_device: float | None
 
 
@@ -67,6 +69,10 @@ def measure_bandwidths(row_width: int, backend: str, rows: int = 200_000, batch:
                 cold.flush()
 
             cold_read, cold_write = _best(read, moved), _best(write, moved)
+    table = torch.randn(max(rows, (256 << 20) // (row_width * 4)), row_width)  # past the CPU's caches
+    picks = [torch.from_numpy(random.integers(0, table.shape[0], 8 * batch))]
+    gathered = picks[0].numel() * row_width * 4
+    dram = _best(lambda: table.index_select(0, picks[0]), gathered)
     to_device = None
     if torch.cuda.is_available():
         pinned = torch.randn(8 * batch, row_width).pin_memory()
@@ -76,7 +82,7 @@ def measure_bandwidths(row_width: int, backend: str, rows: int = 200_000, batch:
             torch.cuda.synchronize()
 
         to_device = _best(copy, pinned.nbytes)
-    return Bandwidths(cold_read, cold_write, to_device)
+    return Bandwidths(cold_read, cold_write, dram, to_device)
 
 
 def _best(run, moved_bytes: int) -> float:
@@ -113,10 +119,12 @@ def movement_seconds(
     cold_misses = lookups * (1 - both)
     seconds = cold_misses * row_bytes * (1 / bandwidths.cold_read + 1 / bandwidths.cold_write)
     moved = 2 * cold_misses
+    from_host = lookups  # every row not resident on the device is gathered from the host tier
     if bandwidths.host_to_device:  # without a device tier every row looked up crosses, twice
-        device_misses = lookups * (1 - hit_rate_at(curve_rows, curve_rates, device_rows))
-        seconds += 2 * device_misses * row_bytes / bandwidths.host_to_device
-        moved += 2 * device_misses
+        from_host = lookups * (1 - hit_rate_at(curve_rows, curve_rates, device_rows))
+        seconds += 2 * from_host * row_bytes / bandwidths.host_to_device
+        moved += 2 * from_host
+    seconds += from_host * row_bytes / bandwidths.dram_gather
     return seconds, moved
 
 

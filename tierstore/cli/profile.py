@@ -189,7 +189,8 @@ def format_profile(report: dict) -> str:
         bandwidths = advice["bandwidths_bytes_per_s"]
         measured = (
             f"cold read {bandwidths['cold_read'] / 1e6:,.0f} MB/s, "
-            f"cold write {bandwidths['cold_write'] / 1e6:,.0f} MB/s"
+            f"cold write {bandwidths['cold_write'] / 1e6:,.0f} MB/s, "
+            f"DRAM gather {bandwidths['dram_gather'] / 1e6:,.0f} MB/s"
         )
         if bandwidths["host_to_device"]:
             measured += f", host to device {bandwidths['host_to_device'] / 1e6:,.0f} MB/s"
