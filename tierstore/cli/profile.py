@@ -111,7 +111,7 @@ def profile_trace(
     sizes_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]
     needed = min(1.0, max(MIN_SCALED_ROWS / min(sizes_rows), MIN_SAMPLED_IDS / distinct))
     raised = needed > sample.rate and sample.distinct < max_ids
-    if raised:  # the smallest cache would scale to too few rows to behave like the real one
+    if raised:  # too few ids to predict from, or too few simulated rows for the smallest cache
         sample = spatial_sample(trace.keys, needed, max_ids)
         distinct = max(1, round(sample.distinct / sample.rate))
         sizes_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]
