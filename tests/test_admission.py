@@ -136,3 +136,31 @@ def test_training_behind_the_filter_matches_training_without_it(tmp_path):
         results.append(bag.store.get(torch.arange(300), with_state=True))
         bag.store.close()
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_a_table_behind_the_filter_pickles_and_reopens_in_a_fresh_process(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    from tierstore import TieredEmbeddingBag
+
+    bag = TieredEmbeddingBag(100, 4, path=tmp_path / "t", host_cache=16, policy=admission_filter(3))
+    bag(torch.tensor([1, 2, 3]), torch.tensor([0]))
+    (tmp_path / "bag.pkl").write_bytes(pickle.dumps(bag))
+    bag.store.close()
+    script = (
+        "import pickle, sys; bag = pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "print(type(bag.store.stack.top.policy).__name__, bag.store.stack.top.policy.threshold)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "bag.pkl")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["AdmissionFilter3", "3"]
+
+
+def test_the_filter_stays_within_the_bytes_the_budget_counts_for_it():
+    for capacity in (1, 100, 1000, 1025):
+        cache = RowCache("host", capacity, 4, torch.float32, policy=admission_filter(2))
+        assert cache.nbytes <= RowCache.nbytes_for(capacity, 4, torch.float32, policy=admission_filter(2))

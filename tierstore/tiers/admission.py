@@ -14,6 +14,8 @@ never changes a row's value.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .policies import EvictionPolicy, LfuWithAgeing
@@ -149,7 +151,26 @@ class AdmissionFilter(EvictionPolicy):
 
 
 def admission_filter(threshold: int) -> type[AdmissionFilter]:
-    """The ``AdmissionFilter`` policy with ``threshold`` (a store's ``policy=``); 1 admits every row."""
+    """The ``AdmissionFilter`` policy with ``threshold`` (a store's ``policy=``); 1 admits every row.
+    The class is named ``AdmissionFilter<threshold>`` in this module, so a table using it pickles."""
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
         raise ValueError(f"threshold must be an int of at least 1 (lookups), got {threshold!r}")
-    return type(f"AdmissionFilter{threshold}", (AdmissionFilter,), {"threshold": threshold})
+    return _with_threshold(threshold)
+
+
+@functools.cache
+def _with_threshold(threshold: int) -> type[AdmissionFilter]:
+    name = f"AdmissionFilter{threshold}"
+    policy = type(
+        name, (AdmissionFilter,), {"threshold": threshold, "__module__": __name__, "__qualname__": name}
+    )
+    globals()[name] = policy
+    return policy
+
+
+def __getattr__(name: str):
+    """``AdmissionFilter<N>``, made on first use (an unpickled table names its policy so)."""
+    suffix = name.removeprefix("AdmissionFilter")
+    if suffix != name and suffix.isdigit() and int(suffix) >= 1:
+        return _with_threshold(int(suffix))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
