@@ -77,7 +77,7 @@ class AdmissionFilter(EvictionPolicy):
 
     threshold = 2
     needs_keys = True
-    # the flag, when it was set, the queue (at most 2 entries of 16 bytes), the sketch (at most 2x)
+    # the flag, when it was set, the queue (under 2 entries a slot, 16 bytes each), the sketch (at most 2x)
     bytes_per_slot = LfuWithAgeing.bytes_per_slot + 1 + 8 + 32 + 2 * SKETCH_WIDTH * SKETCH_DEPTH
 
     def __init__(self, capacity: int, device: torch.device, backend) -> None:
@@ -119,7 +119,7 @@ class AdmissionFilter(EvictionPolicy):
                 torch.cat([self._queue_marks, marks]),
             )
             self.not_admitted += marked.numel()
-            if self._queue.numel() > 2 * self.capacity:
+            if self._queue.numel() > self.capacity:  # at most one live entry a slot: the rest go
                 self._drop_stale()
 
     def reset(self, slots: torch.Tensor) -> None:
