@@ -468,8 +468,9 @@ def _profile(args) -> int:
     )
     for path in (json_path, ids_path):
         _check_writable(path)  # before the run, not after it
+    row_width = args.dim + state_width(args.optimizer, args.dim)
     trace = _trace(args)
-    report, hot_ids = profile_trace(
+    report, ranked = profile_trace(
         trace,
         sizes,
         rate,
@@ -480,19 +481,19 @@ def _profile(args) -> int:
         args.hot_rows,
         _progress(args),
     )
-    bandwidths = measure_bandwidths(args.dim + state_width(args.optimizer, args.dim), args.backend)
+    bandwidths = measure_bandwidths(row_width, args.backend)
     curve = report["curve"]
     report["recommendation"] = recommend(
         curve["rows"],
         curve["lfu"],
         args.batch_size,
-        args.dim + state_width(args.optimizer, args.dim),
+        row_width,
         bandwidths,
         host_memory,
         device_memory,
     )
     print(format_profile(report))
-    np.save(ids_path, hot_ids)
+    np.save(ids_path, ranked)
     json_path.write_text(json.dumps(report, indent=2))
     plotted = plot_profile(report, png_path)
     print(f"hot ids: {ids_path}")
