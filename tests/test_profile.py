@@ -163,10 +163,13 @@ def test_profile_writes_the_figures_bench_can_be_compared_with(tmp_path, capsys)
         (["--sample", "half"], "--sample must be a share"),
         (["--host-memory", "lots"], "--host-memory"),
         (["--sizes", ","], "names no size"),
+        (["--sizes", "1%,lots"], "cache size 'lots' does not parse"),
+        (["--sizes", "0"], "holds no rows"),
     ],
 )
 def test_profile_names_a_bad_option(tmp_path, capsys, arguments, message):
     out = tmp_path / "profile"
-    assert main(["profile", "zipf:n=1000,length=2000", "--quiet", "--out", str(out), *arguments]) == 2
+    trace = "no-such-trace.csv"  # the options are checked before the trace is read
+    assert main(["profile", trace, "--quiet", "--out", str(out), *arguments]) == 2
     assert message in capsys.readouterr().err
     assert not out.with_suffix(".json").exists()

@@ -20,7 +20,7 @@ from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE
 from ..warm_start import hot_ids
-from .bench import REFERENCE_POLICIES, format_table, plot_curve, run_bench
+from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_store
 from .profile import format_profile, plot_profile, profile_trace
@@ -512,9 +512,13 @@ def _trace(args):
 
 
 def _sizes(args) -> list[str]:
+    """``--sizes``, each spelled as ``cache_rows`` reads it: checked before the trace is read (a
+    share is checked against the trace's distinct ids once they are known)."""
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not sizes:
         raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
+    for size in sizes:
+        cache_rows(size, 2**62, args.dim * 4)  # raises ValueError naming a size that does not parse
     return sizes
 
 
