@@ -62,6 +62,16 @@ def test_synthetic_traces_follow_their_specs():
     assert all(not (a & b) for a, b in zip(windows, windows[1:]))  # each period, fresh hot ids
 
 
+@pytest.mark.parametrize("kind", ["zipf:alpha=1.2,n=1000", "drift:n=100000,hot=100,period=1000"])
+def test_a_share_of_one_off_ids_is_looked_up_exactly_once(kind):
+    plain = load_trace(f"{kind},length=20000,seed=3").keys
+    keys = load_trace(f"{kind},length=20000,seed=3,once=0.6").keys
+    once = keys >= (1000 if kind.startswith("zipf") else 100000)
+    assert once.mean() == pytest.approx(0.6, abs=0.02)
+    assert np.unique(keys[once]).size == once.sum()  # each looked up once
+    assert (keys[~once] == plain[~once]).all()  # the rest is the trace without them
+
+
 def test_csv_columns_fuse_with_offsets_and_categorical_values(tmp_path):
     (tmp_path / "t.csv").write_text("user,item,kind\n5,10,pv\n7,10,buy\n5,,pv\n")
     trace = load_trace(str(tmp_path / "t.csv"), columns=["user", "item", "kind"])
@@ -88,6 +98,8 @@ def test_criteo_layout_uses_the_hex_categorical_columns(tmp_path):
         (["{csv}", "--criteo"], "the Criteo layout has 40 tab-separated fields"),
         (["zipf:alpha=1.05"], "n required"),
         (["zipf:n=abc"], "must be name=number"),
+        (["zipf:n=10,once=1"], "once must be a share of the accesses in [0, 1)"),
+        (["uniform:n=10,once=0.5"], "options are length, n, seed"),
         (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
         (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
         (["{csv}", "--columns", "user", "--lookahead", "65"], "--lookahead must be in [0, 64]"),

@@ -8,6 +8,9 @@ Synthetic specs (``name:key=value,...``):
 - ``drift:n=1000000[,hot=10000][,period=100000][,alpha=1.05][,length=...][,seed=0]``: Zipf over a hot
   window of ``hot`` ids that moves to fresh ids every ``period`` accesses.
 
+``once=0.6`` (zipf and drift) turns that share of the accesses, drawn at random, into ids looked up
+exactly once (ids from ``n`` on): the one-off ids that make up most keys of a click log.
+
 Files: ``.npy`` (1-D integer ids); CSV/TSV (``.csv``, ``.tsv``, ``.txt``) with ``columns`` chosen
 by name (with a header line) or 0-based index; the Criteo Kaggle TSV layout (``criteo=True``:
 label, 13 integer and 26 hexadecimal categorical columns, the categorical ones used, empty fields
@@ -74,9 +77,9 @@ def _options(spec: str, text: str) -> dict[str, float]:
 
 def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
     known = {
-        "zipf": {"alpha", "n", "length", "seed"},
+        "zipf": {"alpha", "n", "length", "seed", "once"},
         "uniform": {"n", "length", "seed"},
-        "drift": {"n", "hot", "period", "alpha", "length", "seed"},
+        "drift": {"n", "hot", "period", "alpha", "length", "seed", "once"},
     }[kind]
     unknown = set(options) - known
     if unknown or "n" not in options:
@@ -98,19 +101,26 @@ def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
         raise TraceError(
             f"{kind}: alpha must be above 0 (a Zipf exponent, typically near 1), got {options['alpha']:g}"
         )
+    if not 0 <= options.get("once", 0) < 1:
+        raise TraceError(f"{kind}: once must be a share of the accesses in [0, 1), got {options['once']:g}")
     n, length, seed = (
         int(options["n"]),
         int(options.get("length", DEFAULT_LENGTH)),
         int(options.get("seed", 0)),
     )
-    if kind == "zipf":
-        return ZipfIds(n, options.get("alpha", 1.05), seed)(length)
     if kind == "uniform":
         return np.random.default_rng(seed).integers(0, n, length, dtype=np.int64)
-    hot, period = int(options.get("hot", max(1, n // 100))), int(options.get("period", max(1, length // 10)))
-    ranks = ZipfIds(min(hot, n), options.get("alpha", 1.05), seed).ranks(length)
-    window_start = (np.arange(length) // period) * hot  # the hot window moves to fresh ids each period
-    return (window_start + ranks) % n
+    if kind == "zipf":
+        keys = ZipfIds(n, options.get("alpha", 1.05), seed)(length)
+    else:
+        hot = int(options.get("hot", max(1, n // 100)))
+        period = int(options.get("period", max(1, length // 10)))
+        ranks = ZipfIds(min(hot, n), options.get("alpha", 1.05), seed).ranks(length)
+        window_start = (np.arange(length) // period) * hot  # the hot window moves to fresh ids each period
+        keys = (window_start + ranks) % n
+    once = np.random.default_rng([seed, 1]).random(length) < options.get("once", 0)
+    keys[once] = n + np.arange(int(once.sum()), dtype=np.int64)
+    return keys
 
 
 def _from_file(path: Path, columns: list[str] | None, criteo: bool, delimiter: str | None) -> Trace:
