@@ -156,6 +156,24 @@ def test_profile_writes_the_figures_bench_can_be_compared_with(tmp_path, capsys)
     assert "predicted hit rate" in printed and "recommended: host_cache=" in printed
 
 
+def test_profile_of_several_columns_ranks_each_columns_own_ids(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    users, items = rng.zipf(1.3, 6000) % 300, rng.zipf(1.6, 6000) % 50
+    lines = ["user,item"] + [f"{u},{i}" for u, i in zip(users, items)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "profile"
+    arguments = ["profile", str(tmp_path / "t.csv"), "--columns", "user,item", "--sizes", "40"]
+    assert main([*arguments, "--quiet", "--out", str(out)]) == 0
+    fused = np.load(out.with_suffix(".npy"))
+    offset = users.max() + 1  # items' keys follow the users' in the fused key space
+    with np.load(tmp_path / "profile-tables.npz") as tables:
+        assert sorted(tables.files) == ["item", "user"]
+        assert tables["user"].tolist() == fused[fused < offset].tolist()
+        assert tables["item"].tolist() == (fused[fused >= offset] - offset).tolist()
+        assert set(tables["item"][:5].tolist()) == set(np.argsort(-np.bincount(items))[:5].tolist())
+    assert "profile-tables.npz" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [

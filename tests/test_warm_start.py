@@ -117,6 +117,17 @@ def test_a_collection_warms_each_tables_rows_rank_by_rank(tmp_path):
     assert second.groups["dim8"].store.warmed_rows == 1
     with pytest.raises(KeyError, match="unknown table"):
         TieredEmbeddingBagCollection(tables, tmp_path / "c", host_cache=10, warm={"nope": [1]})
+    second.close()
+    np.savez(tmp_path / "hot-tables.npz", **{name: np.asarray(ids) for name, ids in warm.items()})
+    from_file = TieredEmbeddingBagCollection(
+        tables, tmp_path / "c", host_cache=10, warm=tmp_path / "hot-tables.npz"
+    )
+    keys = from_file.groups["dim4"].store.stack.top.slot_keys
+    assert set(keys[keys >= 0].tolist()) == cached  # as the same rankings given as a dict
+    from_file.close()
+    np.save(tmp_path / "one.npy", np.arange(3))
+    with pytest.raises(ValueError, match="not a readable .npz.*PREFIX-tables.npz"):
+        TieredEmbeddingBagCollection(tables, tmp_path / "c", host_cache=10, warm=tmp_path / "one.npy")
 
 
 def test_bench_reports_the_first_tenth_with_and_without_a_warm_start(tmp_path, capsys):

@@ -23,7 +23,7 @@ from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_store
-from .profile import format_profile, plot_profile, profile_trace
+from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
 from .transfer import (
@@ -268,7 +268,8 @@ def _parser() -> argparse.ArgumentParser:
         "bandwidths measured on this machine, the host and device budgets that come within 5% of "
         "the least row movement per training step the memory allows. Writes OUT.json (sizes_rows "
         "and predicted_hit_rate, comparable with bench's JSON), OUT.npy (hot ids, most accessed "
-        "first: a warm-start file) and OUT.png (the curve; needs matplotlib).",
+        "first: a warm-start file), for several --columns OUT-tables.npz (each column's own hot "
+        "ids: a collection's warm start) and OUT.png (the curve; needs matplotlib).",
     )
     command.add_argument(
         "--sample",
@@ -314,7 +315,7 @@ def _parser() -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=Path("tierstore-profile"),
-        help="prefix of the outputs: OUT.json, OUT.npy and OUT.png",
+        help="prefix of the outputs: OUT.json, OUT.npy, OUT-tables.npz and OUT.png",
     )
     command.set_defaults(run=_profile)
     return parser
@@ -463,8 +464,8 @@ def _profile(args) -> int:
     host_memory = _memory("--host-memory", args.host_memory, psutil.virtual_memory().total)
     device_total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
     device_memory = _memory("--device-memory", args.device_memory, device_total)
-    json_path, ids_path, png_path = (
-        args.out.with_name(args.out.name + suffix) for suffix in (".json", ".npy", ".png")
+    json_path, ids_path, tables_path, png_path = (
+        args.out.with_name(args.out.name + suffix) for suffix in (".json", ".npy", "-tables.npz", ".png")
     )
     for path in (json_path, ids_path):
         _check_writable(path)  # before the run, not after it
@@ -494,6 +495,9 @@ def _profile(args) -> int:
     )
     print(format_profile(report))
     np.save(ids_path, ranked)
+    if len(trace.columns) > 1:
+        np.savez(tables_path, **hot_ids_by_column(trace, ranked))
+        print(f"hot ids per column: {tables_path}")
     json_path.write_text(json.dumps(report, indent=2))
     plotted = plot_profile(report, png_path)
     print(f"hot ids: {ids_path}")

@@ -156,6 +156,12 @@ def profile_trace(
     return report, hot_ids
 
 
+def hot_ids_by_column(trace: Trace, ranked: np.ndarray) -> dict[str, np.ndarray]:
+    """Each source column's own ids (its key offset taken off) among the fused ``ranked`` ids, in
+    their order: a warm start per table, as a collection's ``warm=`` takes it."""
+    return {name: ranked[(ranked >= first) & (ranked < end)] - first for name, first, end in trace.columns}
+
+
 def format_profile(report: dict) -> str:
     """The report as readable text: the sample, the predicted hit rates, the hot set, the budgets."""
     sample = report["sample"]

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,8 +43,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     ``collection.json``; ``None``: temporary stores); ``backend``, ``seed``, ``optimizer`` (one
     fused optimizer for every table, default ``optim.SGD(lr=0.01)``), ``dtype``, ``device`` and the
     cache tiers' settings (``tiers=`` or keywords) as ``TieredEmbeddingBag`` takes them; ``warm``:
-    table name -> hot ids (or a ``.npy`` of them), most wanted first, preloaded into the caches at
-    open as ``TieredStore(warm=)`` does, merged rank by rank where tables share a store.
+    table name -> hot ids (or a ``.npy`` of them), most wanted first, or an ``.npz`` of them (as
+    ``tierstore profile --out`` writes), preloaded into the caches at open as ``TieredStore(warm=)``
+    does, merged rank by rank where tables share a store.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
     every feature in ``features.keys()`` order. Adam's and Adagrad's step counts are per group
@@ -113,8 +115,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         merged rank by rank across its tables."""
         if warm is None:
             return {}
+        if isinstance(warm, (str, Path)):
+            warm = _rankings_file(Path(warm))
         if not isinstance(warm, dict):
-            raise TypeError(f"warm must be a dict of table name -> hot ids (or a .npy path), got {warm!r}")
+            raise TypeError(
+                f"warm must be a dict of table name -> hot ids (or a .npy path), or the path of an .npz "
+                f"of them ('tierstore profile --out PREFIX' writes PREFIX-tables.npz), got {warm!r}"
+            )
         unknown = sorted(set(warm) - set(self._tables))
         if unknown:
             raise KeyError(f"warm names unknown table(s) {unknown}; the tables are {sorted(self._tables)}")
@@ -344,3 +351,18 @@ def _share(budget: Any, parts: int) -> Any:
     if budget.strip().endswith("%"):
         return f"{float(budget.strip()[:-1]) / parts}%"
     return f"{parse_bytes(budget) // parts}B"
+
+
+def _rankings_file(path: Path) -> dict[str, np.ndarray]:
+    """The rankings of an ``.npz`` (table name -> ids, most wanted first), read whole."""
+    try:
+        arrays = np.load(path, allow_pickle=False)
+        if not isinstance(arrays, np.lib.npyio.NpzFile):
+            raise ValueError("an .npy, not an .npz of rankings")
+        with arrays:
+            return {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"warm: {path} is not a readable .npz of table name -> hot ids ({error}); write one with "
+            f"'tierstore profile TRACE --columns ... --out PREFIX' (PREFIX-tables.npz)"
+        ) from None
