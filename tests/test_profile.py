@@ -11,8 +11,9 @@ from tierstore.cli.bench import run_store
 from tierstore.cli.cost_model import Bandwidths, hit_rate_at, movement_seconds, recommend
 from tierstore.cli.profile import MIN_SAMPLED_IDS, MIN_SCALED_ROWS, coverage_rows, exact_counts, profile_trace
 from tierstore.cli.reference_policies import belady_hits
-from tierstore.cli.sampling import HASH_SPACE, id_hash, ranked_ids, spatial_sample
+from tierstore.cli.sampling import ranked_ids, spatial_sample
 from tierstore.cli.traces import load_trace
+from tierstore.hashing import HASH_SPACE, id_hash
 
 
 def test_a_spatial_sample_keeps_every_access_of_the_ids_it_samples():

@@ -27,3 +27,8 @@ class StoreClosedError(RuntimeError):
 
 class StoreBusyError(RuntimeError):
     """A store is already open for writing (one writer at a time, on every backend)."""
+
+
+class ShardingError(RuntimeError):
+    """The ranks of a sharded table disagree (settings, mode, one refused its input) or their
+    process group failed; the message names the ranks, and each store keeps its last flush."""

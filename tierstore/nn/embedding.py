@@ -11,6 +11,7 @@ the model, and do not expect ``optimizer.step()`` to touch the embeddings.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, check_table_shape, integral
 from . import pooled_lookup
+from .sharding import RowSharding, replicated_keys
 
 _MISSING = ("init", "zero", "error")
 # The store lookup is opaque to torch.compile: the forward runs eagerly (a graph break), the dense
@@ -49,6 +51,8 @@ class _TieredTable(nn.Module):
         device: torch.device | str | None,
         tiers: TierConfig | None,
         tier_settings: dict,
+        process_group: Any = None,
+        replicate: Any = None,
     ) -> None:
         super().__init__()
         num_embeddings, embedding_dim, padding_idx = (
@@ -68,18 +72,49 @@ class _TieredTable(nn.Module):
         self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
         self.missing = missing
         device = torch.device(device if device is not None else "cpu")
-        self.store = TieredStore(
-            path,
-            dim=embedding_dim,
-            dtype=dtype or torch.float32,
-            backend=backend,
-            device=device,
-            optimizer_state_width=self.optimizer.state_width(embedding_dim),
-            optimizer=self.optimizer.name,
-            seed=seed,
-            tiers=tiers,
-            **tier_settings,
-        )
+        self.sharding = None
+        if process_group is not None:
+            requested = replicated_keys(replicate, tier_settings.get("warm"))
+            self.sharding = RowSharding(process_group)
+            path = self.sharding.together(
+                "store's placement", lambda: self.sharding.store_path(path, requested)
+            )
+            replicated = self.sharding.replicated
+            digest = hashlib.sha256(replicated.numpy().tobytes()).hexdigest()
+            self.sharding.agree(
+                "table settings or replicated keys",
+                [
+                    num_embeddings,
+                    embedding_dim,
+                    padding_idx,
+                    repr(self.optimizer),
+                    seed,
+                    str(dtype),
+                    backend,
+                    digest,
+                ],
+            )
+        elif replicate is not None:
+            raise ValueError("replicate needs a process_group: replication is across its ranks")
+
+        def open_store() -> TieredStore:
+            return TieredStore(
+                path,
+                dim=embedding_dim,
+                dtype=dtype or torch.float32,
+                backend=backend,
+                device=device,
+                optimizer_state_width=self.optimizer.state_width(embedding_dim),
+                optimizer=self.optimizer.name,
+                seed=seed,
+                tiers=tiers,
+                **tier_settings,
+            )
+
+        if self.sharding is None:
+            self.store = open_store()
+        else:
+            self.store = self.sharding.together("store's opening", open_store, undo=TieredStore.close)
         self.step = 0
         self.frozen = False  # from_pretrained(freeze=True): lookups only, the rows never change
         # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
@@ -121,7 +156,11 @@ class _TieredTable(nn.Module):
         unique, counts, local = pooled_lookup.distinct(ids, padding)
         training = self.training and torch.is_grad_enabled() and not self.frozen
         slots = None
-        if training:
+        if self.sharding is not None:  # slots: how the rows were exchanged, for the backward
+            weight, known, slots = self.sharding.lookup(self.store, unique, counts, training)
+            if not training:
+                weight = self._missing_rows(unique, weight, known)
+        elif training:
             weight, slots = self.store.get_distinct(unique, counts)
         else:
             weight = self._rows_without_growing(unique)
@@ -160,7 +199,14 @@ class _TieredTable(nn.Module):
         rows = self.store.get(unique, grow=False)
         if self.missing == "init" or unique.numel() == 0:
             return rows
-        known = self.store.contains(unique).to(rows.device)
+        return self._missing_rows(unique, rows, self.store.contains(unique))
+
+    def _missing_rows(self, unique: torch.Tensor, rows: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+        """``rows [U, dim]`` of ``unique`` with the ones the table does not hold (``known`` false)
+        as ``missing`` says: initial rows kept, zeroed, or a ``KeyError``."""
+        if self.missing == "init" or unique.numel() == 0:
+            return rows
+        known = known.to(rows.device)
         if self.missing == "error" and not bool(known.all()):
             absent = unique[~known.cpu()]
             raise KeyError(
@@ -172,7 +218,11 @@ class _TieredTable(nn.Module):
 
     def _apply_gradient(self, unique: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:
         """Fused optimizer step on the rows of ``unique`` (int64 [U]), found at ``slots`` of the top
-        tier by the forward, with ``grad [U, dim]``."""
+        tier by the forward (sharded: the forward's exchange), with ``grad [U, dim]``."""
+        if self.sharding is not None:  # every rank takes part, whatever its batch held
+            self.step += 1
+            self.sharding.apply_gradients(self.store, slots, grad, self.optimizer, self.step)
+            return
         if unique.numel() == 0:
             return
         self.step += 1
@@ -214,12 +264,28 @@ class _TieredTable(nn.Module):
     # -- store life cycle and state ------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Make every update so far durable in the store (atomic; see ``TieredStore.flush``)."""
-        self.store.flush()
+        """Make every update so far durable in the store (atomic; see ``TieredStore.flush``).
+        Sharded, every rank must call it: each commits its store, then learns whether all did."""
+        if self.sharding is None:
+            self.store.flush()
+        else:
+            self.sharding.together("flush", self.store.flush)
 
     def close(self) -> None:
-        """Flush and close the store (a temporary store is deleted)."""
-        self.store.close()
+        """Flush and close the store (a temporary store is deleted); sharded, on every rank."""
+        if self.sharding is None:
+            self.store.close()
+        else:
+            self.sharding.together("close", self.store.close)
+
+    def _checked(self, check, *args):
+        """``check(*args)``; sharded, a refusal is first told to the other ranks (they raise too)."""
+        try:
+            return check(*args)
+        except Exception as error:
+            if self.sharding is None:
+                raise
+            self.sharding.refuse(error)
 
     def get_extra_state(self) -> dict:
         """The table's part of ``state_dict()``: the store's location and layout, the optimizer
@@ -227,7 +293,7 @@ class _TieredTable(nn.Module):
         into a module on the same store resumes it; into a module on another store copies the
         rows over, streaming. A temporary store is deleted on ``close()``: give ``path=`` to keep one."""
         if not self.store.read_only:
-            self.store.flush()
+            self.flush()
         return {
             "format": _STATE_FORMAT,
             "path": str(self.store.path.resolve()),
@@ -308,6 +374,8 @@ class TieredEmbeddingBag(_TieredTable):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tiers: TierConfig | None = None,
+        process_group: Any = None,
+        replicate: Any = None,
         **tier_settings,
     ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
@@ -326,6 +394,8 @@ class TieredEmbeddingBag(_TieredTable):
             device,
             tiers,
             tier_settings,
+            process_group,
+            replicate,
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -369,7 +439,8 @@ class TieredEmbeddingBag(_TieredTable):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._refuse_tracing()
-        input, offsets = check_bag_input(
+        input, offsets = self._checked(
+            check_bag_input,
             input,
             offsets,
             per_sample_weights,
@@ -419,6 +490,8 @@ class TieredEmbedding(_TieredTable):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tiers: TierConfig | None = None,
+        process_group: Any = None,
+        replicate: Any = None,
         **tier_settings,
     ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
@@ -435,6 +508,8 @@ class TieredEmbedding(_TieredTable):
             device,
             tiers,
             tier_settings,
+            process_group,
+            replicate,
         )
 
     @classmethod
@@ -464,7 +539,7 @@ class TieredEmbedding(_TieredTable):
     @_OPAQUE_TO_COMPILER
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._refuse_tracing()
-        input = check_lookup_ids(input, self.num_embeddings, "input")
+        input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
         weight, local = self._local_weight(input)
         return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight))
 
