@@ -3,12 +3,15 @@
 ``train``: each rank trains a sharded table on its slice of every global batch (``global_batches``)
 and saves its outputs, the rows every id has afterwards (looked up through the sharded table) and
 its store's counters, for the test to compare with one process training on the whole batches.
+The other functions play one failure each and save what every rank raised.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +42,7 @@ def global_batches(world: int, steps: int, bags_per_rank: int = 8, seed: int = 0
 
 def as_bags(bags: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, offsets)`` of ``bags``, as ``nn.EmbeddingBag`` takes them."""
-    lengths = torch.tensor([len(bag) for bag in bags])
+    lengths = torch.tensor([len(bag) for bag in bags], dtype=torch.int64)
     ids = torch.tensor([i for bag in bags for i in bag], dtype=torch.int64)
     return ids, torch.cumsum(lengths, 0) - lengths
 
@@ -49,15 +52,118 @@ def targets(step: int, count: int) -> torch.Tensor:
     return torch.sin(torch.arange(count * DIM, dtype=torch.float32).reshape(count, DIM) + step)
 
 
+def rank_bags(bags: list[list[int]], rank: int, world: int, step: int, empty_step: int) -> list[list[int]]:
+    """Rank ``rank``'s bags of a global batch; at ``empty_step``, the last rank has none."""
+    if step == empty_step and rank == world - 1:
+        return []
+    share = len(bags) // world
+    return bags[rank * share : (rank + 1) * share]
+
+
 def _join(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),  # a rank left waiting fails, not hangs
+    )
+
+
+def _save(out: str, rank: int, result: dict) -> None:
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def _raised(action) -> str | None:
+    """``"TypeName: message"`` of what ``action()`` raised, None if nothing."""
+    try:
+        action()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _table(out: str, world_dim: int = DIM, **settings) -> TieredEmbeddingBag:
+    return TieredEmbeddingBag(
+        None,
+        world_dim,
+        mode="sum",
+        path=Path(out) / "table",
+        host_cache=32,
+        process_group=dist.group.WORLD,
+        **settings,
+    )
+
+
+def disagree(rank: int, world: int, port: int, out: str) -> None:
+    """The last rank builds its table with another dim."""
+    _join(rank, world, port)
+    _save(out, rank, {"raised": _raised(lambda: _table(out, DIM + (rank == world - 1)))})
+    dist.destroy_process_group()
+
+
+def refusals(rank: int, world: int, port: int, out: str) -> None:
+    """The last rank's input is refused at step 1, every rank evaluates at step 2 but the last trains;
+    step 3 runs everywhere. Then pickling, and reopening with another number of ranks (``world``
+    minus one ranks: the test runs this with 3, and then ``reopen`` with 2)."""
+    _join(rank, world, port)
+    table = _table(out)
+    last = rank == world - 1
+    result = {}
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    result["step0"] = _raised(lambda: table(ids, offsets).sum().backward())
+    result["refused"] = _raised(
+        lambda: table(torch.tensor([1, -5]) if last else ids, offsets).sum().backward()
+    )
+    table.train(last)
+    result["modes"] = _raised(lambda: table(ids, offsets).sum().backward())
+    table.train()
+    result["after"] = _raised(lambda: table(ids, offsets).sum().backward())
+    result["pickled"] = _raised(lambda: pickle.dumps(table))
+    table.close()
+    _save(out, rank, result)
+    dist.destroy_process_group()
+
+
+def reopen(rank: int, world: int, port: int, out: str) -> None:
+    _join(rank, world, port)
+    _save(out, rank, {"raised": _raised(lambda: _table(out))})
+    dist.destroy_process_group()
+
+
+def dead_peer(rank: int, world: int, port: int, out: str) -> None:
+    """Every rank trains 3 steps and flushes; rank 0 records its store's rows. At step 4 the last
+    rank dies before its lookup: the others must raise, not hang or die."""
+    _join(rank, world, port)
+    table, flushed = _table(out), None
+    for step in range(5):
+        if step == 4 and rank == world - 1:
+            os._exit(3)
+        ids = torch.arange(step * 7, step * 7 + 20) % 50
+        raised = _raised(lambda: table(ids, torch.arange(0, 20, 5)).sum().backward())
+        if raised:
+            _save(out, rank, {"raised": raised, "flushed": flushed})
+            os._exit(0)  # as a training script that stops on the error does (no collective teardown)
+        if step == 2:
+            table.flush()
+            flushed = {int(i): row for i, row in zip(*table.store.iter_rows(batch_size=1 << 20).__next__())}
+    _save(out, rank, {"raised": None})
 
 
 def train(
-    rank: int, world: int, port: int, out: str, optimizer: str, replicate: int, steps: int, collection: bool
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    optimizer: str,
+    replicate: int,
+    steps: int,
+    collection: bool,
+    empty: bool = False,
 ) -> None:
     result = Path(out) / f"rank{rank}.pt"
+    empty_step = 3 if empty else -1
     try:
         _join(rank, world, port)
         hot = torch.arange(NUM)  # ids ranked by Zipf weight: the lowest ids are the hottest
@@ -76,14 +182,15 @@ def train(
             table = TieredEmbeddingBag(None, DIM, mode="sum", path=Path(out) / "table", **settings)
         outputs = []
         for step, bags in enumerate(global_batches(world, steps)):
-            mine = bags[rank * len(bags) // world : (rank + 1) * len(bags) // world]
+            mine = rank_bags(bags, rank, world, step, empty_step)
             ids, offsets = as_bags(mine)
             if collection:
                 lengths = torch.tensor([len(bag) for bag in mine])
                 pooled = table(KeyedJaggedTensor(["f"], ids, lengths=lengths)).values()
             else:
                 pooled = table(ids, offsets)
-            (pooled * targets(step, len(bags))[rank * len(mine) : (rank + 1) * len(mine)]).sum().backward()
+            share = len(bags) // world
+            (pooled * targets(step, len(bags))[rank * share : rank * share + len(mine)]).sum().backward()
             outputs.append(pooled.detach())
         table.flush()
         table.eval()

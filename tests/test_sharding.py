@@ -7,9 +7,22 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from sharded_worker import DIM, NUM, OPTIMIZERS, as_bags, global_batches, targets, train
+from sharded_worker import (
+    DIM,
+    NUM,
+    OPTIMIZERS,
+    as_bags,
+    dead_peer,
+    disagree,
+    global_batches,
+    rank_bags,
+    refusals,
+    reopen,
+    targets,
+    train,
+)
 
-from tierstore import initial_weights
+from tierstore import TieredStore, initial_weights
 
 STEPS = 24
 
@@ -20,27 +33,48 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(function, world: int, *args) -> list[dict]:
-    """``function(rank, world, port, *args)`` in ``world`` spawned processes; each rank's saved result."""
-    out = args[0]
-    mp.spawn(function, args=(world, free_port(), *args), nprocs=world, join=True)
-    results = [torch.load(f"{out}/rank{rank}.pt") for rank in range(world)]
+def run_ranks(function, world: int, *args, exit_codes=None) -> list[dict | None]:
+    """``function(rank, world, port, *args)`` in ``world`` spawned processes (``args[0]``: the folder
+    they save in); each rank's saved result (None if it saved none). Every process must end by
+    itself within the timeout, with ``exit_codes`` (default all 0), never by a signal."""
+    out, port = args[0], free_port()
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=function, args=(rank, world, port, *args)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=240)
+    codes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert codes == (exit_codes or [0] * world), f"exit codes {codes} (None: hung)"
+    results = []
+    for rank in range(world):
+        try:
+            results.append(torch.load(f"{out}/rank{rank}.pt"))
+        except FileNotFoundError:
+            results.append(None)
     for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank} failed:\n{result.get('error')}"
+        assert result is None or "error" not in result, f"rank {rank} failed:\n{result['error']}"
     return results
 
 
-def one_process(world: int, optimizer: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(outputs per step, final rows)`` of ``nn.EmbeddingBag`` trained on the whole batches."""
+def one_process(
+    world: int, optimizer: str, empty_step: int = -1, steps: int = STEPS
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(outputs per step, final rows)`` of ``nn.EmbeddingBag`` trained on the whole batches (at
+    ``empty_step``, without the last rank's bags)."""
     bag = torch.nn.EmbeddingBag(NUM, DIM, mode="sum")
     with torch.no_grad():
         bag.weight.copy_(initial_weights(torch.arange(NUM), DIM, 0, torch.float32))
     dense = OPTIMIZERS[optimizer][1](bag.parameters())
     outputs = []
-    for step, bags in enumerate(global_batches(world, STEPS)):
+    for step, bags in enumerate(global_batches(world, steps)):
         dense.zero_grad()
-        pooled = bag(*as_bags(bags))
-        (pooled * targets(step, len(bags))).sum().backward()
+        used = [part for rank in range(world) for part in rank_bags(bags, rank, world, step, empty_step)]
+        pooled = bag(*as_bags(used))
+        (pooled * targets(step, len(bags))[: len(used)]).sum().backward()
         dense.step()
         outputs.append(pooled.detach())
     return outputs, bag.weight.detach()
@@ -54,8 +88,7 @@ def test_sharded_training_equals_one_process_on_the_global_batch(tmp_path, world
     outputs, rows = one_process(world, optimizer)
     for rank, result in enumerate(results):
         for step, pooled in enumerate(result["outputs"]):
-            per_rank = len(pooled)
-            expected = outputs[step][rank * per_rank : (rank + 1) * per_rank]
+            expected = outputs[step][rank * len(pooled) : (rank + 1) * len(pooled)]
             torch.testing.assert_close(pooled, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(result["rows"], rows, rtol=0, atol=1e-5)
         assert result["stats"][0]["host"]["evictions"] > 0  # rows went down to the cold store and back
@@ -63,3 +96,60 @@ def test_sharded_training_equals_one_process_on_the_global_batch(tmp_path, world
     assert all(comm["id_bytes"] > 0 and comm["row_bytes"] > 0 and comm["gradient_bytes"] > 0 for comm in sent)
     if replicate:
         assert all(comm["replica_bytes"] > 0 for comm in sent)
+
+
+def test_a_sharded_collection_replicating_its_hottest_rows_equals_one_process(tmp_path):
+    results = run_ranks(train, 2, str(tmp_path), "adagrad", 16, STEPS, True)
+    outputs, rows = one_process(2, "adagrad")
+    for rank, result in enumerate(results):
+        for step, pooled in enumerate(result["outputs"]):
+            expected = outputs[step][rank * len(pooled) : (rank + 1) * len(pooled)]
+            torch.testing.assert_close(pooled, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(result["rows"], rows, rtol=0, atol=1e-5)
+        assert result["comm"][0]["replica_bytes"] > 0
+
+
+def test_a_rank_with_an_empty_batch_still_serves_the_others(tmp_path):
+    results = run_ranks(train, 2, str(tmp_path), "sgd", 16, 6, False, True)
+    outputs, rows = one_process(2, "sgd", empty_step=3, steps=6)
+    assert results[1]["outputs"][3].shape == (0, DIM)
+    for result in results:
+        torch.testing.assert_close(result["rows"], rows, rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[0]["outputs"][3], outputs[3], rtol=0, atol=1e-5)
+
+
+def test_ranks_that_build_different_tables_all_raise(tmp_path):
+    results = run_ranks(disagree, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["raised"].startswith("ShardingError")
+        assert f"ranks [{1 - rank}] have other table settings" in result["raised"]
+
+
+def test_a_refused_input_or_a_mode_mismatch_raises_on_every_rank_and_training_goes_on(tmp_path):
+    results = run_ranks(refusals, 3, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["step0"] is None and result["after"] is None  # before and after: steps run
+        if rank == 2:
+            assert result["refused"].startswith("ValueError: input must be non-negative")
+        else:
+            assert (
+                result["refused"]
+                == f"ShardingError: rank {rank}: rank(s) [2] refused their input, so no rank ran this step"
+            )
+        assert (
+            result["modes"].startswith("ShardingError") and "call train() or eval() alike" in result["modes"]
+        )
+        assert "does not pickle" in result["pickled"]
+    reopened = run_ranks(reopen, 2, str(tmp_path))
+    for result in reopened:
+        assert "sharded over 3 ranks, and this process group has 2: open it with 3 ranks" in result["raised"]
+
+
+def test_a_dead_rank_makes_the_others_raise_and_their_stores_hold_the_last_flush(tmp_path):
+    results = run_ranks(dead_peer, 2, str(tmp_path), exit_codes=[0, 3])
+    assert results[0]["raised"].startswith("ShardingError: rank 0: the process group failed")
+    with TieredStore(tmp_path / "table" / "rank0-of-2", read_only=True) as store:
+        ids, rows = next(store.iter_rows(batch_size=1 << 20))
+    assert {int(i): row for i, row in zip(ids, rows)}.keys() == results[0]["flushed"].keys()
+    for i, row in zip(ids.tolist(), rows):
+        torch.testing.assert_close(row, results[0]["flushed"][i], rtol=0, atol=0)

@@ -63,12 +63,15 @@ class TieredEmbeddingBagCollection(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         tiers: TierConfig | None = None,
-        warm: dict[str, Any] | None = None,
+        warm: dict[str, Any] | str | Path | None = None,
+        process_group: Any = None,
+        replicate: dict[str, Any] | str | Path | int | None = None,
         **tier_settings,
     ) -> None:
         super().__init__()
         self._tables = _check_tables(tables)
         warm_keys = self._warm_keys(warm)  # checked before any store is opened
+        replicated = self._replicated_keys(replicate, warm_keys)
         self._table_of_feature = {
             feature: table for table in self._tables.values() for feature in table["feature_names"]
         }
@@ -95,10 +98,13 @@ class TieredEmbeddingBagCollection(nn.Module):
                     dtype=dtype,
                     device=device,
                     tiers=config,
+                    process_group=process_group,
+                    replicate=None if replicated is None else replicated.get(f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
                 )
                 for dim in dims
             }
         )
+        self.sharded = process_group is not None
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
         for group_name, keys in warm_keys.items():
@@ -110,21 +116,39 @@ class TieredEmbeddingBagCollection(nn.Module):
         first), for ``prefetch(warm=)``."""
         return [(self.groups[name].store, keys) for name, keys in self._warm_keys(warm).items()]
 
-    def _warm_keys(self, warm: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    def _replicated_keys(
+        self, replicate: Any, warm_keys: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        """Each group's replicated keys (None: none asked for): the tables' ids as ``warm`` takes
+        them, or an int N, the N first keys of each group's ``warm`` ranking."""
+        if replicate is None:
+            return None
+        if isinstance(replicate, int) and not isinstance(replicate, bool):
+            if replicate < 0 or (replicate and not warm_keys):
+                raise ValueError(
+                    f"replicate={replicate} takes the {replicate} hottest keys of each group's warm= "
+                    f"ranking: give warm= rankings, or replicate= the tables' ids as warm= takes them"
+                )
+            return {group: keys[:replicate] for group, keys in warm_keys.items()}
+        return self._warm_keys(replicate, "replicate")
+
+    def _warm_keys(self, warm: dict[str, Any] | None, argument: str = "warm") -> dict[str, torch.Tensor]:
         """Each group's store keys of the ``warm`` rankings (table name -> ids, most wanted first),
         merged rank by rank across its tables."""
         if warm is None:
             return {}
         if isinstance(warm, (str, Path)):
-            warm = _rankings_file(Path(warm))
+            warm = _rankings_file(Path(warm), argument)
         if not isinstance(warm, dict):
             raise TypeError(
-                f"warm must be a dict of table name -> hot ids (or a .npy path), or the path of an .npz "
-                f"of them ('tierstore profile --out PREFIX' writes PREFIX-tables.npz), got {warm!r}"
+                f"{argument} must be a dict of table name -> hot ids (or a .npy path), or the path of an "
+                f".npz of them ('tierstore profile --out PREFIX' writes PREFIX-tables.npz), got {warm!r}"
             )
         unknown = sorted(set(warm) - set(self._tables))
         if unknown:
-            raise KeyError(f"warm names unknown table(s) {unknown}; the tables are {sorted(self._tables)}")
+            raise KeyError(
+                f"{argument} names unknown table(s) {unknown}; the tables are {sorted(self._tables)}"
+            )
         ranked: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for name, ids in warm.items():
             table = self._tables[name]
@@ -138,13 +162,21 @@ class TieredEmbeddingBagCollection(nn.Module):
         return merged
 
     def forward(self, features: Any) -> KeyedTensor:
-        keys, lengths, weights, tables, feature_of_entry, entry_keys = self._checked_input(features)
+        try:
+            checked = self._checked_input(features)
+        except Exception as error:
+            if not self.sharded:
+                raise
+            next(iter(self.groups.values())).sharding.refuse(error)  # the others raise too
+        keys, lengths, weights, tables, feature_of_entry, entry_keys = checked
         for table, count in zip(tables, lengths.sum(dim=1).tolist()):
             self.lookups[table["name"]] += count
         blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
         for group_name, group in self.groups.items():
             positions, entries = _in_group(group_name, tables, feature_of_entry)
             if not positions:
+                if self.sharded:  # every rank's group takes part in every exchange
+                    blocks.append(_idle_forward(group, lengths.shape[1]))
                 continue
             if entries is None:
                 group_keys, group_weights = entry_keys, weights
@@ -338,6 +370,13 @@ def _in_group(group_name: str, tables: list[dict], feature_of_entry: torch.Tenso
     return positions, in_group[feature_of_entry]
 
 
+def _idle_forward(group, batch: int) -> torch.Tensor:
+    """``[batch, 0]``: a sharded group's part in a step none of its features are in (it serves the
+    other ranks' lookups, and its gradients flow back through this empty block)."""
+    keys = torch.zeros(0, dtype=torch.int64)
+    return group(keys, torch.zeros(batch, dtype=torch.int64), None)[:, :0]
+
+
 def _group_name(table: dict) -> str:
     return f"dim{table['embedding_dim']}"
 
@@ -353,7 +392,7 @@ def _share(budget: Any, parts: int) -> Any:
     return f"{parse_bytes(budget) // parts}B"
 
 
-def _rankings_file(path: Path) -> dict[str, np.ndarray]:
+def _rankings_file(path: Path, argument: str) -> dict[str, np.ndarray]:
     """The rankings of an ``.npz`` (table name -> ids, most wanted first), read whole."""
     try:
         arrays = np.load(path, allow_pickle=False)
@@ -363,6 +402,6 @@ def _rankings_file(path: Path) -> dict[str, np.ndarray]:
             return {name: arrays[name] for name in arrays.files}
     except (OSError, ValueError) as error:
         raise ValueError(
-            f"warm: {path} is not a readable .npz of table name -> hot ids ({error}); write one with "
+            f"{argument}: {path} is not a readable .npz of table name -> hot ids ({error}); write one with "
             f"'tierstore profile TRACE --columns ... --out PREFIX' (PREFIX-tables.npz)"
         ) from None
