@@ -132,14 +132,20 @@ def reopen(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def dead_peer(rank: int, world: int, port: int, out: str) -> None:
+def dead_peer(rank: int, world: int, port: int, out: str, during_flush: bool = False) -> None:
     """Every rank trains 3 steps and flushes; rank 0 records its store's rows. At step 4 the last
-    rank dies before its lookup: the others must raise, not hang or die."""
+    rank dies before its lookup (``during_flush``: inside its store's flush of step 3): the others
+    must raise, not hang or die."""
     _join(rank, world, port)
     table, flushed = _table(out), None
     for step in range(5):
         if step == 4 and rank == world - 1:
             os._exit(3)
+        if during_flush and step == 3:
+            if rank == world - 1:
+                table.store.flush = lambda: os._exit(3)
+            _save(out, rank, {"raised": _raised(table.flush), "flushed": flushed})
+            os._exit(0)
         ids = torch.arange(step * 7, step * 7 + 20) % 50
         raised = _raised(lambda: table(ids, torch.arange(0, 20, 5)).sum().backward())
         if raised:

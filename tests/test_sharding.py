@@ -153,3 +153,10 @@ def test_a_dead_rank_makes_the_others_raise_and_their_stores_hold_the_last_flush
     assert {int(i): row for i, row in zip(ids, rows)}.keys() == results[0]["flushed"].keys()
     for i, row in zip(ids.tolist(), rows):
         torch.testing.assert_close(row, results[0]["flushed"][i], rtol=0, atol=0)
+
+
+def test_a_rank_dying_in_a_collective_flush_is_named_when_the_table_reopens(tmp_path):
+    results = run_ranks(dead_peer, 2, str(tmp_path), True, exit_codes=[0, 3])
+    assert results[0]["raised"].startswith("ShardingError: rank 0: the process group failed")
+    for result in run_ranks(reopen, 2, str(tmp_path)):
+        assert "the collective flush of step 3 did not complete on every rank" in result["raised"]

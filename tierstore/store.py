@@ -315,6 +315,11 @@ class TieredStore:
                 self._remove_temporary()
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    @property
     def temporary(self) -> bool:
         """Whether the store was made without ``path`` (and is deleted when closed or collected)."""
         return self._temporary

@@ -99,7 +99,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                     device=device,
                     tiers=config,
                     process_group=process_group,
-                    replicate=None if replicated is None else replicated.get(f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
+                    replicate=None
+                    if replicated is None
+                    else replicated.get(f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
                 )
                 for dim in dims
             }

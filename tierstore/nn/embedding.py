@@ -115,7 +115,9 @@ class _TieredTable(nn.Module):
             self.store = open_store()
         else:
             self.store = self.sharding.together("store's opening", open_store, undo=TieredStore.close)
-        self.step = 0
+        self.step = 0 if self.sharding is None else self.sharding.last_flushed_step()
+        if self.sharding is not None:
+            self.sharding.agree("last flushed steps", self.step)
         self.frozen = False  # from_pretrained(freeze=True): lookups only, the rows never change
         # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
         # outputs go and their dtype. The rows keep the store's dtype.
@@ -269,13 +271,14 @@ class _TieredTable(nn.Module):
         if self.sharding is None:
             self.store.flush()
         else:
-            self.sharding.together("flush", self.store.flush)
+            self.sharding.flush(self.store, self.step)
 
     def close(self) -> None:
         """Flush and close the store (a temporary store is deleted); sharded, on every rank."""
         if self.sharding is None:
             self.store.close()
-        else:
+        elif not self.store.closed:
+            self.flush()
             self.sharding.together("close", self.store.close)
 
     def _checked(self, check, *args):

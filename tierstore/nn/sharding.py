@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..errors import ShardingError
 from ..hashing import id_hash
-from ..metadata import METADATA_FILE
+from ..metadata import METADATA_FILE, write_json_atomic
 from ..warm_start import hot_ids
 
 _EVAL, _TRAIN, _REFUSED = 0, 1, -1
@@ -117,6 +117,7 @@ class RowSharding:
             raise ValueError("process_group does not include this process; pass a group it belongs to")
         self.group = group
         self.replicated = torch.zeros(0, dtype=torch.int64)  # sorted
+        self.flush_record: Path | None = None  # this rank's record of its last collective flush
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
@@ -134,8 +135,8 @@ class RowSharding:
     def store_path(self, path: str | Path | None, requested: torch.Tensor | None) -> Path | None:
         """This rank's store under ``path`` (``rank<r>-of-<world>``; None: a temporary store), and
         the replicated keys: ``requested`` (recorded in ``REPLICATED_FILE`` on first use), or
-        the recorded ones when None. A table written by another number of ranks, or with other
-        replicated keys, is refused."""
+        the recorded ones when None. A table written by another number of ranks, with other
+        replicated keys, or whose last collective flush did not complete, is refused."""
         self.replicated = torch.zeros(0, dtype=torch.int64) if requested is None else torch.unique(requested)
         if path is None:
             return None
@@ -172,7 +173,31 @@ class RowSharding:
             with open(partial, "wb") as file:  # every rank writes the same keys: the last rename wins
                 np.save(file, self.replicated.numpy())
             os.replace(partial, record)
+        self.flush_record = root / f"rank{self.rank}-of-{self.world_size}.json"
+        if self.flush_record.exists():
+            last = json.loads(self.flush_record.read_text())
+            if not last["complete"]:
+                raise ValueError(
+                    f"{root}: the collective flush of step {last['step']} did not complete on every rank "
+                    f"(a rank died during it), so the ranks' stores may hold different flushes. To train "
+                    f"on from them as they are, remove {root}/rank*-of-{self.world_size}.json"
+                )
         return root / f"rank{self.rank}-of-{self.world_size}"
+
+    def flush(self, store, step: int) -> None:
+        """Every rank commits its store, recording ``step`` (the table's optimizer steps) as begun,
+        then as complete once every rank has committed."""
+        if self.flush_record is not None:
+            write_json_atomic(self.flush_record, {"step": step, "complete": False})
+        self.together("flush", store.flush)
+        if self.flush_record is not None:
+            write_json_atomic(self.flush_record, {"step": step, "complete": True})
+
+    def last_flushed_step(self) -> int:
+        """The step this rank's last complete collective flush recorded (0: none)."""
+        if self.flush_record is None or not self.flush_record.exists():
+            return 0
+        return int(json.loads(self.flush_record.read_text())["step"])
 
     def together(
         self, what: str, action: Callable[[], Any], undo: Callable[[Any], None] | None = None
