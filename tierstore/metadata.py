@@ -190,8 +190,9 @@ def _unrecorded(name: str) -> tuple:
 
 
 def write_json_atomic(path: Path, document: dict) -> None:
-    """Replace ``path`` with ``document`` so a crash leaves either the old or the new file."""
-    temporary = path.with_name(path.name + ".tmp")
+    """Replace ``path`` with ``document`` so a crash leaves either the old or the new file (the
+    temporary file is this process's own: processes writing the same file do not collide)."""
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(temporary, "w") as file:
         json.dump(document, file, indent=2)
         file.flush()
