@@ -198,6 +198,8 @@ def train(
             share = len(bags) // world
             (pooled * targets(step, len(bags))[rank * share : rank * share + len(mine)]).sum().backward()
             outputs.append(pooled.detach())
+        groups = table.groups.values() if collection else [table]
+        comm = [dict(vars(group.sharding.stats)) for group in groups]  # the training steps'
         table.flush()
         table.eval()
         with torch.no_grad():  # every id's row, through the sharded lookup
@@ -208,9 +210,7 @@ def train(
                 rows = table(everything).values()
             else:
                 rows = table(torch.arange(NUM), torch.arange(NUM))
-        groups = table.groups.values() if collection else [table]
         stats = [group.store.stats() for group in groups]
-        comm = [vars(group.sharding.stats) for group in groups]
         for group in groups:
             group.sharding.replica_checksum(group.store)
         table.close()

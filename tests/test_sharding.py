@@ -4,6 +4,7 @@ concatenation of every rank's batch, with caches so small that rows move through
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -23,6 +24,7 @@ from sharded_worker import (
 )
 
 from tierstore import TieredStore, initial_weights
+from tierstore.nn.replication import count_communication
 
 STEPS = 24
 
@@ -94,8 +96,19 @@ def test_sharded_training_equals_one_process_on_the_global_batch(tmp_path, world
         assert result["stats"][0]["host"]["evictions"] > 0  # rows went down to the cold store and back
     sent = [result["comm"][0] for result in results]
     assert all(comm["id_bytes"] > 0 and comm["row_bytes"] > 0 and comm["gradient_bytes"] > 0 for comm in sent)
-    if replicate:
-        assert all(comm["replica_bytes"] > 0 for comm in sent)
+    assert all((comm["replica_bytes"] > 0) == bool(replicate) for comm in sent)
+    # the performance model counts, without running, the bytes each rank sent
+    steps = [
+        [as_bags(rank_bags(bags, rank, world, step, -1))[0].numpy() for rank in range(world)]
+        for step, bags in enumerate(global_batches(world, STEPS))
+    ]
+    counted = count_communication(steps, DIM, np.arange(replicate))
+    for rank, comm in enumerate(sent):
+        assert (
+            counted["all_to_all"][:, rank].sum()
+            == comm["id_bytes"] + comm["row_bytes"] + comm["gradient_bytes"]
+        )
+        assert counted["replicas"][:, rank].sum() == comm["replica_bytes"]
 
 
 def test_a_sharded_collection_replicating_its_hottest_rows_equals_one_process(tmp_path):

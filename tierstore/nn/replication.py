@@ -1,0 +1,136 @@
+"""Which rows to replicate on every rank of a sharded table: the P²RES performance model.
+
+``count_communication`` counts, without running anything, the bytes each rank of a sharded table
+would send per step for a stream of global batches, exactly as ``sharding.RowSharding`` sends
+them: keys to their owners, rows back, gradients to the owners, and for the replicated keys an
+all-reduce of the gradients of the rows any rank touched (after gathering which). A replicated
+row costs no all-to-all but is all-reduced whenever any rank touches it, and it takes memory on
+every rank. ``plan_replication`` tries replicating the 0..``max_rows`` most looked-up ids of an
+access sample and keeps the count with the least predicted communication time per step, from
+bandwidths measured on the process group (``measure_bandwidths``) or given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..hashing import id_hash
+
+ID_BYTES = 16  # a key and its count, to the owner
+CANDIDATES = 16  # replicated-row counts tried, geometric up to the limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second a rank sends in an all-to-all and through a ring all-reduce."""
+
+    all_to_all: float
+    all_reduce: float
+
+
+def count_communication(
+    steps: list[list[np.ndarray]], dim: int, replicated: np.ndarray, element_bytes: int = 4
+) -> dict[str, np.ndarray]:
+    """Bytes each rank sends per step, ``{"all_to_all": int64 [steps, world], "replicas": [steps, world]}``,
+    for ``steps`` of each rank's keys (int64) with the sorted keys ``replicated`` on every rank;
+    rows are ``dim`` values of ``element_bytes``."""
+    world_size = len(steps[0]) if steps else 1
+    all_to_all = np.zeros((len(steps), world_size), dtype=np.int64)
+    replicas = np.zeros_like(all_to_all)
+    per_key = ID_BYTES + dim * element_bytes  # the key out, its gradient out
+    row_back = (dim + 1) * element_bytes  # the row and whether the table held it
+    for step, parts in enumerate(steps):
+        touched = []
+        for rank, part in enumerate(parts):
+            unique = np.unique(part)
+            is_replicated = np.isin(unique, replicated, assume_unique=True)
+            touched.append(unique[is_replicated])
+            shard = unique[~is_replicated]
+            owners = (id_hash(shard) % np.uint64(world_size)).astype(np.int64)
+            remote = owners != rank
+            all_to_all[step, rank] += int(remote.sum()) * per_key
+            np.add.at(all_to_all[step], owners[remote], row_back)  # each owner answers
+        if replicated.size:
+            union = np.unique(np.concatenate(touched)).size
+            most = max(t.size for t in touched)
+            reduce_bytes = 2 * (world_size - 1) * union * dim * element_bytes // world_size
+            replicas[step] = reduce_bytes + (world_size - 1) * most * 8
+    return {"all_to_all": all_to_all, "replicas": replicas}
+
+
+def predicted_seconds(counted: dict[str, np.ndarray], bandwidths: Bandwidths) -> float:
+    """Mean communication time per step: the busiest rank's all-to-all, then the all-reduce."""
+    per_step = counted["all_to_all"].max(axis=1) / bandwidths.all_to_all
+    per_step = per_step + counted["replicas"].max(axis=1) / bandwidths.all_reduce
+    return float(per_step.mean())
+
+
+def rank_batches(sample: np.ndarray, world_size: int, batch_size: int, steps: int) -> list[list[np.ndarray]]:
+    """The first ``steps`` global batches of an access sample, each as ``world_size`` ranks'
+    batches of ``batch_size`` keys (a data-parallel split of the stream)."""
+    size = world_size * batch_size
+    return [
+        np.array_split(sample[start : start + size], world_size)
+        for start in range(0, min(sample.size, steps * size), size)
+    ]
+
+
+def plan_replication(
+    sample: np.ndarray,
+    world_size: int,
+    batch_size: int,
+    dim: int,
+    max_rows: int,
+    bandwidths: Bandwidths,
+    steps: int = 64,
+) -> tuple[np.ndarray, list[dict]]:
+    """``(the ids to replicate, every candidate tried)``: of the ids most looked up in ``sample``
+    (int64 keys in access order), the count up to ``max_rows`` with the least predicted
+    communication per step, over its first ``steps`` global batches of ``batch_size`` keys a rank.
+    A candidate: ``{"rows", "bytes_per_step" (all ranks), "seconds_per_step"}``."""
+    ids, counts = np.unique(sample, return_counts=True)
+    ranked = ids[np.argsort(-counts, kind="stable")]
+    limit = min(max_rows, ranked.size)
+    sizes = {0, limit, *np.geomspace(1, max(limit, 1), CANDIDATES).round().astype(int).tolist()}
+    batches = rank_batches(sample, world_size, batch_size, steps)
+    tried = []
+    for size in sorted(size for size in sizes if size <= limit):
+        counted = count_communication(batches, dim, np.sort(ranked[:size]))
+        total = (counted["all_to_all"].sum() + counted["replicas"].sum()) / max(len(batches), 1)
+        tried.append(
+            {
+                "rows": int(size),
+                "bytes_per_step": float(total),
+                "seconds_per_step": predicted_seconds(counted, bandwidths),
+            }
+        )
+    best = min(tried, key=lambda candidate: (candidate["seconds_per_step"], candidate["rows"]))
+    return ranked[: best["rows"]], tried
+
+
+def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwidths:
+    """The bandwidths of ``group`` (collective: every rank calls it): the best of ``repeats``
+    all-to-alls of ``nbytes`` from each rank and all-reduces of ``nbytes``."""
+    world_size = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    floats = max(world_size, nbytes // 4 // world_size * world_size)
+    send = torch.ones(floats, device=device)
+    best_all_to_all = best_all_reduce = float("inf")
+    for _ in range(repeats):
+        dist.barrier(group)
+        start = time.perf_counter()
+        dist.all_to_all_single(torch.empty_like(send), send, group=group)
+        best_all_to_all = min(best_all_to_all, time.perf_counter() - start)
+        dist.barrier(group)
+        start = time.perf_counter()
+        dist.all_reduce(send, group=group)
+        best_all_reduce = min(best_all_reduce, time.perf_counter() - start)
+    sent = send.numel() * 4 * (world_size - 1) / world_size  # what each rank sends in either
+    timings = torch.tensor([best_all_to_all, best_all_reduce], dtype=torch.float64, device=device)
+    dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same figures on every rank
+    return Bandwidths(sent / max(float(timings[0]), 1e-9), 2 * sent / max(float(timings[1]), 1e-9))
