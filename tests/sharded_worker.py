@@ -163,7 +163,7 @@ def train(
     port: int,
     out: str,
     optimizer: str,
-    replicate: int,
+    replicate: int | str,
     steps: int,
     collection: bool,
     empty: bool = False,
@@ -180,6 +180,11 @@ def train(
             warm=hot if replicate else None,
             replicate=replicate if replicate else None,
         )
+        if replicate == "auto":  # the rows to replicate are chosen from this rank's first batches
+            batches = global_batches(world, steps)
+            settings["access_sample"] = [
+                as_bags(rank_bags(bags, rank, world, step, -1))[0] for step, bags in enumerate(batches)
+            ]
         if collection:
             tables = [EmbeddingBagConfig(NUM, DIM, name="t", feature_names=["f"])]
             settings["warm"] = {"t": hot} if replicate else None
@@ -214,7 +219,8 @@ def train(
         for group in groups:
             group.sharding.replica_checksum(group.store)
         table.close()
-        torch.save({"outputs": outputs, "rows": rows, "stats": stats, "comm": comm}, result)
+        plan = [(group.sharding.replicated, group.sharding.plan) for group in groups]
+        torch.save({"outputs": outputs, "rows": rows, "stats": stats, "comm": comm, "plan": plan}, result)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, result)
     finally:

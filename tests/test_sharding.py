@@ -173,3 +173,25 @@ def test_a_rank_dying_in_a_collective_flush_is_named_when_the_table_reopens(tmp_
     assert results[0]["raised"].startswith("ShardingError: rank 0: the process group failed")
     for result in run_ranks(reopen, 2, str(tmp_path)):
         assert "the collective flush of step 3 did not complete on every rank" in result["raised"]
+
+
+def test_auto_replication_plans_from_rank_zeros_batches_and_training_stays_exact(tmp_path):
+    results = run_ranks(train, 2, str(tmp_path), "adagrad", "auto", 8, False)
+    outputs, rows = one_process(2, "adagrad", steps=8)
+    for result in results:
+        torch.testing.assert_close(result["rows"], rows, rtol=0, atol=1e-5)
+    (replicated, plan), (other, _) = results[0]["plan"][0], results[1]["plan"][0]
+    assert torch.equal(replicated, other)  # every rank took rank 0's choice
+    best = min(plan, key=lambda candidate: candidate["seconds_per_step"])
+    assert replicated.numel() == best["rows"] and plan[0]["rows"] == 0
+    assert max(candidate["rows"] for candidate in plan) <= 32 // 2  # half the top tier at most
+    # rank 0's hottest ids come first: a replicated id is looked up there at least as often as any other
+    keys = np.concatenate(
+        [
+            as_bags(rank_bags(bags, 0, 2, step, -1))[0].numpy()
+            for step, bags in enumerate(global_batches(2, 8))
+        ]
+    )
+    counts = np.bincount(keys, minlength=NUM)
+    if replicated.numel():
+        assert counts[replicated.numpy()].min() >= np.delete(counts, replicated.numpy()).max()

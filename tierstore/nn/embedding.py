@@ -53,6 +53,7 @@ class _TieredTable(nn.Module):
         tier_settings: dict,
         process_group: Any = None,
         replicate: Any = None,
+        access_sample: Any = None,
     ) -> None:
         super().__init__()
         num_embeddings, embedding_dim, padding_idx = (
@@ -73,27 +74,20 @@ class _TieredTable(nn.Module):
         self.missing = missing
         device = torch.device(device if device is not None else "cpu")
         self.sharding = None
+        auto = isinstance(replicate, str) and replicate == "auto"
         if process_group is not None:
-            requested = replicated_keys(replicate, tier_settings.get("warm"))
+            if auto and access_sample is None:
+                raise ValueError(
+                    'replicate="auto" chooses the replicated rows from access_sample=, the first '
+                    "batches of ids this rank will look up: give it, or replicate= the ids"
+                )
+            requested = None if auto else replicated_keys(replicate, tier_settings.get("warm"))
             self.sharding = RowSharding(process_group)
             path = self.sharding.together(
                 "store's placement", lambda: self.sharding.store_path(path, requested)
             )
-            replicated = self.sharding.replicated
-            digest = hashlib.sha256(replicated.numpy().tobytes()).hexdigest()
-            self.sharding.agree(
-                "table settings or replicated keys",
-                [
-                    num_embeddings,
-                    embedding_dim,
-                    padding_idx,
-                    repr(self.optimizer),
-                    seed,
-                    str(dtype),
-                    backend,
-                    digest,
-                ],
-            )
+            settings = [num_embeddings, embedding_dim, padding_idx, repr(self.optimizer), seed, str(dtype)]
+            self.sharding.agree("table settings", [*settings, backend])
         elif replicate is not None:
             raise ValueError("replicate needs a process_group: replication is across its ranks")
 
@@ -115,6 +109,12 @@ class _TieredTable(nn.Module):
             self.store = open_store()
         else:
             self.store = self.sharding.together("store's opening", open_store, undo=TieredStore.close)
+            if auto and not self.sharding.recorded:  # at most half the top tier replicated
+                self.sharding.choose_replicated(
+                    access_sample, embedding_dim, self.store.stack.top.capacity // 2
+                )
+            digest = hashlib.sha256(self.sharding.replicated.numpy().tobytes()).hexdigest()
+            self.sharding.agree("replicated keys", digest)
         self.step = 0 if self.sharding is None else self.sharding.last_flushed_step()
         if self.sharding is not None:
             self.sharding.agree("last flushed steps", self.step)
@@ -379,6 +379,7 @@ class TieredEmbeddingBag(_TieredTable):
         tiers: TierConfig | None = None,
         process_group: Any = None,
         replicate: Any = None,
+        access_sample: Any = None,
         **tier_settings,
     ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
@@ -399,6 +400,7 @@ class TieredEmbeddingBag(_TieredTable):
             tier_settings,
             process_group,
             replicate,
+            access_sample,
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -495,6 +497,7 @@ class TieredEmbedding(_TieredTable):
         tiers: TierConfig | None = None,
         process_group: Any = None,
         replicate: Any = None,
+        access_sample: Any = None,
         **tier_settings,
     ) -> None:
         _refuse_unsupported(max_norm, scale_grad_by_freq)
@@ -513,6 +516,7 @@ class TieredEmbedding(_TieredTable):
             tier_settings,
             process_group,
             replicate,
+            access_sample,
         )
 
     @classmethod

@@ -35,7 +35,9 @@ import torch.distributed as dist
 from ..errors import ShardingError
 from ..hashing import id_hash
 from ..metadata import METADATA_FILE, write_json_atomic
+from ..validation import as_ids
 from ..warm_start import hot_ids
+from .replication import measure_bandwidths, plan_replication
 
 _EVAL, _TRAIN, _REFUSED = 0, 1, -1
 _MODES = {_EVAL: "evaluating", _TRAIN: "training"}
@@ -118,6 +120,9 @@ class RowSharding:
         self.group = group
         self.replicated = torch.zeros(0, dtype=torch.int64)  # sorted
         self.flush_record: Path | None = None  # this rank's record of its last collective flush
+        self.replicated_record: Path | None = None  # where the replicated keys are recorded
+        self.recorded = False  # whether they were read from it
+        self.plan: list[dict] = []  # the candidates replicate="auto" weighed
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
@@ -157,22 +162,19 @@ class RowSharding:
                 f"{self.world_size}: open it with {sorted(worlds)[0]} ranks (resharding to another number "
                 f"of ranks is not built yet)"
             )
-        record = root / REPLICATED_FILE
-        if record.exists():
-            recorded = torch.from_numpy(np.load(record, allow_pickle=False))
+        root.mkdir(parents=True, exist_ok=True)
+        self.replicated_record = root / REPLICATED_FILE
+        if self.replicated_record.exists():
+            recorded = torch.from_numpy(np.load(self.replicated_record, allow_pickle=False))
             if requested is not None and not torch.equal(recorded, self.replicated):
                 raise ValueError(
                     f"{root} replicates {recorded.numel()} other keys than replicate= names "
                     f"({self.replicated.numel()}): replicas are only kept alike for the keys they were "
                     f"made with; leave replicate= out to use the recorded ones"
                 )
-            self.replicated = recorded
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-            partial = root / f".{REPLICATED_FILE}.rank{self.rank}"
-            with open(partial, "wb") as file:  # every rank writes the same keys: the last rename wins
-                np.save(file, self.replicated.numpy())
-            os.replace(partial, record)
+            self.replicated, self.recorded = recorded, True
+        elif requested is not None:
+            self._record_replicated()
         self.flush_record = root / f"rank{self.rank}-of-{self.world_size}.json"
         if self.flush_record.exists():
             last = json.loads(self.flush_record.read_text())
@@ -183,6 +185,31 @@ class RowSharding:
                     f"on from them as they are, remove {root}/rank*-of-{self.world_size}.json"
                 )
         return root / f"rank{self.rank}-of-{self.world_size}"
+
+    def _record_replicated(self) -> None:
+        partial = self.replicated_record.with_name(f".{REPLICATED_FILE}.rank{self.rank}")
+        with open(partial, "wb") as file:  # every rank writes the same keys: the last rename wins
+            np.save(file, self.replicated.numpy())
+        os.replace(partial, self.replicated_record)
+
+    def choose_replicated(self, access_sample: Any, dim: int, max_rows: int) -> None:
+        """``replicate="auto"``: the replicated keys ``plan_replication`` picks from rank 0's
+        ``access_sample`` (its first batches of keys) and the bandwidths measured on the group,
+        replicating at most ``max_rows`` rows; every rank takes rank 0's choice (collective)."""
+        bandwidths = measure_bandwidths(self.group)
+        choice = [None, None]
+        if self.rank == 0:
+            batches = [as_ids(batch, "access_sample").numpy() for batch in access_sample]
+            sample = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+            batch_size = max(1, round(sample.size / max(len(batches), 1)))
+            choice = list(plan_replication(sample, self.world_size, batch_size, dim, max_rows, bandwidths))
+        dist.broadcast_object_list(choice, group=self.group, group_src=0)
+        self.replicated, self.plan = (
+            torch.unique(torch.from_numpy(np.asarray(choice[0], dtype=np.int64))),
+            choice[1],
+        )
+        if self.replicated_record is not None:
+            self._record_replicated()
 
     def flush(self, store, step: int) -> None:
         """Every rank commits its store, recording ``step`` (the table's optimizer steps) as begun,
