@@ -5,9 +5,11 @@ would send per step for a stream of global batches, exactly as ``sharding.RowSha
 them: keys to their owners, rows back, gradients to the owners, and for the replicated keys an
 all-reduce of the gradients of the rows any rank touched (after gathering which). A replicated
 row costs no all-to-all but is all-reduced whenever any rank touches it, and it takes memory on
-every rank. ``plan_replication`` tries replicating the 0..``max_rows`` most looked-up ids of an
-access sample and keeps the count with the least predicted communication time per step, from
-bandwidths measured on the process group (``measure_bandwidths``) or given.
+every rank. ``plan_replication`` ranks the ids of an access sample by how many (step, rank) pairs
+look them up (an id one rank looks up often, a user's id say, ranks low: replicated, it would
+save one exchange a step), tries replicating the 0..``max_rows`` first and keeps the count with
+the least predicted communication time per step: the busiest rank's all-to-all bytes, then the
+all-reduce's, over bandwidths measured on the process group (``measure_bandwidths``) or given.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ CANDIDATES = 16  # replicated-row counts tried, geometric up to the limit
 
 @dataclasses.dataclass(frozen=True)
 class Bandwidths:
-    """Bytes per second a rank sends in an all-to-all and through a ring all-reduce."""
+    """Bytes per second a rank sends in an all-to-all and through a ring all-reduce, and the
+    seconds a collective of a few bytes takes (replication adds three a step)."""
 
     all_to_all: float
     all_reduce: float
+    latency: float = 0.0
 
 
 def count_communication(
@@ -64,10 +68,19 @@ def count_communication(
 
 
 def predicted_seconds(counted: dict[str, np.ndarray], bandwidths: Bandwidths) -> float:
-    """Mean communication time per step: the busiest rank's all-to-all, then the all-reduce."""
+    """Mean communication time per step: the busiest rank's all-to-all, then the replicas' three
+    collectives (two gathers and the all-reduce)."""
     per_step = counted["all_to_all"].max(axis=1) / bandwidths.all_to_all
-    per_step = per_step + counted["replicas"].max(axis=1) / bandwidths.all_reduce
+    replicas = counted["replicas"].max(axis=1)
+    per_step = (
+        per_step + replicas / bandwidths.all_reduce + np.where(replicas > 0, 3 * bandwidths.latency, 0.0)
+    )
     return float(per_step.mean())
+
+
+def busiest_rank_bytes(counted: dict[str, np.ndarray]) -> float:
+    """Mean over the steps of the most bytes one rank sends in a step."""
+    return float((counted["all_to_all"] + counted["replicas"]).max(axis=1).mean())
 
 
 def rank_batches(sample: np.ndarray, world_size: int, batch_size: int, steps: int) -> list[list[np.ndarray]]:
@@ -89,15 +102,16 @@ def plan_replication(
     bandwidths: Bandwidths,
     steps: int = 64,
 ) -> tuple[np.ndarray, list[dict]]:
-    """``(the ids to replicate, every candidate tried)``: of the ids most looked up in ``sample``
-    (int64 keys in access order), the count up to ``max_rows`` with the least predicted
-    communication per step, over its first ``steps`` global batches of ``batch_size`` keys a rank.
-    A candidate: ``{"rows", "bytes_per_step" (all ranks), "seconds_per_step"}``."""
-    ids, counts = np.unique(sample, return_counts=True)
-    ranked = ids[np.argsort(-counts, kind="stable")]
+    """``(the ids to replicate, every candidate tried)``: of the ids looked up by the most ranks and
+    steps (see the module docstring), the count up to ``max_rows`` with the least predicted
+    communication per step, over the first ``steps`` global batches of ``sample`` (int64 keys in
+    access order), ``batch_size`` keys a rank.
+    A candidate: ``{"rows", "bytes_per_step" (all ranks), "busiest_rank_bytes_per_step",
+    "seconds_per_step"}``."""
+    batches = rank_batches(sample, world_size, batch_size, steps)
+    ranked = ranked_by_spread(batches)
     limit = min(max_rows, ranked.size)
     sizes = {0, limit, *np.geomspace(1, max(limit, 1), CANDIDATES).round().astype(int).tolist()}
-    batches = rank_batches(sample, world_size, batch_size, steps)
     tried = []
     for size in sorted(size for size in sizes if size <= limit):
         counted = count_communication(batches, dim, np.sort(ranked[:size]))
@@ -106,11 +120,24 @@ def plan_replication(
             {
                 "rows": int(size),
                 "bytes_per_step": float(total),
+                "busiest_rank_bytes_per_step": busiest_rank_bytes(counted),
                 "seconds_per_step": predicted_seconds(counted, bandwidths),
             }
         )
     best = min(tried, key=lambda candidate: (candidate["seconds_per_step"], candidate["rows"]))
     return ranked[: best["rows"]], tried
+
+
+def ranked_by_spread(steps: list[list[np.ndarray]]) -> np.ndarray:
+    """The ids of ``steps`` (each rank's keys per step), those looked up by the most (step, rank)
+    pairs first: a replicated id saves an exchange per rank and step that looks it up, however
+    often that rank's batch holds it."""
+    if not steps:
+        return np.zeros(0, dtype=np.int64)
+    ids, spread = np.unique(
+        np.concatenate([np.unique(part) for parts in steps for part in parts]), return_counts=True
+    )
+    return ids[np.argsort(-spread, kind="stable")]
 
 
 def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwidths:
@@ -120,8 +147,13 @@ def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwi
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     floats = max(world_size, nbytes // 4 // world_size * world_size)
     send = torch.ones(floats, device=device)
-    best_all_to_all = best_all_reduce = float("inf")
+    best_all_to_all = best_all_reduce = best_latency = float("inf")
+    tiny = torch.ones(1, device=device)
     for _ in range(repeats):
+        dist.barrier(group)
+        start = time.perf_counter()
+        dist.all_reduce(tiny, group=group)
+        best_latency = min(best_latency, time.perf_counter() - start)
         dist.barrier(group)
         start = time.perf_counter()
         dist.all_to_all_single(torch.empty_like(send), send, group=group)
@@ -131,6 +163,10 @@ def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwi
         dist.all_reduce(send, group=group)
         best_all_reduce = min(best_all_reduce, time.perf_counter() - start)
     sent = send.numel() * 4 * (world_size - 1) / world_size  # what each rank sends in either
-    timings = torch.tensor([best_all_to_all, best_all_reduce], dtype=torch.float64, device=device)
+    timings = torch.tensor(
+        [best_all_to_all, best_all_reduce, best_latency], dtype=torch.float64, device=device
+    )
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same figures on every rank
-    return Bandwidths(sent / max(float(timings[0]), 1e-9), 2 * sent / max(float(timings[1]), 1e-9))
+    return Bandwidths(
+        sent / max(float(timings[0]), 1e-9), 2 * sent / max(float(timings[1]), 1e-9), float(timings[2])
+    )
