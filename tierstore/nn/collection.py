@@ -45,7 +45,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     cache tiers' settings (``tiers=`` or keywords) as ``TieredEmbeddingBag`` takes them; ``warm``:
     table name -> hot ids (or a ``.npy`` of them), most wanted first, or an ``.npz`` of them (as
     ``tierstore profile --out`` writes), preloaded into the caches at open as ``TieredStore(warm=)``
-    does, merged rank by rank where tables share a store.
+    does, merged rank by rank where tables share a store. ``process_group`` and ``replicate`` (as
+    ``warm`` takes ids, or an int N: the N first keys of each group's ``warm`` ranking) shard every
+    group over the group's ranks as ``TieredEmbeddingBag`` does.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
     every feature in ``features.keys()`` order. Adam's and Adagrad's step counts are per group

@@ -344,6 +344,11 @@ class TieredEmbeddingBag(_TieredTable):
     settings as ``tiers=TierConfig(...)`` or its fields as keywords (``host_cache``,
     ``device_cache``, ``host_cache_backend``, ``device_cache_backend``, ``half_life``, ``policy``);
     ``warm`` (hot ids preloaded into the caches at open, as ``TieredStore`` takes them);
+    ``process_group`` (a ``torch.distributed`` group: the rows are sharded over its ranks, each in
+    its own store under ``path``, and every rank feeds its own batch; see ``nn.sharding``);
+    ``replicate`` (with a group: keys held by every rank, their gradients all-reduced: ids or a
+    ``.npy`` of them, an int N for the N first of ``warm``, or "auto" to let
+    ``nn.replication.plan_replication`` choose from ``access_sample``, this rank's first batches);
     ``optimizer`` (default ``optim.SGD(lr=0.01)``), applied during ``backward``; ``missing``:
     what eval / ``no_grad`` lookups of ids the table has never seen give — "init" (their
     initial row), "zero" or "error" (``KeyError``); they never join the table then.
