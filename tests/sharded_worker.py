@@ -121,6 +121,7 @@ def refusals(rank: int, world: int, port: int, out: str) -> None:
     table.train()
     result["after"] = _raised(lambda: table(ids, offsets).sum().backward())
     result["pickled"] = _raised(lambda: pickle.dumps(table))
+    result["prefetch"] = _raised(lambda: table.store_keys(ids))
     table.close()
     _save(out, rank, result)
     dist.destroy_process_group()

@@ -153,6 +153,7 @@ def test_a_refused_input_or_a_mode_mismatch_raises_on_every_rank_and_training_go
             result["modes"].startswith("ShardingError") and "call train() or eval() alike" in result["modes"]
         )
         assert "does not pickle" in result["pickled"]
+        assert result["prefetch"].startswith("NotImplementedError: tierstore.prefetch does not run a sharded")
     reopened = run_ranks(reopen, 2, str(tmp_path))
     for result in reopened:
         assert "sharded over 3 ranks, and this process group has 2: open it with 3 ranks" in result["raised"]

@@ -29,6 +29,7 @@ from ..store import TieredStore
 from ..warm_start import hot_ids
 from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
+from .sharding import refuse_prefetch
 
 ID_BITS = 47  # ids below 2**47; the table's number in the bits above
 ID_MASK = (1 << ID_BITS) - 1
@@ -228,6 +229,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
+        refuse_prefetch(next(iter(self.groups.values())).sharding)
         _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
         stores = []
         for group_name, group in self.groups.items():

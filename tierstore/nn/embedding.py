@@ -23,7 +23,7 @@ from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, check_table_shape, integral
 from . import pooled_lookup
-from .sharding import RowSharding, replicated_keys
+from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
 _MISSING = ("init", "zero", "error")
 # The store lookup is opaque to torch.compile: the forward runs eagerly (a graph break), the dense
@@ -179,6 +179,7 @@ class _TieredTable(nn.Module):
     def store_keys(self, input: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(store, the distinct keys forward(input) looks up there)]``, for a lookahead pipeline
         (``tierstore.prefetch``); bad input raises as ``forward`` would."""
+        refuse_prefetch(self.sharding)
         ids = check_lookup_ids(input, self.num_embeddings).reshape(-1)
         if self.padding_idx is not None:
             ids = ids[ids != self.padding_idx]

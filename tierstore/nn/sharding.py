@@ -64,6 +64,16 @@ def replicated_keys(replicate: Any, warm: Any) -> torch.Tensor | None:
     return hot_ids(replicate)
 
 
+def refuse_prefetch(sharding: RowSharding | None) -> None:
+    """A lookahead pipeline moves rows within one process's tiers; a sharded table's rows for a
+    batch live on other ranks, so ``tierstore.prefetch`` refuses it (not built yet)."""
+    if sharding is not None:
+        raise NotImplementedError(
+            "tierstore.prefetch does not run a sharded table yet: the rows of a rank's batch live on the "
+            "other ranks' stores. Iterate the loader directly"
+        )
+
+
 def owner_of(keys: torch.Tensor, world_size: int) -> torch.Tensor:
     """int64 [N]: the rank that owns each of ``keys`` (int64 [N]): a hash of the key, modulo the ranks."""
     if keys.numel() == 0:
