@@ -183,8 +183,12 @@ def train(
         )
         if replicate == "auto":  # the rows to replicate are chosen from this rank's first batches
             batches = global_batches(world, steps)
+            mine = [rank_bags(bags, rank, world, step, -1) for step, bags in enumerate(batches)]
             settings["access_sample"] = [
-                as_bags(rank_bags(bags, rank, world, step, -1))[0] for step, bags in enumerate(batches)
+                KeyedJaggedTensor(["f"], as_bags(part)[0], lengths=torch.tensor([len(bag) for bag in part]))
+                if collection
+                else as_bags(part)[0]
+                for part in mine
             ]
         if collection:
             tables = [EmbeddingBagConfig(NUM, DIM, name="t", feature_names=["f"])]

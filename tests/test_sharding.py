@@ -176,8 +176,9 @@ def test_a_rank_dying_in_a_collective_flush_is_named_when_the_table_reopens(tmp_
         assert "the collective flush of step 3 did not complete on every rank" in result["raised"]
 
 
-def test_auto_replication_plans_from_rank_zeros_batches_and_training_stays_exact(tmp_path):
-    results = run_ranks(train, 2, str(tmp_path), "adagrad", "auto", 8, False)
+@pytest.mark.parametrize("collection", [False, True])
+def test_auto_replication_plans_from_rank_zeros_batches_and_training_stays_exact(tmp_path, collection):
+    results = run_ranks(train, 2, str(tmp_path), "adagrad", "auto", 8, collection)
     outputs, rows = one_process(2, "adagrad", steps=8)
     for result in results:
         torch.testing.assert_close(result["rows"], rows, rtol=0, atol=1e-5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     ``tierstore profile --out`` writes), preloaded into the caches at open as ``TieredStore(warm=)``
     does, merged rank by rank where tables share a store. ``process_group`` and ``replicate`` (as
     ``warm`` takes ids, or an int N: the N first keys of each group's ``warm`` ranking) shard every
-    group over the group's ranks as ``TieredEmbeddingBag`` does.
+    group over the group's ranks as ``TieredEmbeddingBag`` does; ``replicate="auto"`` plans each
+    group's replicated rows from ``access_sample``, this rank's first ``KeyedJaggedTensor`` batches.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
     every feature in ``features.keys()`` order. Adam's and Adagrad's step counts are per group
@@ -69,15 +71,18 @@ class TieredEmbeddingBagCollection(nn.Module):
         warm: dict[str, Any] | str | Path | None = None,
         process_group: Any = None,
         replicate: dict[str, Any] | str | Path | int | None = None,
+        access_sample: list[Any] | None = None,
         **tier_settings,
     ) -> None:
         super().__init__()
         self._tables = _check_tables(tables)
-        warm_keys = self._warm_keys(warm)  # checked before any store is opened
-        replicated = self._replicated_keys(replicate, warm_keys)
         self._table_of_feature = {
             feature: table for table in self._tables.values() for feature in table["feature_names"]
         }
+        warm_keys = self._warm_keys(warm)  # checked before any store is opened
+        auto = isinstance(replicate, str) and replicate == "auto"
+        replicated = None if auto else self._replicated_keys(replicate, warm_keys)
+        samples = self._group_samples(access_sample) if auto else {}
         dims = list(dict.fromkeys(table["embedding_dim"] for table in self._tables.values()))
         config = TierConfig.from_settings(tiers, tier_settings)
         if len(dims) > 1:
@@ -87,7 +92,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             )
         root = None if path is None else Path(path)
         if root is not None:
-            _check_layout(root, self._tables)
+            _check_layout(root, self._tables, sharded=process_group is not None)
         self.groups = nn.ModuleDict(
             {
                 f"dim{dim}": TieredEmbeddingBag(
@@ -102,14 +107,19 @@ class TieredEmbeddingBagCollection(nn.Module):
                     device=device,
                     tiers=config,
                     process_group=process_group,
-                    replicate=None
+                    replicate="auto"
+                    if auto
+                    else None
                     if replicated is None
                     else replicated.get(f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
+                    access_sample=samples.get(f"dim{dim}", []) if auto else None,
                 )
                 for dim in dims
             }
         )
         self.sharded = process_group is not None
+        if self.sharded:
+            next(iter(self.groups.values())).sharding.agree("tables", list(self._tables.values()))
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
         for group_name, keys in warm_keys.items():
@@ -120,6 +130,24 @@ class TieredEmbeddingBagCollection(nn.Module):
         """``[(a group's store, its keys of the warm rankings)]`` (table name -> ids, most wanted
         first), for ``prefetch(warm=)``."""
         return [(self.groups[name].store, keys) for name, keys in self._warm_keys(warm).items()]
+
+    def _group_samples(self, access_sample: list[Any] | None) -> dict[str, list[torch.Tensor]]:
+        """Each group's keys of every ``KeyedJaggedTensor`` of ``access_sample``, for
+        ``replicate="auto"``."""
+        if access_sample is None:
+            raise ValueError(
+                'replicate="auto" chooses the replicated rows from access_sample=, the first '
+                "KeyedJaggedTensor batches this rank will look up: give it, or replicate= the ids"
+            )
+        samples: dict[str, list[torch.Tensor]] = {}
+        for features in access_sample:
+            _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
+            for group_name in {_group_name(table) for table in self._tables.values()}:
+                positions, entries = _in_group(group_name, tables, feature_of_entry)
+                if positions:
+                    keys = entry_keys if entries is None else entry_keys[entries]
+                    samples.setdefault(group_name, []).append(keys)
+        return samples
 
     def _replicated_keys(
         self, replicate: Any, warm_keys: dict[str, torch.Tensor]
@@ -333,11 +361,14 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
     return checked
 
 
-def _check_layout(root: Path, tables: dict[str, dict]) -> None:
-    """An existing collection at ``root`` must have been made with the same tables in the same order."""
+def _check_layout(root: Path, tables: dict[str, dict], sharded: bool = False) -> None:
+    """An existing collection at ``root`` must have been made with the same tables in the same order.
+    ``sharded``: other ranks may be creating their groups' directories (and the layout file) at
+    the same time."""
     layout_file = root / LAYOUT_FILE
     if not layout_file.exists():
-        if root.exists() and any(root.iterdir()):
+        ours = re.compile(r"dim\d+|" + re.escape(LAYOUT_FILE) + r"(\.\d+\.tmp)?")
+        if root.exists() and any(not (sharded and ours.fullmatch(entry.name)) for entry in root.iterdir()):
             raise ValueError(f"{root} is not empty and holds no {LAYOUT_FILE}: not a tierstore collection")
         return
     stored = {table["name"]: table for table in json.loads(layout_file.read_text())["tables"]}

@@ -109,6 +109,8 @@ def plan_replication(
     A candidate: ``{"rows", "bytes_per_step" (all ranks), "busiest_rank_bytes_per_step",
     "seconds_per_step"}``."""
     batches = rank_batches(sample, world_size, batch_size, steps)
+    if not batches:
+        return np.zeros(0, dtype=np.int64), []
     ranked = ranked_by_spread(batches)
     limit = min(max_rows, ranked.size)
     sizes = {0, limit, *np.geomspace(1, max(limit, 1), CANDIDATES).round().astype(int).tolist()}
