@@ -173,6 +173,7 @@ def train(
     empty_step = 3 if empty else -1
     try:
         _join(rank, world, port)
+        os.environ["TIERSTORE_CHECK_REPLICAS"] = "5"  # debug mode: replicas compared every 5 updates
         hot = torch.arange(NUM)  # ids ranked by Zipf weight: the lowest ids are the hottest
         settings = dict(
             optimizer=OPTIMIZERS[optimizer][0](),
@@ -231,3 +232,18 @@ def train(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def diverged(rank: int, world: int, port: int, out: str) -> None:
+    """Ids 1-3 replicated; after a step, the last rank's replica of id 1 is overwritten: the
+    replicas' checksum must name it on every rank (before, it passes)."""
+    _join(rank, world, port)
+    table = _table(out, replicate=[1, 2, 3])
+    table(torch.tensor([1, 2, 7]), torch.tensor([0, 2])).sum().backward()
+    before = _raised(lambda: table.sharding.replica_checksum(table.store))
+    if rank == world - 1:
+        table.store.put(torch.tensor([1]), torch.zeros(1, DIM))
+    after = _raised(lambda: table.sharding.replica_checksum(table.store))
+    table.close()
+    _save(out, rank, {"before": before, "after": after})
+    dist.destroy_process_group()

@@ -15,6 +15,7 @@ from sharded_worker import (
     as_bags,
     dead_peer,
     disagree,
+    diverged,
     global_batches,
     rank_bags,
     refusals,
@@ -197,3 +198,9 @@ def test_auto_replication_plans_from_rank_zeros_batches_and_training_stays_exact
     counts = np.bincount(keys, minlength=NUM)
     if replicated.numel():
         assert counts[replicated.numpy()].min() >= np.delete(counts, replicated.numpy()).max()
+
+
+def test_the_replica_checksum_names_a_rank_whose_replica_differs(tmp_path):
+    for result in run_ranks(diverged, 2, str(tmp_path)):
+        assert result["before"] is None
+        assert result["after"] == "ShardingError: the replicated rows of ranks [1] differ from rank 0's"

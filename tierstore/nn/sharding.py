@@ -41,6 +41,7 @@ from .replication import measure_bandwidths, plan_replication
 
 _EVAL, _TRAIN, _REFUSED = 0, 1, -1
 _MODES = {_EVAL: "evaluating", _TRAIN: "training"}
+CHECK_REPLICAS_ENV = "TIERSTORE_CHECK_REPLICAS"  # debug: compare replicas every N updates
 REPLICATED_FILE = "replicated.npy"  # beside the ranks' stores: the keys every rank holds
 _RANK_DIRECTORY = re.compile(r"rank(\d+)-of-(\d+)")
 
@@ -137,6 +138,9 @@ class RowSharding:
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
         self.stats = CommStats()
+        # Debug mode: every this many updates, check that the replicas are alike (0: never).
+        self.check_replicas_every = int(os.environ.get(CHECK_REPLICAS_ENV, "0") or 0)
+        self._updates = 0
 
     def __getstate__(self):
         raise TypeError(
@@ -370,6 +374,9 @@ class RowSharding:
             )
         if elsewhere[0].numel():  # replicas of rows only other ranks looked up: the same update
             store.apply_gradients(elsewhere[0], elsewhere[1].to(grad_dtype), optimizer, step)
+        self._updates += 1
+        if self.check_replicas_every and self._updates % self.check_replicas_every == 0:
+            self.replica_checksum(store)
 
     def replica_checksum(self, store) -> None:
         """Check that every rank holds the same replicated rows (weights and optimizer state):
