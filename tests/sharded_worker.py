@@ -120,6 +120,16 @@ def refusals(rank: int, world: int, port: int, out: str) -> None:
     result["modes"] = _raised(lambda: table(ids, offsets).sum().backward())
     table.train()
     result["after"] = _raised(lambda: table(ids, offsets).sum().backward())
+    if last:  # its store fails while serving the others' rows
+
+        def failing(*_):
+            raise OSError("the disk is gone")
+
+        table.store.get_distinct = failing
+    result["store_failed"] = _raised(lambda: table(ids, offsets).sum().backward())
+    if last:
+        del table.store.get_distinct  # back to the store's own
+    result["after_failure"] = _raised(lambda: table(ids, offsets).sum().backward())
     result["pickled"] = _raised(lambda: pickle.dumps(table))
     result["prefetch"] = _raised(lambda: table.store_keys(ids))
     table.close()

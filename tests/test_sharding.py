@@ -153,6 +153,14 @@ def test_a_refused_input_or_a_mode_mismatch_raises_on_every_rank_and_training_go
         assert (
             result["modes"].startswith("ShardingError") and "call train() or eval() alike" in result["modes"]
         )
+        if rank == 2:
+            assert result["store_failed"] == "OSError: the disk is gone"
+        else:
+            assert result["store_failed"] == (
+                f"ShardingError: rank {rank}: the lookup of the rows a rank serves failed on rank(s) [2], "
+                "so it is not complete"
+            )
+        assert result["after_failure"] is None
         assert "does not pickle" in result["pickled"]
         assert result["prefetch"].startswith("NotImplementedError: tierstore.prefetch does not run a sharded")
     reopened = run_ranks(reopen, 2, str(tmp_path))

@@ -313,13 +313,16 @@ class RowSharding:
         served_counts = torch.zeros_like(served).index_add_(
             0, served_of, torch.cat([requests[:, 1], counts[replicated]])
         )
-        slots = None
-        if training:
-            rows, slots = store.get_distinct(served, served_counts)
-            known = torch.ones(served.numel(), dtype=torch.bool)
-        else:
-            rows = store.get(served, grow=False)
-            known = store.contains(served)
+
+        def serve() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            if training:
+                rows, slots = store.get_distinct(served, served_counts)
+                return rows, torch.ones(served.numel(), dtype=torch.bool), slots
+            return store.get(served, grow=False), store.contains(served), None
+
+        # A rank whose store fails (a batch too large for its top tier, say) must not leave the
+        # others waiting for its rows: every rank learns of it before the rows are sent.
+        rows, known, slots = self.together("lookup of the rows a rank serves", serve)
         answer = torch.cat([rows.to(self.device), known.to(self.device, rows.dtype)[:, None]], dim=1)
         received = len(requests)
         answers = self._all_to_all(
