@@ -71,8 +71,21 @@ def _join(rank: int, world: int, port: int) -> None:
     )
 
 
+def _plain(value):
+    """``value`` with its tensors as numpy arrays (a plain pickle: no torch serialization)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy().copy()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(item) for item in value)
+    return value
+
+
 def _save(out: str, rank: int, result: dict) -> None:
-    torch.save(result, Path(out) / f"rank{rank}.pt")
+    partial = Path(out) / f".rank{rank}.pickle"
+    partial.write_bytes(pickle.dumps(_plain(result)))
+    partial.rename(Path(out) / f"rank{rank}.pickle")
 
 
 def _raised(action) -> str | None:
@@ -179,7 +192,6 @@ def train(
     collection: bool,
     empty: bool = False,
 ) -> None:
-    result = Path(out) / f"rank{rank}.pt"
     empty_step = 3 if empty else -1
     try:
         _join(rank, world, port)
@@ -236,9 +248,9 @@ def train(
             group.sharding.replica_checksum(group.store)
         table.close()
         plan = [(group.sharding.replicated, group.sharding.plan) for group in groups]
-        torch.save({"outputs": outputs, "rows": rows, "stats": stats, "comm": comm, "plan": plan}, result)
+        _save(out, rank, {"outputs": outputs, "rows": rows, "stats": stats, "comm": comm, "plan": plan})
     except BaseException:
-        torch.save({"error": traceback.format_exc()}, result)
+        _save(out, rank, {"error": traceback.format_exc()})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,7 +2,9 @@
 replicated: outputs and final rows equal one process training ``nn.EmbeddingBag`` on the
 concatenation of every rank's batch, with caches so small that rows move through every tier."""
 
+import pickle
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +38,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _tensors(value):
+    """A rank's saved result with its numpy arrays as tensors again."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {key: _tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tensors(item) for item in value)
+    return value
+
+
 def run_ranks(function, world: int, *args, exit_codes=None) -> list[dict | None]:
     """``function(rank, world, port, *args)`` in ``world`` spawned processes (``args[0]``: the folder
     they save in); each rank's saved result (None if it saved none). Every process must end by
@@ -55,7 +68,7 @@ def run_ranks(function, world: int, *args, exit_codes=None) -> list[dict | None]
     results = []
     for rank in range(world):
         try:
-            results.append(torch.load(f"{out}/rank{rank}.pt"))
+            results.append(_tensors(pickle.loads(Path(f"{out}/rank{rank}.pickle").read_bytes())))
         except FileNotFoundError:
             results.append(None)
     for rank, result in enumerate(results):
