@@ -57,7 +57,6 @@ def check_data_file(data_file: Path) -> None:
     """Raise ``StoreFormatError`` naming ``data_file`` unless its two LMDB meta pages hold the
     magic number and a page size, and the file reaches the last page the newer meta page uses (a
     truncated file would kill the process with SIGBUS when LMDB reads past its end)."""
-    size = data_file.stat().st_size
     with open(data_file, "rb") as file:
         first = file.read(160)
         page_size = struct.unpack_from("<I", first, 40)[0] if len(first) == 160 else 0
@@ -74,6 +73,9 @@ def check_data_file(data_file: Path) -> None:
         raise StoreFormatError(f"{data_file} is damaged: neither LMDB meta page is valid")
     _, last_page = max(valid)
     needed = (last_page + 1) * page_size
+    # Sized after the meta pages are read: a writer commits its pages before the meta page that
+    # names them, so a commit between the two reads cannot look like a truncation.
+    size = data_file.stat().st_size
     if size < needed:
         raise StoreFormatError(
             f"{data_file} is truncated: {size:,} bytes, but its last committed page ends at {needed:,}; "
