@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from tierstore import TieredEmbeddingBag, optim
 from tierstore.cli.traces import load_trace
 from tierstore.nn.replication import (
-    Bandwidths,
+    GroupBandwidths,
     busiest_rank_bytes,
     count_communication,
     measure_bandwidths,
@@ -105,7 +105,7 @@ def _train(
             times.append(time.perf_counter() - start)
             if number == 0:  # the first step opens files and warms the allocator: not counted
                 table.sharding.stats = type(table.sharding.stats)()
-        sent = vars(table.sharding.stats)
+        sent = table.sharding.stats.total_bytes
         table.close()
     result = {"seconds": times[1:], "sent": sent}
     gathered = [None] * world
@@ -123,7 +123,7 @@ def spawn(function, world: int, *args):
     return result
 
 
-def counted(keys: np.ndarray, world: int, args, bandwidths: Bandwidths) -> tuple[dict, np.ndarray]:
+def counted(keys: np.ndarray, world: int, args, bandwidths: GroupBandwidths) -> tuple[dict, np.ndarray]:
     """Bytes per step of every rank without replication, with the planned one and with the
     ``--max-share`` most spread ids replicated, counted; and those ids."""
     max_rows = max(1, int(args.max_share * np.unique(keys).size))
@@ -165,7 +165,7 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=Path("bench/results/sharding.json"))
     args = parser.parse_args()
-    bandwidths = Bandwidths(**spawn(_bandwidths, 2))
+    bandwidths = GroupBandwidths(**spawn(_bandwidths, 2))
     print(
         f"gloo over loopback, 2 processes: all-to-all {bandwidths.all_to_all / 1e6:,.0f} MB/s, "
         f"all-reduce {bandwidths.all_reduce / 1e6:,.0f} MB/s a rank, "
@@ -201,7 +201,7 @@ def main() -> None:
             for rows in (np.zeros(0, dtype=np.int64), replicated):
                 ranks = spawn(_train, world, keys, rows, args)
                 step = statistics.median(max(times) for times in zip(*(rank["seconds"] for rank in ranks)))
-                sent = sum(sum(v for k, v in rank["sent"].items() if k.endswith("bytes")) for rank in ranks)
+                sent = sum(rank["sent"] for rank in ranks)
                 run = {"ranks": world, "replicated_rows": int(rows.size), "step_seconds": step}
                 run["bytes_per_step"] = sent / args.steps
                 entry["run"].append(run)

@@ -82,7 +82,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         warm_keys = self._warm_keys(warm)  # checked before any store is opened
         auto = isinstance(replicate, str) and replicate == "auto"
         replicated = None if auto else self._replicated_keys(replicate, warm_keys)
-        samples = self._group_samples(access_sample) if auto else {}
+        samples = self._group_samples(access_sample) if auto else None
         dims = list(dict.fromkeys(table["embedding_dim"] for table in self._tables.values()))
         config = TierConfig.from_settings(tiers, tier_settings)
         if len(dims) > 1:
@@ -109,17 +109,15 @@ class TieredEmbeddingBagCollection(nn.Module):
                     process_group=process_group,
                     replicate="auto"
                     if auto
-                    else None
-                    if replicated is None
-                    else replicated.get(f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
-                    access_sample=samples.get(f"dim{dim}", []) if auto else None,
+                    else _group_keys(replicated, f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
+                    access_sample=_group_keys(samples, f"dim{dim}", []),
                 )
                 for dim in dims
             }
         )
         self.sharded = process_group is not None
         if self.sharded:
-            next(iter(self.groups.values())).sharding.agree("tables", list(self._tables.values()))
+            self._sharding.agree("tables", list(self._tables.values()))
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
         for group_name, keys in warm_keys.items():
@@ -130,6 +128,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         """``[(a group's store, its keys of the warm rankings)]`` (table name -> ids, most wanted
         first), for ``prefetch(warm=)``."""
         return [(self.groups[name].store, keys) for name, keys in self._warm_keys(warm).items()]
+
+    @property
+    def _sharding(self):
+        """The first group's ``RowSharding`` (None unsharded): every group runs the same collectives,
+        so the first one's tell the other ranks what the whole collection does."""
+        return next(iter(self.groups.values())).sharding
 
     def _group_samples(self, access_sample: list[Any] | None) -> dict[str, list[torch.Tensor]]:
         """Each group's keys of every ``KeyedJaggedTensor`` of ``access_sample``, for
@@ -200,7 +204,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         except Exception as error:
             if not self.sharded:
                 raise
-            next(iter(self.groups.values())).sharding.refuse(error)  # the others raise too
+            self._sharding.refuse(error)  # the others raise too
         keys, lengths, weights, tables, feature_of_entry, entry_keys = checked
         for table, count in zip(tables, lengths.sum(dim=1).tolist()):
             self.lookups[table["name"]] += count
@@ -257,7 +261,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
-        refuse_prefetch(next(iter(self.groups.values())).sharding)
+        refuse_prefetch(self._sharding)
         _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
         stores = []
         for group_name, group in self.groups.items():
@@ -405,6 +409,11 @@ def _in_group(group_name: str, tables: list[dict], feature_of_entry: torch.Tenso
     in_group = torch.zeros(len(tables), dtype=torch.bool)
     in_group[positions] = True
     return positions, in_group[feature_of_entry]
+
+
+def _group_keys(per_group: dict[str, Any] | None, group_name: str, default: Any) -> Any:
+    """``per_group``'s entry for a group, ``default`` if it has none (None if ``per_group`` is)."""
+    return None if per_group is None else per_group.get(group_name, default)
 
 
 def _idle_forward(group, batch: int) -> torch.Tensor:

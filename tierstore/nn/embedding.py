@@ -113,11 +113,11 @@ class _TieredTable(nn.Module):
                 self.sharding.choose_replicated(
                     access_sample, embedding_dim, self.store.stack.top.capacity // 2
                 )
-            digest = hashlib.sha256(self.sharding.replicated.numpy().tobytes()).hexdigest()
-            self.sharding.agree("replicated keys", digest)
-        self.step = 0 if self.sharding is None else self.sharding.last_flushed_step()
+        self.step = 0
         if self.sharding is not None:
-            self.sharding.agree("last flushed steps", self.step)
+            self.step = self.sharding.last_flushed_step()
+            digest = hashlib.sha256(self.sharding.replicated.numpy().tobytes()).hexdigest()
+            self.sharding.agree("replicated keys or last flushed steps", [digest, self.step])
         self.frozen = False  # from_pretrained(freeze=True): lookups only, the rows never change
         # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
         # outputs go and their dtype. The rows keep the store's dtype.

@@ -28,7 +28,7 @@ CANDIDATES = 16  # replicated-row counts tried, geometric up to the limit
 
 
 @dataclasses.dataclass(frozen=True)
-class Bandwidths:
+class GroupBandwidths:
     """Bytes per second a rank sends in an all-to-all and through a ring all-reduce, and the
     seconds a collective of a few bytes takes (replication adds three a step)."""
 
@@ -67,7 +67,7 @@ def count_communication(
     return {"all_to_all": all_to_all, "replicas": replicas}
 
 
-def predicted_seconds(counted: dict[str, np.ndarray], bandwidths: Bandwidths) -> float:
+def predicted_seconds(counted: dict[str, np.ndarray], bandwidths: GroupBandwidths) -> float:
     """Mean communication time per step: the busiest rank's all-to-all, then the replicas' three
     collectives (two gathers and the all-reduce)."""
     per_step = counted["all_to_all"].max(axis=1) / bandwidths.all_to_all
@@ -99,7 +99,7 @@ def plan_replication(
     batch_size: int,
     dim: int,
     max_rows: int,
-    bandwidths: Bandwidths,
+    bandwidths: GroupBandwidths,
     steps: int = 64,
 ) -> tuple[np.ndarray, list[dict]]:
     """``(the ids to replicate, every candidate tried)``: of the ids looked up by the most ranks and
@@ -142,7 +142,7 @@ def ranked_by_spread(steps: list[list[np.ndarray]]) -> np.ndarray:
     return ids[np.argsort(-spread, kind="stable")]
 
 
-def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwidths:
+def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> GroupBandwidths:
     """The bandwidths of ``group`` (collective: every rank calls it): the best of ``repeats``
     all-to-alls of ``nbytes`` from each rank and all-reduces of ``nbytes``."""
     world_size = dist.get_world_size(group)
@@ -169,6 +169,6 @@ def measure_bandwidths(group, nbytes: int = 1 << 20, repeats: int = 3) -> Bandwi
         [best_all_to_all, best_all_reduce, best_latency], dtype=torch.float64, device=device
     )
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same figures on every rank
-    return Bandwidths(
+    return GroupBandwidths(
         sent / max(float(timings[0]), 1e-9), 2 * sent / max(float(timings[1]), 1e-9), float(timings[2])
     )

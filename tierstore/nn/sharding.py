@@ -84,13 +84,12 @@ def owner_of(keys: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @dataclasses.dataclass
 class CommStats:
-    """Bytes this rank sent to other ranks, by purpose, and the steps they were sent in."""
+    """Bytes this rank sent to other ranks, by purpose."""
 
     id_bytes: int = 0  # keys (and counts) to their owners
     row_bytes: int = 0  # rows back to the ranks that asked
     gradient_bytes: int = 0  # gradients to the rows' owners
     replica_bytes: int = 0  # the replicated rows' gradients (all-reduce) and which were touched
-    steps: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -267,12 +266,10 @@ class RowSharding:
     def agree(self, what: str, value: Any) -> None:
         """Every rank must pass an equal ``value`` (JSON-able): ``ShardingError`` naming ``what``
         on every rank if one differs."""
-        text = json.dumps(value, sort_keys=True, default=str).encode()
-        digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
-        digests = self._all_gather(
-            torch.tensor([digest], dtype=torch.int64, device=self.device), "while agreeing on the settings"
+        digests = self._gathered_digests(
+            json.dumps(value, sort_keys=True, default=str).encode(), "while agreeing on the settings"
         )
-        differing = [rank for rank, other in enumerate(digests.tolist()) if other != digest]
+        differing = [rank for rank, other in enumerate(digests) if other != digests[self.rank]]
         if differing:
             raise ShardingError(
                 f"rank {self.rank}: ranks {differing} have other {what} than this one; every rank must "
@@ -335,7 +332,6 @@ class RowSharding:
         out = answer.new_empty(unique.numel(), answer.shape[1])
         out[sent.to(out.device)] = answers
         out[replicated.to(out.device)] = answer[served_of[received:].to(answer.device)]
-        self.stats.steps += 1
         exchange = Exchange(sent, send_splits.tolist(), receive_splits, replicated, served, served_of, slots)
         return out[:, :-1], out[:, -1].bool().cpu(), exchange
 
@@ -384,22 +380,20 @@ class RowSharding:
     def replica_checksum(self, store) -> None:
         """Check that every rank holds the same replicated rows (weights and optimizer state):
         ``ShardingError`` on every rank naming the ranks that differ."""
-        rows = store.get(self.replicated, with_state=True, grow=False) if self.replicated.numel() else None
-        digest = (
-            0
-            if rows is None
-            else int.from_bytes(
-                hashlib.sha256(rows.cpu().numpy().tobytes()).digest()[:8], "little", signed=True
-            )
-        )
-        digests = self._all_gather(
-            torch.tensor([digest], dtype=torch.int64, device=self.device), "while checking the replicas"
-        )
-        differing = [rank for rank, other in enumerate(digests.tolist()) if other != digests[0]]
+        held = b""
+        if self.replicated.numel():
+            held = store.get(self.replicated, with_state=True, grow=False).cpu().numpy().tobytes()
+        digests = self._gathered_digests(held, "while checking the replicas")
+        differing = [rank for rank, other in enumerate(digests) if other != digests[0]]
         if differing:
             raise ShardingError(f"the replicated rows of ranks {differing} differ from rank 0's")
 
     # -- collectives -------------------------------------------------------------------------------
+
+    def _gathered_digests(self, data: bytes, phase: str) -> list[int]:
+        """Every rank's digest (64 bits of SHA-256) of its ``data``, by rank."""
+        digest = int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+        return self._all_gather(torch.tensor([digest], dtype=torch.int64, device=self.device), phase).tolist()
 
     def _remote(self, splits: list[int]) -> int:
         """Of ``splits`` (one count per rank), those bound for other ranks."""
