@@ -65,6 +65,11 @@ class TierConfig:
         """``config`` (default ``TierConfig()``) with ``settings`` (keyword arguments of its fields)
         replaced; raises ``TypeError`` naming an unknown keyword and the known ones."""
         fields = [field.name for field in dataclasses.fields(cls)]
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(
+                f"tiers must be a tierstore.TierConfig or None, got {type(config).__name__} {config!r:.60}; "
+                f"pass tiers=TierConfig(...), or its fields ({', '.join(fields)}) as keywords"
+            )
         unknown = sorted(set(settings) - set(fields))
         if unknown:
             raise TypeError(

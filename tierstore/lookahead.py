@@ -82,7 +82,9 @@ def prefetch(
     (or a ``TieredStore``, whose ``get`` the loop calls). ``ids(batch)``: what the module is called
     with for that batch (its ``input`` ids, or a ``KeyedJaggedTensor``); default: the batch
     itself. An error of the loader or the store in the background is raised in the loop at the
-    batch it concerns; a batch ``module`` would refuse is not prefetched (its step raises).
+    batch it concerns, as is an ``ids(batch)`` that is not ids at all (None, strings, floats: a
+    ``TypeError`` naming ``ids``); ids ``module`` refuses (negative, past ``num_embeddings``) are
+    not prefetched, and its step raises.
     ``warm``: a hot-set ranking, as the module's ``warm=`` takes it, whose rows the worker loads
     into the caches' free slots in the background, a chunk at a time while its window is full
     (a warm start that does not hold up the first batches).
@@ -98,18 +100,26 @@ def prefetch(
         raise ValueError(f"lookahead must be an int in [1, {MAX_LOOKAHEAD}] (batches), got {lookahead!r}")
     if ids is not None and not callable(ids):
         raise TypeError(f"ids must be a function of a batch or None, got {type(ids).__name__}")
+    try:
+        iterator = iter(batches)
+    except TypeError:
+        raise TypeError(
+            f"batches must be an iterable of batches (a DataLoader, a list, a generator), "
+            f"got {type(batches).__name__}"
+        ) from None
     preloads = [] if warm is None else module.warm_keys(warm)  # a bad ranking raises here
-    pipeline = _Pipeline(iter(batches), module, lookahead, ids or (lambda batch: batch))
+    pipeline = _Pipeline(iterator, module, lookahead, ids)
     pipeline.preload_later(preloads)
     return pipeline.run()
 
 
 class _Pipeline:
-    def __init__(self, batches: Iterator, module: Any, lookahead: int, ids: Callable) -> None:
+    def __init__(self, batches: Iterator, module: Any, lookahead: int, ids: Callable | None) -> None:
         self._batches = batches
         self._module = module
         self._lookahead = lookahead
         self._ids = ids
+        self._read = 0  # batches read from the loader
         self._ready: queue.Queue = queue.Queue()  # (batch, pins), then _END or a _Failure
         self._changed = threading.Condition()  # guards what follows
         self._queued = 0  # batches read ahead, not yet handed to the loop
@@ -174,16 +184,25 @@ class _Pipeline:
                 except StopIteration:
                     self._ready.put(_END)
                     return
+                self._read += 1
                 self._ready.put((batch, self._pin(batch)))
         except BaseException as error:  # the loop raises it at this batch
             self._ready.put(_Failure(error))
 
     def _pin(self, batch: Any) -> list[_Pins]:
         """Pin the rows of ``batch`` in each store it looks up, waiting for room."""
+        looked_up = batch if self._ids is None else self._ids(batch)
         try:
-            wanted = self._module.store_keys(self._ids(batch))
-        except (TypeError, ValueError, IndexError, KeyError):
-            return []  # the step refuses this batch, with the module's own message
+            wanted = self._module.store_keys(looked_up)
+        except TypeError as error:  # not ids at all: nothing would ever be prefetched
+            source = "the batch itself (no ids= given)" if self._ids is None else "ids(batch)"
+            raise TypeError(
+                f"prefetch: batch {self._read - 1}: {source} is {type(looked_up).__name__}, not what "
+                f"{type(self._module).__name__} looks up ({error}); pass ids= a function of a batch "
+                f"that returns the module's input (its ids, or a KeyedJaggedTensor)"
+            ) from None
+        except (ValueError, IndexError, KeyError):
+            return []  # ids the module refuses: the step refuses this batch, with the module's own message
         pins: list[_Pins] = []
         try:
             for store, keys in wanted:

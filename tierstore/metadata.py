@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ FORMAT_NAME = "tierstore"
 FORMAT_VERSION = 2  # 2: stored rows carry a checksum (1 is still read and written)
 METADATA_FILE = "tierstore.json"
 BACKENDS = ("lmdb", "mmap")
+RANK_DIRECTORY = re.compile(r"rank(\d+)-of-(\d+)")  # a sharded table's store of one rank
 DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -135,6 +137,14 @@ def resolve_metadata(
         check_matches(metadata, requested, path)
         return metadata, False
     if path.is_dir() and any(path.iterdir()):
+        worlds = sorted(
+            {match.group(2) for match in map(RANK_DIRECTORY.fullmatch, os.listdir(path)) if match}
+        )
+        if worlds:
+            raise StoreFormatError(
+                f"{path} holds a table sharded over {worlds[0]} ranks (one store per rank): open it as a "
+                f"TieredEmbeddingBag or collection with process_group= a group of {worlds[0]} ranks"
+            )
         raise StoreFormatError(f"{path} is not empty and has no {METADATA_FILE}: not a tierstore store")
     if read_only:
         raise StoreFormatError(f"{path} holds no store to open read-only")

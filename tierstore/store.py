@@ -24,7 +24,7 @@ from .errors import ReadOnlyStoreError, StoreClosedError
 from .metadata import create_store, dtype_name, resolve_metadata
 from .optim import SparseOptimizer
 from .tiers.build import build_caches, check_backends, open_tiers
-from .validation import as_device, as_ids, as_rows, check_out, integral
+from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
 from .warm_start import hot_ids, warm_caches
 
 _OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
@@ -105,10 +105,11 @@ class TieredStore:
             "optimizer": optimizer,
             "seed": seed,
         }
-        self.metadata, new = resolve_metadata(None if path is None else Path(path), requested, read_only)
+        path = as_path(path)
+        self.metadata, new = resolve_metadata(path, requested, read_only)
         caches = build_caches(self.metadata, config, self.device)
         self._temporary = path is None
-        self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else Path(path)
+        self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else path
         # A temporary store goes when it is closed, collected, or at interpreter exit.
         self._remove_temporary = (
             weakref.finalize(self, shutil.rmtree, self.path, True) if path is None else None
@@ -468,6 +469,12 @@ class TieredStore:
     def last_flush_time(self) -> float | None:
         """When the last flush committed (seconds since the epoch), None if never."""
         return self.stack.cold.last_flush_time()
+
+    @property
+    def flushes(self) -> int:
+        """Flushes completed since the store was made (a reader: as of its snapshot); committed
+        atomically with each flush's rows, so stores flushed together can be checked to agree."""
+        return self.stack.cold.flushes
 
     def _check_open(self) -> None:
         if self._closed:

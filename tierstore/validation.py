@@ -4,6 +4,8 @@ was wrong and how to fix it, before any tier is touched."""
 from __future__ import annotations
 
 import numbers
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,19 @@ def integral(value: Any) -> Any:
         integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
         return int(value) if value.dim() == 0 and integer else value
     return int(value) if isinstance(value, numbers.Integral) else value
+
+
+def as_path(path: Any, name: str = "path") -> Path | None:
+    """``path`` (a ``str``, ``bytes`` or ``os.PathLike``, as ``open`` takes) as a ``Path``; None stays
+    None. ``TypeError`` naming ``name`` for anything else."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"{name} must be a directory path (str, bytes or os.PathLike) or None, "
+            f"got {type(path).__name__} {path!r:.60}"
+        )
+    return Path(os.fsdecode(os.fspath(path)))
 
 
 def check_table_shape(num_embeddings: Any, embedding_dim: Any, table: str = "") -> None:

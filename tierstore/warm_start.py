@@ -32,7 +32,15 @@ def hot_ids(warm: Any) -> torch.Tensor:
                 f"warm: {path} is not a readable .npy of ids ({error}); write one with "
                 f"'tierstore profile TRACE --out PREFIX' (PREFIX.npy)"
             ) from None
-    ids = as_ids(warm, "warm")
+        try:
+            ids = as_ids(warm, "warm")
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"warm: {path} does not hold ids ({error}); a hot-set file is a 1-D .npy of int64 ids, "
+                f"most wanted first, as 'tierstore profile TRACE --out PREFIX' writes (PREFIX.npy)"
+            ) from None
+    else:
+        ids = as_ids(warm, "warm")
     unique, inverse = torch.unique(ids, return_inverse=True)
     first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64)
     first.scatter_reduce_(0, inverse, torch.arange(ids.numel()), reduce="amin")

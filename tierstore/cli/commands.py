@@ -19,6 +19,7 @@ from ..budget import parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE
+from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
@@ -36,7 +37,6 @@ from .transfer import (
 )
 
 EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-MAX_ADMISSION = 255
 
 
 class CommandError(Exception):
@@ -420,16 +420,29 @@ def _bench(args) -> int:
         raise CommandError(
             f"--lookahead must be in [0, {MAX_LOOKAHEAD}] batches (0: off), got {args.lookahead}"
         )
-    if not 0 <= args.admission <= MAX_ADMISSION:
-        raise CommandError(
-            f"--admission must be in [0, {MAX_ADMISSION}] lookups (0: off), got {args.admission}"
-        )
+    if not 0 <= args.admission <= MAX_COUNT:
+        raise CommandError(f"--admission must be in [0, {MAX_COUNT}] lookups (0: off), got {args.admission}")
     sizes = _sizes(args)
     json_path = args.out.with_name(args.out.name + ".json")
     _check_writable(json_path)  # before the run, not after it
     warm = None if args.warm is None else hot_ids(args.warm)
     trace = _trace(args)
     tables = split_columns(trace) if args.separate else [trace]
+    for table in tables:  # every size fits every table before the first is run
+        distinct = int(np.unique(table.keys).size)
+        for size in sizes:
+            try:
+                cache_rows(size, distinct, args.dim * 4)
+            except ValueError as error:
+                raise CommandError(
+                    f"{table.name}: {error}"
+                    + (
+                        "; with --separate a share is of each column's own distinct ids"
+                        if args.separate
+                        else ""
+                    )
+                    + ": give larger --sizes or row counts"
+                ) from None
     reports = []
     for number, table in enumerate(tables):
         report = run_bench(

@@ -14,10 +14,12 @@ exactly once (ids from ``n`` on): the one-off ids that make up most keys of a cl
 Files: ``.npy`` (1-D integer ids); CSV/TSV (``.csv``, ``.tsv``, ``.txt``) with ``columns`` chosen
 by name (with a header line) or 0-based index; the Criteo Kaggle TSV layout (``criteo=True``:
 label, 13 integer and 26 hexadecimal categorical columns, the categorical ones used, empty fields
-skipped). Values that are not integers (``pv``, hex strings) are mapped to ids in order of first
-appearance (hex is parsed). Several columns fuse into one key space with per-column offsets: key =
-value + offset of its column, each column's offset past the previous column's largest key;
-``split_columns`` gives each column back as its own table.
+skipped). A column of non-negative integers keeps them as ids; any other column (strings such as
+``pv``, or integers some of which are negative, such as Avazu's ``-1`` category) is mapped to ids
+in order of first appearance (Criteo's hex is parsed). Empty fields are skipped. Several columns
+fuse into one key space with per-column offsets: key = value + offset of its column, each column's
+offset past the previous column's largest key; ``split_columns`` gives each column back as its own
+table.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from ..workloads import ZipfIds
 
 CRITEO_CATEGORICAL = range(14, 40)  # label, I1-I13, then C1-C26
+_INT64_MAX = 2**63 - 1
 DEFAULT_LENGTH = 1_000_000
 
 
@@ -52,7 +55,23 @@ def load_trace(
 ) -> Trace:
     """The trace ``spec`` names: a synthetic spec or a file path (see the module docstring)."""
     kind, _, options = spec.partition(":")
-    if kind in ("zipf", "uniform", "drift") and not Path(spec).exists():
+    synthetic = kind in ("zipf", "uniform", "drift") and not Path(spec).exists()
+    if delimiter is not None and len(delimiter) != 1:
+        raise TraceError(f"the delimiter must be one character (e.g. ',' or a tab), got {delimiter!r}")
+    if columns and criteo:
+        raise TraceError("columns and criteo exclude each other: the Criteo layout names its own columns")
+    if synthetic or Path(spec).suffix == ".npy":
+        given = [
+            name
+            for name, value in (("columns", columns), ("criteo", criteo), ("delimiter", delimiter))
+            if value
+        ]
+        if given:
+            raise TraceError(
+                f"{spec}: {' and '.join(given)} apply to CSV/TSV traces only, and this trace is "
+                f"{'a synthetic spec' if synthetic else 'a .npy of ids'}: leave them out"
+            )
+    if synthetic:
         keys = _synthetic(kind, _options(spec, options))
         trace = Trace(keys, spec, [(kind, 0, int(keys.max()) + 1 if keys.size else 0)])
     else:
@@ -66,6 +85,8 @@ def _options(spec: str, text: str) -> dict[str, float]:
     options = {}
     for item in filter(None, text.split(",")):
         name, equals, value = item.partition("=")
+        if name.strip() in options:
+            raise TraceError(f"{spec}: option {name.strip()!r} is given twice; give each option once")
         try:
             options[name.strip()] = float(value)
         except ValueError:
@@ -100,6 +121,11 @@ def _synthetic(kind: str, options: dict[str, float]) -> np.ndarray:
     if not 0 < options.get("alpha", 1.05) < 100:
         raise TraceError(
             f"{kind}: alpha must be above 0 (a Zipf exponent, typically near 1), got {options['alpha']:g}"
+        )
+    if options.get("hot", 0) > options["n"]:
+        raise TraceError(
+            f"{kind}: hot ({options['hot']:g} ids) must be at most n ({options['n']:g}): the hot window "
+            f"is drawn from the n ids"
         )
     if not 0 <= options.get("once", 0) < 1:
         raise TraceError(f"{kind}: once must be a share of the accesses in [0, 1), got {options['once']:g}")
@@ -157,7 +183,8 @@ def _from_file(path: Path, columns: list[str] | None, criteo: bool, delimiter: s
             records.extend(reader)
         except (csv.Error, UnicodeDecodeError) as error:
             raise TraceError(f"{path}: line {reader.line_num} is malformed ({error})") from None
-    return _fuse(path, names, [_column(path, records, index, criteo) for index in indices])
+    first_line = 2 if header else 1  # of the first record
+    return _fuse(path, names, [_column(path, records, index, criteo, first_line) for index in indices])
 
 
 def _choose_columns(
@@ -198,23 +225,32 @@ def _choose_columns(
     return names, indices, header
 
 
-def _column(path: Path, records: list[list[str]], index: int, criteo: bool) -> np.ndarray:
-    """One column's ids in record order; empty fields are skipped (-1 here, dropped by ``_fuse``)."""
+def _column(path: Path, records: list[list[str]], index: int, criteo: bool, first_line: int) -> np.ndarray:
+    """One column's ids in record order (``first_line``: the file's line of the first record).
+    Empty fields are skipped (-1 here, dropped by ``_fuse``). A column of non-negative integers
+    keeps its values as ids; any other column (strings, or integers some of which are negative,
+    such as Avazu's -1 category) is mapped to ids in order of first appearance, each distinct value
+    its own id. An integer past int64 is refused, naming its line."""
     try:
         values = [record[index] for record in records]
     except IndexError:
         short = next(n for n, record in enumerate(records) if len(record) <= index)
         raise TraceError(f"{path}: record {short + 1} has no column {index}") from None
-    if criteo:
-        return np.array([int(v, 16) if v else -1 for v in values], dtype=np.int64)
     try:
-        ids = np.array([int(v) if v else -1 for v in values], dtype=np.int64)
-    except ValueError:  # categorical strings: ids in order of first appearance
-        codes: dict[str, int] = {}
-        ids = np.array([codes.setdefault(v, len(codes)) if v else -1 for v in values], dtype=np.int64)
-    if ids.size and ids.min() < -1:
-        raise TraceError(f"{path}: column {index} holds negative ids")
-    return ids
+        numbers = [int(v, 16 if criteo else 10) if v else None for v in values]
+    except ValueError:  # categorical strings
+        numbers = None
+    if numbers is not None:
+        past = next((n for n, v in enumerate(numbers) if v is not None and not 0 <= v <= _INT64_MAX), None)
+        if past is not None and numbers[past] > _INT64_MAX:
+            raise TraceError(
+                f"{path}: line {first_line + past}: {values[past]!r} in column {index} is past int64 "
+                f"(ids must be below 2**63)"
+            )
+        if past is None:
+            return np.array([-1 if v is None else v for v in numbers], dtype=np.int64)
+    codes: dict[str, int] = {}
+    return np.array([codes.setdefault(v, len(codes)) if v else -1 for v in values], dtype=np.int64)
 
 
 def _fuse(path: Path, names: list[str], columns: list[np.ndarray]) -> Trace:

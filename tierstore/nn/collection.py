@@ -27,6 +27,7 @@ from ..config import TierConfig
 from ..metadata import write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
+from ..validation import as_path
 from ..warm_start import hot_ids
 from .embedding import TieredEmbeddingBag
 from .keyed import KeyedTensor, jagged_parts, table_settings
@@ -90,7 +91,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 config,
                 {name: _share(getattr(config, name), len(dims)) for name in ("host_cache", "device_cache")},
             )
-        root = None if path is None else Path(path)
+        root = as_path(path)
         if root is not None:
             _check_layout(root, self._tables, sharded=process_group is not None)
         self.groups = nn.ModuleDict(
@@ -287,12 +288,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         keys = torch.empty_like(keys).index_copy_(0, positions, keys)
         if weights is not None:
             weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
-        pooled = group(keys, starts, weights).view(batch, features, -1)
+        pooled = group(keys, starts, weights).view(batch, features, group.embedding_dim)
         means = torch.tensor([table["pooling"] == "mean" for table in tables])
         if bool(means.any()):
             divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
             pooled = pooled / divisors[:, :, None]
-        return pooled.view(batch, -1)
+        return pooled.view(batch, features * group.embedding_dim)
 
     def flush(self) -> None:
         """Make every table's updates durable (each group's store commits atomically)."""
@@ -337,6 +338,11 @@ def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
 def _check_tables(tables: list[Any]) -> dict[str, dict]:
     """``{name: its settings and its number in its group}``, refusing a name used twice or a feature
     claimed by two tables."""
+    if not isinstance(tables, (list, tuple)):
+        raise TypeError(
+            f"tables must be a list of EmbeddingBagConfig, got {type(tables).__name__}"
+            + ("; wrap the one table in a list: [config]" if hasattr(tables, "embedding_dim") else "")
+        )
     if not tables:
         raise ValueError("a collection needs at least one table")
     checked: dict[str, dict] = {}
@@ -344,6 +350,12 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
     per_dim: dict[int, int] = {}
     for config in tables:
         name, num_embeddings, dim, features, pooling = table_settings(config)
+        if num_embeddings is not None and num_embeddings > 1 << ID_BITS:
+            raise ValueError(
+                f"table {name!r}: num_embeddings={num_embeddings} is past the collection's key space: "
+                f"ids must be below 2**{ID_BITS} (the table's number is kept in the bits above); use "
+                f"num_embeddings <= 2**{ID_BITS}, or None (any id below 2**{ID_BITS})"
+            )
         if name in checked:
             raise ValueError(f"table name {name!r} is used twice; every table needs its own name")
         for feature in features:
@@ -387,9 +399,7 @@ def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: to
     """Keys (int64 [N]) of ``values`` (CPU ids, entry i of feature ``feature_of_entry[i]``, whose
     table is ``tables[f]``) in their groups' stores; ``IndexError`` naming the table if an id is
     negative or past its table's ``num_embeddings``."""
-    bounds = [
-        1 << ID_BITS if table["num_embeddings"] is None else table["num_embeddings"] for table in tables
-    ]
+    bounds = [min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS) for table in tables]
     bad = (values < 0) | (values >= torch.tensor(bounds, dtype=torch.int64)[feature_of_entry])
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])

@@ -21,7 +21,15 @@ from torch import nn
 from ..config import TierConfig
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
-from ..validation import as_ids, as_rows, check_bag_input, check_lookup_ids, check_table_shape, integral
+from ..validation import (
+    as_ids,
+    as_path,
+    as_rows,
+    check_bag_input,
+    check_lookup_ids,
+    check_table_shape,
+    integral,
+)
 from . import pooled_lookup
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
@@ -60,6 +68,7 @@ class _TieredTable(nn.Module):
             integral(value) for value in (num_embeddings, embedding_dim, padding_idx)
         )
         check_table_shape(num_embeddings, embedding_dim)
+        path = as_path(path)
         if missing not in _MISSING:
             raise ValueError(f"missing must be one of {_MISSING}, got {missing!r}")
         self.optimizer = optimizer if optimizer is not None else SGD()

@@ -38,6 +38,11 @@ def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], 
         raise ValueError(f"every table needs a non-empty str name, got {name!r}")
     num_embeddings, dim = config.num_embeddings, config.embedding_dim
     check_table_shape(num_embeddings, dim, name)
+    if isinstance(config.feature_names, str):
+        raise TypeError(
+            f"table {name!r}: feature_names must be a list of str, got the str {config.feature_names!r} "
+            f"(it would be split into letters); write [{config.feature_names!r}]"
+        )
     features = tuple(config.feature_names)
     if not features or not all(isinstance(feature, str) and feature for feature in features):
         raise ValueError(f"table {name!r}: feature_names must be a non-empty list of str, got {features!r}")
@@ -64,9 +69,10 @@ class KeyedJaggedTensor:
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("KeyedJaggedTensor needs lengths or offsets")
-        self._keys = list(keys)
+        self._keys = _feature_names(keys)
         self._values = values
         self._weights = weights
+        self._offsets = offsets
         self._lengths = lengths if lengths is not None else offsets[1:] - offsets[:-1]
 
     @classmethod
@@ -89,8 +95,17 @@ class KeyedJaggedTensor:
     def lengths(self) -> torch.Tensor:
         return self._lengths
 
+    def lengths_or_none(self) -> torch.Tensor:
+        return self._lengths
+
     def offsets(self) -> torch.Tensor:
+        if self._offsets is not None:
+            return self._offsets
         return torch.cat([self._lengths.new_zeros(1), torch.cumsum(self._lengths, 0)])
+
+    def offsets_or_none(self) -> torch.Tensor | None:
+        """The offsets it was built from (None: built from lengths), as TorchRec's."""
+        return self._offsets
 
     def stride(self) -> int:
         """The batch size: samples per feature."""
@@ -126,21 +141,27 @@ class KeyedTensor:
 def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(keys, values int64 [N], lengths int64 [len(keys), batch], weights [N] or None)`` of a
     ``KeyedJaggedTensor`` (ours or TorchRec's), checked; each error names what is wrong."""
-    for method in ("keys", "values"):
-        if not callable(getattr(features, method, None)):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-    keys, values = list(features.keys()), features.values()
+    jagged = all(callable(getattr(features, method, None)) for method in ("keys", "values")) and any(
+        callable(getattr(features, method, None)) for method in ("lengths", "offsets")
+    )
+    if not jagged:
+        raise TypeError(
+            f"features must be a KeyedJaggedTensor (tierstore's or TorchRec's), got "
+            f"{type(features).__name__}; build one with KeyedJaggedTensor.from_lengths_sync(keys, values, "
+            "lengths)"
+        )
+    keys, values = _feature_names(features.keys()), features.values()
     if len(set(keys)) != len(keys):
         raise ValueError(f"the KeyedJaggedTensor names a key twice: {keys}")
-    lengths = features.lengths() if callable(getattr(features, "lengths", None)) else None
-    if lengths is None:
+    _check_integers(values, "values", "ids")
+    offsets = _call(features, "offsets_or_none")  # given offsets are checked as given
+    lengths = None if offsets is not None else _call(features, "lengths")
+    if offsets is None and lengths is None:
         offsets = features.offsets()
-        lengths = offsets[1:] - offsets[:-1]
-    weights = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
-    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.is_floating_point():
-        raise TypeError(f"values must be a 1-D integer tensor of ids, got {values!r:.80}")
-    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.is_floating_point():
-        raise TypeError(f"lengths must be a 1-D integer tensor, got {lengths!r:.80}")
+    if offsets is not None:
+        lengths = _checked_offsets(offsets, values.numel())
+    _check_integers(lengths, "lengths", "bag lengths")
+    weights = _call(features, "weights_or_none")
     lengths = lengths.to(device="cpu", dtype=torch.int64)
     if bool((lengths < 0).any()):
         raise ValueError(f"lengths must be non-negative, got {int(lengths.min())}")
@@ -162,3 +183,40 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
         )
     batch = lengths.numel() // len(keys) if keys else 0
     return keys, values.to(torch.int64), lengths.view(len(keys), batch), weights
+
+
+def _feature_names(keys: Any) -> list[str]:
+    """``keys`` as a list of feature names; a bare str is refused (it would split into letters)."""
+    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
+        raise TypeError(f"keys must be a list of feature names (str), got {keys!r:.80}; e.g. [{keys!r:.40}]")
+    return list(keys)
+
+
+def _call(features: Any, method: str) -> Any:
+    """``features.method()`` where it has that method, else None."""
+    bound = getattr(features, method, None)
+    return bound() if callable(bound) else None
+
+
+def _check_integers(tensor: Any, name: str, what: str) -> None:
+    """``TypeError`` naming ``name`` unless ``tensor`` is a 1-D tensor of integers (not bool)."""
+    integer = isinstance(tensor, torch.Tensor) and not (
+        tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
+    )
+    if not integer or tensor.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D integer tensor of {what} (int64 or int32), got {tensor!r:.80}")
+
+
+def _checked_offsets(offsets: Any, count: int) -> torch.Tensor:
+    """The lengths of bags given by ``offsets`` (a leading 0, non-decreasing, ending at ``count``)."""
+    _check_integers(offsets, "offsets", "bag starts")
+    offsets = offsets.to(device="cpu", dtype=torch.int64)
+    if offsets.numel() == 0 or int(offsets[0]) != 0 or int(offsets[-1]) != count:
+        raise ValueError(
+            "offsets must start at 0 and end at the number of values "
+            f"({count}), one more entry than bags; got {offsets.tolist()[:8]}"
+        )
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError("offsets must be non-decreasing (bag i spans values[offsets[i]:offsets[i + 1]])")
+    return lengths

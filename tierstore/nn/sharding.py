@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import ShardingError
 from ..hashing import id_hash
-from ..metadata import METADATA_FILE, write_json_atomic
+from ..metadata import METADATA_FILE, RANK_DIRECTORY, write_json_atomic
 from ..validation import as_ids
 from ..warm_start import hot_ids
 from .replication import measure_bandwidths, plan_replication
@@ -43,7 +42,6 @@ _EVAL, _TRAIN, _REFUSED = 0, 1, -1
 _MODES = {_EVAL: "evaluating", _TRAIN: "training"}
 CHECK_REPLICAS_ENV = "TIERSTORE_CHECK_REPLICAS"  # debug: compare replicas every N updates
 REPLICATED_FILE = "replicated.npy"  # beside the ranks' stores: the keys every rank holds
-_RANK_DIRECTORY = re.compile(r"rank(\d+)-of-(\d+)")
 
 
 def replicated_keys(replicate: Any, warm: Any) -> torch.Tensor | None:
@@ -166,7 +164,7 @@ class RowSharding:
             )
         worlds = {
             int(match.group(2))
-            for match in map(_RANK_DIRECTORY.fullmatch, os.listdir(root) if root.is_dir() else [])
+            for match in map(RANK_DIRECTORY.fullmatch, os.listdir(root) if root.is_dir() else [])
             if match
         }
         if worlds - {self.world_size}:

@@ -24,6 +24,7 @@ SKETCH_DEPTH = 4
 WINDOW_SHARE = 0.25  # of the capacity: the newest transient rows, ranked by LFU like any other
 AGE_EVERY = 10  # lookups, in multiples of the capacity, between halvings of the counters
 SKETCH_WIDTH = 16  # counters per row, in multiples of the capacity: few ids share all of theirs
+MAX_COUNT = 255  # a counter's largest value (one byte): no threshold above it can be reached
 _MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 
 
@@ -62,7 +63,7 @@ class FrequencySketch:
         lookups counted (before the counters age)."""
         positions = self._positions(keys)
         least = torch.gather(self.counters, 1, positions).min(dim=0).values.to(torch.int32)
-        raised = (least + counts.to(torch.int32)).clamp_(max=255).to(torch.uint8)
+        raised = (least + counts.to(torch.int32)).clamp_(max=MAX_COUNT).to(torch.uint8)
         self.counters.scatter_reduce_(1, positions, raised.expand(SKETCH_DEPTH, -1), reduce="amax")
         self._counted += int(counts.sum())
         while self._counted >= self.age_every:
@@ -153,8 +154,11 @@ class AdmissionFilter(EvictionPolicy):
 def admission_filter(threshold: int) -> type[AdmissionFilter]:
     """The ``AdmissionFilter`` policy with ``threshold`` (a store's ``policy=``); 1 admits every row.
     The class is named ``AdmissionFilter<threshold>`` in this module, so a table using it pickles."""
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-        raise ValueError(f"threshold must be an int of at least 1 (lookups), got {threshold!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 1 <= threshold <= MAX_COUNT:
+        raise ValueError(
+            f"threshold must be an int in [1, {MAX_COUNT}] (lookups: the filter's counters stop at "
+            f"{MAX_COUNT}, so a larger threshold would never admit a row), got {threshold!r}"
+        )
     return _with_threshold(threshold)
 
 
@@ -171,6 +175,6 @@ def _with_threshold(threshold: int) -> type[AdmissionFilter]:
 def __getattr__(name: str):
     """``AdmissionFilter<N>``, made on first use (an unpickled table names its policy so)."""
     suffix = name.removeprefix("AdmissionFilter")
-    if suffix != name and suffix.isdigit() and int(suffix) >= 1:
+    if suffix != name and suffix.isdigit() and 1 <= int(suffix) <= MAX_COUNT:
         return _with_threshold(int(suffix))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,6 +67,7 @@ class ColdStore(ABC):
         self.read_only = read_only
         self._create = create
         self.stats = ColdStats()
+        self.flushes = 0  # flushes completed, as durable as the rows (a backend reads it at open)
         self._lock = None if read_only else WriterLock(self.directory)
 
     def _open_locked(self, open_files) -> None:

@@ -1,25 +1,26 @@
 """LMDB cold store: key = 8-byte big-endian id, value = the stored row (its bytes and check).
 
-Every row read is checked (``codec.RowCodec``), and a key not found is confirmed absent by
-checking the entries on either side of it (a page damaged where the key should be gives a
-neighbour that fails its check), so damage found by a read is ``StoreFormatError`` naming the
-file, as are LMDB's own errors from damaged pages; ``tierstore verify`` reads and checks every
-entry.
+Every row read is checked (``codec.RowCodec``), and a key not found is confirmed absent by checking
+the entries on either side of it (a page damaged where the key should be gives a neighbour that
+fails its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's
+own errors from damaged pages; ``tierstore verify`` reads and checks every entry.
 
-Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them
-into ``rows`` and empties ``pending`` in one transaction, then syncs. LMDB commits are atomic, so
-after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped on the next writable
-open. Reads sort the keys so the B-tree is walked in order. A read that waits on the disk (the
-store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
-each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page
-faults overlap and the SSD's queue stays busy. A read served from the page cache stays on one
-thread, where the GIL would make threads slower. Which regime holds is measured, not guessed:
-a moving average of the seconds per key of recent reads decides. The transactions of one
-parallel read can differ only if another process commits meanwhile; this process never writes
-during a read. A read-only store reads one snapshot (one read transaction, on one thread) from
-its open until ``refresh()``; a snapshot held long keeps the writer from reusing the pages it
-holds, so the file grows (LMDB's rule for long read transactions). The memory map doubles
-whenever a write transaction finds it full, and the write is retried.
+Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them into
+``rows``, empties ``pending`` and counts the flush in ``meta`` in one transaction, then syncs. LMDB
+commits are atomic, so after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped
+on the next writable open. LMDB maps an environment once per process, so a store open in this
+process (for writing or reading) cannot be opened again here: a reader beside the writer runs in
+another process. Reads sort the keys so the B-tree is walked in order. A read that waits on the disk
+(the store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
+each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page faults
+overlap and the SSD's queue stays busy. A read served from the page cache stays on one thread, where
+the GIL would make threads slower. Which regime holds is measured, not guessed: a moving average of
+the seconds per key of recent reads decides. The transactions of one parallel read can differ only
+if another process commits meanwhile; this process never writes during a read. A read-only store
+reads one snapshot (one read transaction, on one thread) from its open until ``refresh()``; a
+snapshot held long keeps the writer from reusing the pages it holds, so the file grows (LMDB's rule
+for long read transactions). The memory map doubles whenever a write transaction finds it full, and
+the write is retried.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import lmdb
 import numpy as np
 import torch
 
-from ...errors import StoreFormatError
+from ...errors import StoreBusyError, StoreFormatError
 from .base import ColdStore
 from .codec import decode_keys, encode_keys
 
@@ -51,6 +52,8 @@ DISK_BOUND_SECONDS_PER_KEY = 5e-6  # between a page-cache hit and an SSD read pe
 
 
 _META_MAGIC = 0xBEEFC0DE
+_OPEN_IN_THIS_PROCESS: set[Path] = set()  # LMDB directories this process has open
+_FLUSHES_KEY = b"flushes"  # in the meta sub-database: the flushes completed, committed with them
 
 
 def check_data_file(data_file: Path) -> None:
@@ -112,12 +115,18 @@ class LmdbColdStore(ColdStore):
                 f"directory from a backup (opening it would start an empty table)"
             )
         path.mkdir(exist_ok=True)
+        if path.resolve() in _OPEN_IN_THIS_PROCESS:
+            raise StoreBusyError(
+                f"store {self.directory} is already open in this process, and LMDB maps a store once per "
+                f"process: read it through the TieredStore that has it open, or open the reader in "
+                f"another process (readers there are allowed beside the writer)"
+            )
         try:
             # metasync=False: each commit syncs its data pages; flush() forces a full sync.
             self._env = lmdb.open(
                 str(path),
                 map_size=map_size,
-                max_dbs=2,
+                max_dbs=3,
                 readonly=read_only,
                 metasync=False,
                 readahead=False,
@@ -125,13 +134,20 @@ class LmdbColdStore(ColdStore):
             )
             self._rows = self._env.open_db(b"rows", create=not read_only)
             self._pending = self._env.open_db(b"pending", create=not read_only) if not read_only else None
+            self._meta = self._open_meta()
         except lmdb.Error as error:
             raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
-        if not read_only:
-            with self._env.begin(write=True) as txn:
-                txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
-        self._pending_count = 0
-        self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
+        try:
+            if not read_only:
+                with self._env.begin(write=True) as txn:
+                    txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
+            self._pending_count = 0
+            self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
+            self.flushes = self._read_flushes()
+        except BaseException:
+            self._env.close()  # a later open in this process must find it closed
+            raise
+        _OPEN_IN_THIS_PROCESS.add(path.resolve())
         self._read_threads = read_threads
         self._pool: ThreadPoolExecutor | None = None
         self._seconds_per_key = float("inf")  # assume the disk until a read shows otherwise
@@ -197,6 +213,7 @@ class LmdbColdStore(ColdStore):
     def _refresh(self) -> None:
         self._snapshot.abort()
         self._snapshot = self._env.begin(buffers=True)
+        self.flushes = self._read_flushes()
 
     def _read(
         self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
@@ -365,19 +382,45 @@ class LmdbColdStore(ColdStore):
 
     def flush(self) -> None:
         self._check_writable()
-        if self._pending_count:
+        flushes = self.flushes + 1
 
-            def publish(txn: lmdb.Transaction) -> None:
+        def publish(txn: lmdb.Transaction) -> None:  # the staged rows and the count, in one commit
+            if self._pending_count:
                 staged = txn.cursor(self._pending).iternext()
                 txn.cursor(self._rows).putmulti(staged)
                 txn.drop(self._pending, delete=False)
+            txn.put(_FLUSHES_KEY, struct.pack("<Q", flushes), db=self._meta)
 
-            self._write(publish)
-            self._pending_count = 0
+        self._write(publish)
+        self._pending_count = 0
+        self.flushes = flushes
         try:
             self._env.sync(True)
         except lmdb.Error as error:
             raise self._as_os_error(error) from None
+
+    def _open_meta(self):
+        """The ``meta`` sub-database (the flush count); None in a read-only store written before it."""
+        try:
+            return self._env.open_db(b"meta", create=not self.read_only)
+        except lmdb.NotFoundError:
+            return None
+
+    def _read_flushes(self) -> int:
+        if self._meta is None:
+            return 0
+        """The flushes completed, as the snapshot a reader reads (a writer: the newest) records."""
+        try:
+            with self._begin() as txn:
+                value = txn.get(_FLUSHES_KEY, db=self._meta)
+                value = None if value is None else bytes(value)
+        except lmdb.Error as error:
+            raise self._damaged(error) from None
+        if value is None:
+            return 0
+        if len(value) != 8:
+            raise StoreFormatError(f"the LMDB data in {self._path} is damaged: its flush count is {value!r}")
+        return struct.unpack("<Q", value)[0]
 
     def last_flush_time(self) -> float | None:
         return (self._path / "data.mdb").stat().st_mtime
@@ -409,4 +452,5 @@ class LmdbColdStore(ColdStore):
         if self._snapshot is not None:
             self._snapshot.abort()
         self._env.close()
+        _OPEN_IN_THIS_PROCESS.discard(self._path.resolve())
         self._release_lock()

@@ -4,15 +4,16 @@ Files in the store directory:
 
 - ``rows.bin``: stored row ``i`` (its bytes and check, ``codec.RowCodec``) at byte
   ``i * stored_bytes``; ``keys.bin``: int64 id of row ``i``.
-- ``state.json``: ``{"rows": n, "row_bytes": b, "keys_crc32": c}``, the committed row count (rows
-  past it are ignored), the row size the files hold and the CRC32 of the committed ids, checked
-  at open (a damaged key file, or a count edited by hand, is ``StoreFormatError``). Each row read
-  is checked against its id.
+- ``state.json``: ``{"rows": n, "row_bytes": b, "keys_crc32": c, "flushes": f}``, the committed
+  row count (rows past it are ignored), the row size the files hold, the CRC32 of the committed
+  ids, checked at open (a damaged key file, or a count edited by hand, is ``StoreFormatError``),
+  and the flushes completed. Each row read is checked against its id.
 - ``wal.keys.bin`` / ``wal.rows.bin``: an append-only write-ahead log of rows written since
   ``rows.bin`` was last brought up to date (a key's last record wins; records past the count are
   stale).
-- ``wal.commit.json``: ``{"records": n, "keys_crc32": a, "rows_crc32": b}``, written atomically
-  when a flush's log is durable: its first ``n`` records are committed, and never change again.
+- ``wal.commit.json``: ``{"records": n, "keys_crc32": a, "rows_crc32": b, "flushes": f}``, written
+  atomically when a flush's log is durable: its first ``n`` records are committed, and never
+  change again (while it exists, its flush count is the store's).
 - ``readers.lock``: each reader holds a shared ``flock`` on it; the writer changes ``rows.bin``
   only while it holds it exclusively (no reader open).
 
@@ -236,11 +237,13 @@ class MmapColdStore(ColdStore):
                     f"{path} is missing: the store's row count is gone; restore it from a backup"
                 )
             self._keys_crc = 0
+            self.flushes = 0
             self._write_state(0)
         try:
             state = json.loads(path.read_text())
             count = state["rows"]
             self._keys_crc = state.get("keys_crc32")
+            self.flushes = _flush_count(state, path)
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
             raise StoreFormatError(f"{path} is damaged ({error!r}); restore it from a backup") from None
         if not isinstance(count, int) or count < 0:
@@ -291,6 +294,7 @@ class MmapColdStore(ColdStore):
                     f"the write-ahead log of the last flush in {self.directory} is damaged "
                     f"(checksum mismatch); the store cannot be recovered to its last flush"
                 )
+            self.flushes = _flush_count(commit, commit_path, self.flushes)
             self._wal_count = self._wal_committed = records
             keys = self._wal_keys.array[:records, 0]
             last = records - 1 - np.unique(keys[::-1], return_index=True)[1]  # a key's last record wins
@@ -417,21 +421,31 @@ class MmapColdStore(ColdStore):
 
     def flush(self) -> None:
         self._check_writable()
+        flushes = self.flushes + 1  # recorded with what this flush commits, even if that is nothing
         if self._appended:
             self._rows.sync()
             self._keys.sync()
-            self._write_state(self._count)
+            self._write_state(self._count, flushes)
             self._appended = False
         if self._wal_count > self._wal_committed:
             self._wal_keys.sync()
             self._wal_rows.sync()
             self._reserve_for_log()  # before the commit point: a full disk fails the flush, changing nothing
             crcs = self._wal_checksums(self._wal_committed, self._wal_count, self._log_crcs)
-            commit = {"records": self._wal_count, "keys_crc32": crcs[0], "rows_crc32": crcs[1]}
-            write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)  # the flush is durable here
+            self._commit_log(self._wal_count, crcs, flushes)  # the flush is durable here
             self._wal_committed, self._log_crcs = self._wal_count, crcs
+        elif self._wal_committed:  # a log a reader kept from being applied: it records the count
+            self._commit_log(self._wal_committed, self._log_crcs, flushes)
+        else:
+            self._write_state(self._count, flushes)
+        self.flushes = flushes
         if self._wal_committed:
             self._try_apply()
+
+    def _commit_log(self, records: int, crcs: tuple[int, int], flushes: int) -> None:
+        """Commit the log's first ``records`` (with their CRC32s) and the flush count, atomically."""
+        commit = {"records": records, "keys_crc32": crcs[0], "rows_crc32": crcs[1], "flushes": flushes}
+        write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)
 
     def _try_apply(self) -> None:
         """Apply the committed log unless a reader is open (then it waits for a later flush)."""
@@ -490,10 +504,14 @@ class MmapColdStore(ColdStore):
         """The CRC32 of the committed ids once ``appended`` (int64 [n]) follow them."""
         return None if self._keys_crc is None else zlib.crc32(np.ascontiguousarray(appended), self._keys_crc)
 
-    def _write_state(self, count: int) -> None:
-        """The committed row count, the row size the files were written with and the CRC32 of the
-        committed ids (both checked at open)."""
-        state = {"rows": count, "row_bytes": self.row_bytes}
+    def _write_state(self, count: int, flushes: int | None = None) -> None:
+        """The committed row count, the row size the files were written with, the CRC32 of the
+        committed ids (both checked at open) and the flush count (default ``self.flushes``)."""
+        state = {
+            "rows": count,
+            "row_bytes": self.row_bytes,
+            "flushes": self.flushes if flushes is None else flushes,
+        }
         if self._keys_crc is not None:
             state["keys_crc32"] = self._keys_crc
         write_json_atomic(self.directory / STATE_FILE, state)
@@ -524,3 +542,12 @@ class MmapColdStore(ColdStore):
     def close(self) -> None:
         self._close_files()
         self._release_lock()
+
+
+def _flush_count(record: dict, path: Path, default: int = 0) -> int:
+    """The flush count ``record`` (a state or commit file at ``path``) holds; ``default`` where it
+    holds none (written before flushes were counted)."""
+    flushes = record.get("flushes", default)
+    if isinstance(flushes, bool) or not isinstance(flushes, int) or flushes < 0:
+        raise StoreFormatError(f"{path} is damaged: flushes is {flushes!r}")
+    return flushes
