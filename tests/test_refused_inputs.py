@@ -7,6 +7,11 @@ subprocess), unclear errors, and the command line."""
 import hashlib
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
 from contextlib import closing
 from pathlib import Path
 
@@ -27,13 +32,15 @@ from tierstore import (
 )
 from tierstore.cli import main
 
+LOCK_FILES = {"lock", "readers.lock", "lock.mdb"}  # flock targets and LMDB's reader table: no data
+
 
 def files_of(path: Path) -> dict[str, str]:
-    """Every file under ``path`` (relative name -> SHA-256 of its bytes)."""
+    """Every data file under ``path`` (relative name -> SHA-256 of its bytes)."""
     return {
         str(file.relative_to(path)): hashlib.sha256(file.read_bytes()).hexdigest()
         for file in sorted(Path(path).rglob("*"))
-        if file.is_file()
+        if file.is_file() and file.name not in LOCK_FILES
     }
 
 
@@ -322,7 +329,7 @@ def traces(tmp_path):
 def test_bench_usage_errors_exit_2_and_write_nothing(traces, capsys, arguments, message):
     arguments = [argument.format(t=traces) for argument in arguments]
     assert run("bench", *arguments, "--quiet", "--out", traces / "out") == 2
-    assert __import__("re").search(message, capsys.readouterr().err)
+    assert re.search(message, capsys.readouterr().err)
     assert not (traces / "out.json").exists() and not list(traces.glob("out*.png"))
 
 
@@ -344,3 +351,131 @@ def test_a_negative_category_in_a_csv_is_a_category_like_any_other(traces, capsy
     )
     report = json.loads((traces / "o.json").read_text())
     assert report["accesses"] == 40 and report["distinct_ids"] == 3
+
+
+# -- collections: a missing group, a half-done flush, a damaged layout ------------------------------
+
+
+def made_collection(root, backend="mmap"):
+    """A collection at ``root`` holding rows in both groups, flushed and closed; returns its rows."""
+    with closing(TieredEmbeddingBagCollection(TABLES, path=root, backend=backend, host_cache=64)) as made:
+        made(kjt(["item", "user", "ad"], [1, 2, 3, 4, 5, 6], [1, 1, 1, 1, 1, 1])).values().sum().backward()
+        return collection_state(made)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+@pytest.mark.parametrize("removed", ["dim8", "dim8/tierstore.json", "data file"])
+def test_a_collection_whose_group_store_is_gone_is_refused_not_reopened_empty(
+    tmp_path, capsys, backend, removed
+):
+    root = tmp_path / "c"
+    made_collection(root, backend)
+    if removed == "data file":
+        os.remove(root / "dim8" / ("rows.bin" if backend == "mmap" else "lmdb/data.mdb"))
+    elif removed == "dim8":
+        shutil.rmtree(root / "dim8")
+    else:
+        os.remove(root / removed)
+    files = files_of(root)
+    with pytest.raises(StoreFormatError, match="dim8.* is missing"):
+        TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)
+    assert files_of(root) == files
+    assert run("verify", root) == 1
+    assert "dim8" in capsys.readouterr().out
+
+
+KILLED_INSIDE_FLUSH = textwrap.dedent(
+    """
+    import os, sys, torch
+    from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBagCollection
+    from tierstore.nn import collection
+    tables = [EmbeddingBagConfig(None, 4, "items", ["item"]), EmbeddingBagConfig(100, 4, "users", ["user"]),
+              EmbeddingBagConfig(50, 8, "ads", ["ad"])]
+    made = TieredEmbeddingBagCollection(tables, path=sys.argv[1], backend=sys.argv[2], host_cache=64)
+    features = KeyedJaggedTensor(["item", "ad"], torch.tensor([7, 9]), lengths=torch.tensor([1, 1]))
+    made(features).values().sum().backward()
+    if sys.argv[3] == "between groups":  # killed once dim4 has committed, before dim8 does
+        made.groups["dim8"].store.flush = lambda: os._exit(9)
+    else:  # killed once every group has committed, before the flush record says complete
+        begin = collection.write_flush_record
+        collection.write_flush_record = lambda root, counts, complete: complete and os._exit(9) or begin(
+            root, counts, complete
+        )
+    made.flush()
+    """
+)
+
+
+def kill_inside_flush(root, backend, when):
+    command = [sys.executable, "-c", KILLED_INSIDE_FLUSH, str(root), backend, when]
+    return subprocess.run(command, capture_output=True)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_a_kill_between_two_groups_commits_is_named_on_reopening(tmp_path, capsys, backend):
+    root = tmp_path / "c"
+    made_collection(root, backend)
+    killed = kill_inside_flush(root, backend, "between groups")
+    assert killed.returncode == 9, killed.stderr
+    files = files_of(root)
+    counts = r"dim4 at flush 2 \(was 1\), dim8 at flush 1 \(was 1\)"
+    with pytest.raises(StoreFormatError, match=counts):
+        TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)
+    assert files_of(root) == files  # refusing wrote nothing
+    assert run("verify", root) == 1 and "groups hold different flushes" in capsys.readouterr().out
+    os.remove(root / "flushes.json")  # the way out the message names: accept the groups as they are
+    with closing(TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)) as reopened:
+        stores = reopened.groups["dim4"].store, reopened.groups["dim8"].store
+        assert (len(stores[0]), len(stores[1])) == (5, 2)  # item 7 was committed, ad 9 was not
+    with closing(TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)):
+        pass  # and opens again from then on
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_a_kill_after_every_group_committed_reopens_at_that_flush(tmp_path, backend):
+    root = tmp_path / "c"
+    before = made_collection(root, backend)
+    killed = kill_inside_flush(root, backend, "after the groups")
+    assert killed.returncode == 9, killed.stderr
+    with closing(TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)) as reopened:
+        after = collection_state(reopened)
+    assert [len(group[1]) for group in after] == [len(group[1]) + 1 for group in before]  # item 7, ad 9
+
+
+def test_a_damaged_layout_file_is_a_format_error_naming_it(tmp_path, capsys):
+    root = tmp_path / "c"
+    made_collection(root)
+    (root / "collection.json").write_text('{"tables": [{"name": ')
+    with pytest.raises(StoreFormatError, match="collection.json is damaged"):
+        TieredEmbeddingBagCollection(TABLES, path=root, host_cache=64)
+    for command in ("inspect", "verify"):
+        assert run(command, root) in (1, 2)
+        captured = capsys.readouterr()
+        assert "collection.json is damaged" in captured.out + captured.err
+
+
+def test_verify_checks_every_group_of_a_sound_or_damaged_collection(tmp_path, capsys):
+    root = tmp_path / "c"
+    made_collection(root)
+    assert run("verify", root) == 0 and f"{root}: sound" in capsys.readouterr().out
+    rows_file = root / "dim8" / "rows.bin"
+    data = bytearray(rows_file.read_bytes())
+    data[3] ^= 0xFF  # a byte of the first stored row of the ads table
+    rows_file.write_bytes(bytes(data))
+    assert run("verify", root) == 1
+    out = capsys.readouterr().out
+    assert "problem: dim8: " in out and "checksum" in out and "dim4" not in out
+
+
+@pytest.mark.parametrize("command", [["export", "{c}", "{t}/out.npy"], ["import", "{t}/rows.npy", "{c}"]])
+def test_a_collection_without_table_says_which_tables_to_pass(tmp_path, capsys, command):
+    root = tmp_path / "c"
+    made_collection(root)
+    np.save(tmp_path / "rows.npy", np.ones((3, 4), dtype=np.float32))
+    files = files_of(root)
+    assert run(*[part.format(c=root, t=tmp_path) for part in command]) == 2
+    assert (
+        "is a collection of the tables ['items', 'users', 'ads']: pass --table NAME"
+        in capsys.readouterr().err
+    )
+    assert files_of(root) == files and not (tmp_path / "out.npy").exists()

@@ -301,6 +301,15 @@ class TieredStore:
         self._check_open()
         self.stack.refresh()
 
+    def release_unflushed(self) -> None:
+        """Close without flushing, discarding updates since the last flush: for a store opened only
+        to be refused (its owner found it inconsistent with others), so that refusing writes nothing."""
+        if not self._closed:
+            self.stack.cold.close()
+            self._closed = True
+            if self._remove_temporary is not None:
+                self._remove_temporary()
+
     @_serialized
     def close(self) -> None:
         """Flush (unless read-only) and release the store; a temporary store is deleted."""

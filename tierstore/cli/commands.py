@@ -18,12 +18,12 @@ import torch
 from ..budget import parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
-from ..nn.collection import LAYOUT_FILE
+from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
-from .inspection import inspect_collection, inspect_store, verify_store
+from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
 from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
@@ -322,6 +322,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _import(args) -> int:
+    if args.table is None:
+        _refuse_whole_collection(args.store, "load SRC's rows into one of them")
     source = open_table(args.source, key=args.key, ids_path=args.ids)
     if args.table is not None:
         _check_store(args.store)
@@ -346,6 +348,8 @@ def _import(args) -> int:
 
 def _export(args) -> int:
     _check_store(args.store)
+    if args.table is None:
+        _refuse_whole_collection(args.store, "export the rows of one table")
     count = export_table(
         args.store,
         args.destination,
@@ -402,7 +406,8 @@ def _inspect_collection(args) -> int:
 
 def _verify(args) -> int:
     _check_store(args.store)
-    problems = verify_store(args.store, progress=_progress(args))
+    verify = verify_collection if (args.store / LAYOUT_FILE).exists() else verify_store
+    problems = verify(args.store, progress=_progress(args))
     for problem in problems:
         print(f"problem: {problem}")
     print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
@@ -572,6 +577,13 @@ def _check_writable(path: Path) -> None:
             path.unlink()
     except OSError as error:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _refuse_whole_collection(path: Path, action: str) -> None:
+    """A ``CommandError`` naming the tables where ``path`` is a collection and ``--table`` is due."""
+    if (path / LAYOUT_FILE).exists():
+        names = [table["name"] for table in read_layout(path)]
+        raise CommandError(f"{path} is a collection of the tables {names}: pass --table NAME to {action}")
 
 
 def _check_store(path: Path) -> None:

@@ -4,14 +4,16 @@ through the store's public API."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .. import optim
 from ..errors import StoreFormatError
-from ..metadata import StoreMetadata, read_metadata
-from ..nn.collection import ID_BITS, group_path, read_layout
+from ..metadata import METADATA_FILE, StoreMetadata, read_metadata
+from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
+from ..nn.flush_record import flush_mismatch
 from ..store import TieredStore
 from .progress import bar as progress_bar
 
@@ -90,11 +92,17 @@ def inspect_collection(root: Path) -> dict:
     return {"path": str(root), "tables": listed, "stores": groups}
 
 
-def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = None) -> list[str]:
+def verify_store(
+    path: Path,
+    chunk_rows: int = 1 << 16,
+    progress: bool | None = None,
+    check_keys: Callable[[torch.Tensor], str | None] | None = None,
+) -> list[str]:
     """Problems found in the store at ``path`` (empty: sound). Checks the metadata, the cold store's
     structure (``structure_problems``; the mmap backend checks its row count, key file and
     write-ahead log as it opens), then reads every row, checking it against its checksum (format
-    version 2 on) and that its values are finite."""
+    version 2 on), that its values are finite and, with ``check_keys`` (keys -> a problem or None),
+    its key."""
     path = Path(path)
     try:
         store = TieredStore(path, read_only=True, host_cache=1)  # reads and checks the metadata
@@ -116,6 +124,9 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = 
                         problems.append(
                             f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})"
                         )
+                    key_problem = None if check_keys is None else check_keys(ids)
+                    if key_problem is not None:
+                        problems.append(key_problem)
                     seen += ids.numel()
                     bar.update(ids.numel())
             except StoreFormatError as error:  # a row that fails its checksum, a damaged page
@@ -123,3 +134,59 @@ def verify_store(path: Path, chunk_rows: int = 1 << 16, progress: bool | None = 
         if seen != expected:
             problems.append(f"the store counts {expected} rows but {seen} were read")
     return problems
+
+
+def verify_collection(root: Path, chunk_rows: int = 1 << 16, progress: bool | None = None) -> list[str]:
+    """Problems found in the collection at ``root`` (empty: sound): its layout file, every group's
+    store as ``verify_store`` checks it (and that each key belongs to one of the group's tables,
+    within its ``num_embeddings``), and that the groups hold one flush (``flush_record``)."""
+    root = Path(root)
+    try:
+        tables = read_layout(root)
+    except StoreFormatError as error:
+        return [str(error)]
+    problems, counts = [], {}
+    groups = sorted({group_path(root, table).name for table in tables})
+    for name in groups:
+        members = [table for table in tables if group_path(root, table).name == name]
+        if not (root / name / METADATA_FILE).exists():
+            problems.append(f"{name}: the store of tables {[t['name'] for t in members]} is missing")
+            continue
+        found = verify_store(root / name, chunk_rows, progress, _keys_of(members))
+        problems.extend(f"{name}: {problem}" for problem in found)
+        if not found:
+            with TieredStore(root / name, read_only=True, host_cache=1) as store:
+                counts[name] = store.flushes
+    if len(counts) == len(groups):
+        try:
+            mismatch = flush_mismatch(root, counts)
+        except StoreFormatError as error:
+            mismatch = str(error)
+        if mismatch is not None:
+            problems.append(mismatch)
+    return problems
+
+
+def _keys_of(tables: list[dict]) -> Callable[[torch.Tensor], str | None]:
+    """A check of a group's keys: each of one of ``tables`` (by its number in the key's high bits)
+    and below that table's ``num_embeddings``."""
+    numbers = max(table["number"] for table in tables) + 1
+    bounds = torch.full((numbers,), -1, dtype=torch.int64)  # -1: no table of this number
+    for table in tables:
+        bounds[table["number"]] = min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS)
+    names = {table["number"]: table["name"] for table in tables}
+
+    def check(keys: torch.Tensor) -> str | None:
+        number, ids = keys >> ID_BITS, keys & ID_MASK
+        known = number < numbers
+        bad = ~known
+        bad[known] = ids[known] >= bounds[number[known]]
+        if not bool(bad.any()):
+            return None
+        first = int(bad.nonzero()[0, 0])
+        key, table = int(keys[first]), int(number[first])
+        if table not in names or int(bounds[table]) < 0:
+            return f"key {key} belongs to no table of this group (table number {table})"
+        return f"key {key} is id {int(ids[first])} of table {names[table]!r}, past its num_embeddings"
+
+    return check

@@ -12,6 +12,7 @@ reopened. Several groups split the cache budgets evenly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -24,12 +25,14 @@ from torch import nn
 
 from ..budget import parse_bytes
 from ..config import TierConfig
-from ..metadata import write_json_atomic
+from ..errors import StoreFormatError
+from ..metadata import METADATA_FILE, write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_path
 from ..warm_start import hot_ids
 from .embedding import TieredEmbeddingBag
+from .flush_record import flush_mismatch, read_flush_record, write_flush_record
 from .keyed import KeyedTensor, jagged_parts, table_settings
 from .sharding import refuse_prefetch
 
@@ -94,9 +97,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         root = as_path(path)
         if root is not None:
             _check_layout(root, self._tables, sharded=process_group is not None)
-        self.groups = nn.ModuleDict(
-            {
-                f"dim{dim}": TieredEmbeddingBag(
+        groups: dict[str, TieredEmbeddingBag] = {}
+        try:
+            for dim in dims:
+                groups[f"dim{dim}"] = TieredEmbeddingBag(
                     None,
                     dim,
                     mode="sum",
@@ -113,14 +117,24 @@ class TieredEmbeddingBagCollection(nn.Module):
                     else _group_keys(replicated, f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
                     access_sample=_group_keys(samples, f"dim{dim}", []),
                 )
-                for dim in dims
-            }
-        )
+        except BaseException:
+            _release(groups.values())  # a group that cannot open leaves none open
+            raise
+        self.groups = nn.ModuleDict(groups)
         self.sharded = process_group is not None
         if self.sharded:
             self._sharding.agree("tables", list(self._tables.values()))
+        # The flush record of an unsharded collection (a sharded one records its flushes per rank).
+        self._record_root = root if root is not None and not self.sharded else None
+        if self._record_root is not None:
+            problem = flush_mismatch(root, self._flush_counts())
+            if problem is not None:
+                _release(self.groups.values())
+                raise StoreFormatError(problem)
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
+        if self._record_root is not None and (read_flush_record(root) or (False,))[0] is not True:
+            write_flush_record(root, self._flush_counts(), complete=True)  # none yet, or begun and sound
         for group_name, keys in warm_keys.items():
             self.groups[group_name].store.preload(keys)
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
@@ -296,13 +310,40 @@ class TieredEmbeddingBagCollection(nn.Module):
         return pooled.view(batch, features * group.embedding_dim)
 
     def flush(self) -> None:
-        """Make every table's updates durable (each group's store commits atomically)."""
-        for group in self.groups.values():
-            group.flush()
+        """Make every table's updates durable: each group's store commits atomically, and the
+        flush record (``flush_record``) lets a reopening tell a flush killed between two groups."""
+        with self._changing_every_group():
+            for group in self.groups.values():
+                group.flush()
 
     def close(self) -> None:
-        for group in self.groups.values():
-            group.close()
+        """Flush and close every group."""
+        if all(group.store.closed for group in self.groups.values()):
+            return
+        with self._changing_every_group():
+            for group in self.groups.values():
+                group.close()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        with self._changing_every_group():  # each group loads (and commits) its rows
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.flush()  # the groups' own flushes that follow commit nothing new
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    @contextlib.contextmanager
+    def _changing_every_group(self):
+        """Record that an operation changing every group begins, then (unless it raises) completes."""
+        if self._record_root is None:
+            yield
+            return
+        write_flush_record(self._record_root, self._flush_counts(), complete=False)
+        yield
+        write_flush_record(self._record_root, self._flush_counts(), complete=True)
+
+    def _flush_counts(self) -> dict[str, int]:
+        return {name: group.store.flushes for name, group in self.groups.items()}
 
     def stats(self) -> dict:
         """``{"tables": {name: {"lookups": ids looked up}}, "groups": {"dim16": the store's stats
@@ -318,11 +359,22 @@ class TieredEmbeddingBagCollection(nn.Module):
 
 def read_layout(root: Path) -> list[dict]:
     """The tables of the collection at ``root`` as ``collection.json`` records them: name,
-    embedding_dim, num_embeddings, feature_names, pooling and number (in its group)."""
+    embedding_dim, num_embeddings, feature_names, pooling and number (in its group).
+    ``FileNotFoundError`` where there is none, ``StoreFormatError`` where it is damaged."""
     layout_file = Path(root) / LAYOUT_FILE
     if not layout_file.exists():
         raise FileNotFoundError(f"{root} is not a tierstore collection: {LAYOUT_FILE} is missing")
-    return json.loads(layout_file.read_text())["tables"]
+    try:
+        tables = json.loads(layout_file.read_text())["tables"]
+        fields = {"name", "embedding_dim", "num_embeddings", "feature_names", "pooling", "number"}
+        if not isinstance(tables, list) or not all(fields <= set(table) for table in tables):
+            raise ValueError(f"its tables lack some of {sorted(fields)}")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as error:
+        raise StoreFormatError(
+            f"{layout_file} is damaged ({error}); restore it from a backup (it names the collection's "
+            f"tables, and the stores cannot be read without it)"
+        ) from None
+    return tables
 
 
 def group_path(root: Path, table: dict) -> Path:
@@ -387,12 +439,19 @@ def _check_layout(root: Path, tables: dict[str, dict], sharded: bool = False) ->
         if root.exists() and any(not (sharded and ours.fullmatch(entry.name)) for entry in root.iterdir()):
             raise ValueError(f"{root} is not empty and holds no {LAYOUT_FILE}: not a tierstore collection")
         return
-    stored = {table["name"]: table for table in json.loads(layout_file.read_text())["tables"]}
+    stored = {table["name"]: table for table in read_layout(root)}
     if stored != tables:
         raise ValueError(
             f"{root} holds a collection of other tables ({sorted(stored)}, as {LAYOUT_FILE} records); "
             "open it with the same table configs in the same order"
         )
+    for group in sorted({_group_name(table) for table in tables.values()}):
+        if not (root / group / ("" if sharded else METADATA_FILE)).exists():  # sharded: one store per rank
+            names = sorted(name for name, table in tables.items() if _group_name(table) == group)
+            raise StoreFormatError(
+                f"{root / group} is missing: the store of tables {names} is gone, and opening the collection "
+                f"would start them empty; restore it from a backup"
+            )
 
 
 def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: torch.Tensor) -> torch.Tensor:
@@ -431,6 +490,12 @@ def _idle_forward(group, batch: int) -> torch.Tensor:
     other ranks' lookups, and its gradients flow back through this empty block)."""
     keys = torch.zeros(0, dtype=torch.int64)
     return group(keys, torch.zeros(batch, dtype=torch.int64), None)[:, :0]
+
+
+def _release(groups) -> None:
+    """Close the stores of ``groups`` opened only to be refused, writing nothing."""
+    for group in groups:
+        group.store.release_unflushed()
 
 
 def _group_name(table: dict) -> str:

@@ -139,8 +139,11 @@ class LmdbColdStore(ColdStore):
             raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
         try:
             if not read_only:
-                with self._env.begin(write=True) as txn:
-                    txn.drop(self._pending, delete=False)  # writes staged before a crash never completed
+                with self._env.begin() as txn:
+                    staged = txn.stat(self._pending)["entries"]
+                if staged:  # writes staged before a crash never completed
+                    with self._env.begin(write=True) as txn:
+                        txn.drop(self._pending, delete=False)
             self._pending_count = 0
             self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
             self.flushes = self._read_flushes()
