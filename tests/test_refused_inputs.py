@@ -479,3 +479,74 @@ def test_a_collection_without_table_says_which_tables_to_pass(tmp_path, capsys, 
         in capsys.readouterr().err
     )
     assert files_of(root) == files and not (tmp_path / "out.npy").exists()
+
+
+# -- signals: damage LMDB does not check ends a process; it must end only a child --------------------
+
+
+def cli_in_a_subprocess(*args):
+    """``tierstore ARGS`` as a user runs it: a signal would be a negative return code."""
+    command = [sys.executable, "-m", "tierstore", *map(str, args), "--quiet"]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def lmdb_store_with_scrambled_leaves(path):
+    """An LMDB store whose leaf pages holding id 1500 claim to be branch pages (their header
+    otherwise intact): LMDB's cursor asserts on them and aborts the process (SIGABRT)."""
+    with TieredStore(path, dim=8, backend="lmdb", host_cache=64) as store:
+        store.put(torch.arange(3000), torch.randn(3000, 8))
+    data_file = path / "lmdb" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    for page in range(2, len(data) // 4096):
+        start = page * 4096
+        if int.from_bytes(data[start : start + 8], "little") == page and data[start + 10] == 0x02:
+            if (1500).to_bytes(8, "big") in data[start : start + 4096]:
+                data[start + 10] = 0x01  # P_LEAF -> P_BRANCH
+    data_file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("command", ["verify", "export", "inspect"])
+def test_the_cli_turns_lmdb_aborting_on_a_scrambled_page_into_a_clear_error(tmp_path, command):
+    lmdb_store_with_scrambled_leaves(tmp_path / "s")
+    files = files_of(tmp_path / "s")
+    extra = [tmp_path / "out.npy"] if command == "export" else []
+    result = cli_in_a_subprocess(command, tmp_path / "s", *extra)
+    assert result.returncode >= 0, result.stderr  # no signal
+    damage = "ended the reading process with SIGABRT inside LMDB: its data is damaged .* restore the store"
+    if command == "verify":
+        assert result.returncode == 1 and re.search(damage, result.stdout)
+    elif command == "export":
+        assert result.returncode == 2 and re.search(damage, result.stderr)
+        assert not (tmp_path / "out.npy").exists()  # no partial export left behind
+    else:
+        assert result.returncode == 0 and "3,000" in result.stdout  # inspect reads no page LMDB checks
+    assert files_of(tmp_path / "s") == files
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("version", "neither LMDB meta page is valid"),
+        ("root page number", "its root page .* is not a B-tree page"),
+        ("root outside the file", "neither LMDB meta page is valid"),
+    ],
+)
+def test_damaged_lmdb_meta_and_root_pages_are_refused_before_lmdb_maps_them(tmp_path, damage, message):
+    with TieredStore(tmp_path / "s", dim=8, backend="lmdb", host_cache=64) as store:
+        store.put(torch.arange(3000), torch.randn(3000, 8))
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    data = bytearray(data_file.read_bytes())
+    for meta in (0, 4096):
+        root = int.from_bytes(data[meta + 128 : meta + 136], "little")
+        if damage == "version":
+            data[meta + 20] = 7
+        elif damage == "root outside the file":
+            data[meta + 128 : meta + 136] = (10**9).to_bytes(8, "little")
+        else:
+            data[root * 4096 : root * 4096 + 8] = (root + 1).to_bytes(8, "little")
+    data_file.write_bytes(bytes(data))
+    for command in (["inspect"], ["verify"], ["export", tmp_path / "out.npy"]):
+        result = cli_in_a_subprocess(command[0], tmp_path / "s", *command[1:])
+        assert result.returncode in (1, 2) and re.search(message, result.stdout + result.stderr), result
+    with pytest.raises(StoreFormatError, match=message):
+        TieredStore(tmp_path / "s", host_cache=8)

@@ -22,6 +22,7 @@ from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
+from .child_reads import reads_in_a_child, run_in_a_child
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
 from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
@@ -46,6 +47,17 @@ class CommandError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if reads_in_a_child(args.command, args.store):
+        outputs = [args.destination, args.ids] if args.command == "export" else []
+        outputs = [path for path in outputs if path is not None]
+        code, damage = run_in_a_child(sys.argv[1:] if argv is None else argv, args.store, outputs)
+        if damage is None:
+            return code
+        if args.command == "verify":
+            print(f"problem: {damage}\n{args.store}: 1 problem(s)")
+            return EXIT_PROBLEMS
+        print(f"tierstore {args.command}: error: {damage}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.run(args)
     except KeyboardInterrupt:
