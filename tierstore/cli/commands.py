@@ -22,9 +22,9 @@ from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
-from .child_reads import reads_in_a_child, run_in_a_child
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
+from .lmdb_probe import READING_COMMANDS, lmdb_damage
 from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
 from .table_files import SUFFIXES, TableFileError, open_table
 from .traces import TraceError, load_trace, split_columns
@@ -47,12 +47,8 @@ class CommandError(Exception):
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if reads_in_a_child(args.command, args.store):
-        outputs = [args.destination, args.ids] if args.command == "export" else []
-        outputs = [path for path in outputs if path is not None]
-        code, damage = run_in_a_child(sys.argv[1:] if argv is None else argv, args.store, outputs)
-        if damage is None:
-            return code
+    damage = lmdb_damage(args.store) if args.command in READING_COMMANDS else None
+    if damage is not None:
         if args.command == "verify":
             print(f"problem: {damage}\n{args.store}: 1 problem(s)")
             return EXIT_PROBLEMS
@@ -108,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     trace_input.add_argument(
         "--columns",
         help="comma-separated id columns of a CSV/TSV (names from its header, or "
-        "0-based indices); several fuse into one key space with per-column offsets",
+        "0-based indices); several fuse into one key space with per-column offsets. Empty fields "
+        "are skipped; a column of non-negative integers keeps them as ids, any other (strings, or "
+        "negative categories such as -1) maps each distinct value to an id",
     )
     trace_input.add_argument(
         "--criteo",
