@@ -422,7 +422,8 @@ class MmapColdStore(ColdStore):
     def flush(self) -> None:
         self._check_writable()
         flushes = self.flushes + 1  # recorded with what this flush commits, even if that is nothing
-        if self._appended:
+        appended = self._appended
+        if appended:
             self._rows.sync()
             self._keys.sync()
             self._write_state(self._count, flushes)
@@ -436,7 +437,7 @@ class MmapColdStore(ColdStore):
             self._wal_committed, self._log_crcs = self._wal_count, crcs
         elif self._wal_committed:  # a log a reader kept from being applied: it records the count
             self._commit_log(self._wal_committed, self._log_crcs, flushes)
-        else:
+        elif not appended:  # nothing committed: the count alone
             self._write_state(self._count, flushes)
         self.flushes = flushes
         if self._wal_committed:
