@@ -13,7 +13,7 @@ from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import METADATA_FILE, StoreMetadata, read_metadata
 from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
-from ..nn.flush_record import flush_mismatch
+from ..nn.flush_record import flush_mismatch, read_flush_record
 from ..store import TieredStore
 from .progress import bar as progress_bar
 
@@ -159,7 +159,8 @@ def verify_collection(root: Path, chunk_rows: int = 1 << 16, progress: bool | No
                 counts[name] = store.flushes
     if len(counts) == len(groups):
         try:
-            mismatch = flush_mismatch(root, counts)
+            record = read_flush_record(root)
+            mismatch = None if record is None else flush_mismatch(root, record, counts)
         except StoreFormatError as error:
             mismatch = str(error)
         if mismatch is not None:

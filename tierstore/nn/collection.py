@@ -126,15 +126,18 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._sharding.agree("tables", list(self._tables.values()))
         # The flush record of an unsharded collection (a sharded one records its flushes per rank).
         self._record_root = root if root is not None and not self.sharded else None
-        if self._record_root is not None:
-            problem = flush_mismatch(root, self._flush_counts())
+        record = None if self._record_root is None else read_flush_record(root)
+        if record is not None:
+            problem = flush_mismatch(root, record, self._flush_counts())
             if problem is not None:
                 _release(self.groups.values())
                 raise StoreFormatError(problem)
         if root is not None and not (root / LAYOUT_FILE).exists():  # the stores first: they check the root
             write_json_atomic(root / LAYOUT_FILE, {"tables": list(self._tables.values())})
-        if self._record_root is not None and (read_flush_record(root) or (False,))[0] is not True:
-            write_flush_record(root, self._flush_counts(), complete=True)  # none yet, or begun and sound
+        if self._record_root is not None and (
+            record is None or not record[0]
+        ):  # none yet, or begun and sound
+            write_flush_record(root, self._flush_counts(), complete=True)
         for group_name, keys in warm_keys.items():
             self.groups[group_name].store.preload(keys)
         self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table

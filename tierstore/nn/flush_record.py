@@ -49,13 +49,12 @@ def write_flush_record(root: Path, counts: dict[str, int], complete: bool) -> No
     write_json_atomic(Path(root) / FLUSH_RECORD, {"complete": complete, "groups": counts})
 
 
-def flush_mismatch(root: Path, counts: dict[str, int]) -> str | None:
-    """What is wrong when the groups' flush ``counts`` show that an operation the record under
-    ``root`` says begun committed some groups and not others (None: nothing is wrong)."""
-    record = read_flush_record(root)
-    if record is None or record[0]:
+def flush_mismatch(root: Path, record: tuple[bool, dict[str, int]], counts: dict[str, int]) -> str | None:
+    """What is wrong when the groups' flush ``counts`` show that an operation ``record`` (the one
+    under ``root``) says begun committed some groups and not others (None: nothing is wrong)."""
+    complete, recorded = record
+    if complete:
         return None
-    recorded = record[1]
     if set(recorded) != set(counts):
         return (
             f"{Path(root) / FLUSH_RECORD} records the groups {sorted(recorded)}, and the collection has "
