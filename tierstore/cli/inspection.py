@@ -12,7 +12,7 @@ import torch
 from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import METADATA_FILE, StoreMetadata, read_metadata
-from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
+from ..nn.collection import ID_BITS, ID_MASK, group_path, id_bound, read_layout
 from ..nn.flush_record import flush_mismatch, read_flush_record
 from ..store import TieredStore
 from .progress import bar as progress_bar
@@ -174,7 +174,7 @@ def _keys_of(tables: list[dict]) -> Callable[[torch.Tensor], str | None]:
     numbers = max(table["number"] for table in tables) + 1
     bounds = torch.full((numbers,), -1, dtype=torch.int64)  # -1: no table of this number
     for table in tables:
-        bounds[table["number"]] = min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS)
+        bounds[table["number"]] = id_bound(table)
     names = {table["number"]: table["name"] for table in tables}
 
     def check(keys: torch.Tensor) -> str | None:

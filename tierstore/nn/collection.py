@@ -385,6 +385,11 @@ def group_path(root: Path, table: dict) -> Path:
     return Path(root) / _group_name(table)
 
 
+def id_bound(table: dict) -> int:
+    """Ids of ``table`` are below this: its ``num_embeddings``, within the key space's 2**47."""
+    return min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS)
+
+
 def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
     """Keys in the group's store of ``table``'s ``ids`` (int64, below 2**47)."""
     return (table["number"] << ID_BITS) | ids
@@ -461,7 +466,7 @@ def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: to
     """Keys (int64 [N]) of ``values`` (CPU ids, entry i of feature ``feature_of_entry[i]``, whose
     table is ``tables[f]``) in their groups' stores; ``IndexError`` naming the table if an id is
     negative or past its table's ``num_embeddings``."""
-    bounds = [min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS) for table in tables]
+    bounds = [id_bound(table) for table in tables]
     bad = (values < 0) | (values >= torch.tensor(bounds, dtype=torch.int64)[feature_of_entry])
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
