@@ -149,7 +149,7 @@ def run_bench(
     admission filter of that many lookups (``tierstore_admission``); ``warm`` (hot ids): also
     replay a table that holds every id, from a cold cache (``tierstore_held``) and warm-started
     with them (``tierstore_warm``)."""
-    distinct = int(np.unique(trace.keys).size)
+    distinct = trace.distinct_ids
     row_bytes = dim * 4
     report = {
         "trace": trace.name,

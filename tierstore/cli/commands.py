@@ -444,10 +444,9 @@ def _bench(args) -> int:
     trace = _trace(args)
     tables = split_columns(trace) if args.separate else [trace]
     for table in tables:  # every size fits every table before the first is run
-        distinct = int(np.unique(table.keys).size)
         for size in sizes:
             try:
-                cache_rows(size, distinct, args.dim * 4)
+                cache_rows(size, table.distinct_ids, args.dim * 4)
             except ValueError as error:
                 raise CommandError(
                     f"{table.name}: {error}"

@@ -25,6 +25,7 @@ table.
 from __future__ import annotations
 
 import csv
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,11 @@ class Trace:
     keys: np.ndarray
     name: str
     columns: list[tuple[str, int, int]]
+
+    @functools.cached_property
+    def distinct_ids(self) -> int:
+        """How many distinct keys the trace looks up (computed once)."""
+        return int(np.unique(self.keys).size)
 
 
 def load_trace(
