@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,22 @@ class TieredStore:
         slots = self.stack.make_resident(ids, counts)
         weights = self.stack.top.read(slots, self.dim).to(self.device)
         return weights, slots
+
+    @_serialized
+    def resident_slots(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Top-tier slots (int64 [U]) of distinct ``ids`` (int64 [U], any order), each looked up
+        ``counts [U]`` times, made resident (fetched, admitted; new ids join the table): the
+        training lookup of a pass that reads the rows where they lie (``nn.native_step``)."""
+        self._check_open()
+        return self.stack.make_resident(ids, counts)
+
+    @_serialized
+    def update_top_tier(self, update: Callable[[Any], bool]) -> bool:
+        """``update(top tier)`` holding the store's lock, the store being writable: an in-place
+        change of rows ``resident_slots`` placed (``nn.native_step``'s fused backward). Returns
+        what ``update`` returns (False: it changed nothing)."""
+        self._check_writable("update")
+        return update(self.stack.top)
 
     @_serialized
     def apply_gradients(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 SOURCE = "embedding_cache.cu"
 SHIM = "host_shim.h"
+STEP_SOURCE = "host_step.cpp"  # the host build's training-step passes (includes SOURCE)
 
 
 def source_dir() -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .build_cache import SHIM, SOURCE, cached_build, source_dir
+from .build_cache import SHIM, SOURCE, STEP_SOURCE, cached_build, source_dir
 from .launch import kernel_arguments
 
 _FLAGS = [
@@ -76,6 +76,11 @@ class HostKernels:
     def __init__(self, library: Path) -> None:
         self._library = ctypes.CDLL(str(library))
 
+    @property
+    def step_library(self) -> ctypes.CDLL | None:
+        """The library with the training step's passes (``host_step.cpp``: the tuned build), else None."""
+        return self._library if hasattr(self._library, "step_distinct") else None
+
     def launch(self, name: str, n: int, *args) -> None:
         if n <= 0:
             return
@@ -93,14 +98,16 @@ class HostKernels:
             runtime.omp_set_num_threads(threads)
 
 
-def build(parallel: bool, source_name: str = SOURCE) -> Path:
+def build(parallel: bool) -> Path:
     """Compile the kernel source for the host into the kernel cache (once per source, flags,
-    compiler and, for the tuned build, CPU); returns the library's path."""
+    compiler and, for the tuned build, CPU); returns the library's path. The tuned build also
+    holds the training step's passes (``host_step.cpp``, which includes the kernels)."""
+    source_name = STEP_SOURCE if parallel else SOURCE
     flags = _FLAGS + (_PARALLEL_FLAGS if parallel else [])
     compiler = subprocess.run(
         ["g++", "--version"], capture_output=True, text=True, check=True
     ).stdout.splitlines()[0]
-    inputs = [(source_dir() / name).read_bytes() for name in (source_name, SHIM)]
+    inputs = [(source_dir() / name).read_bytes() for name in (SOURCE, SHIM, STEP_SOURCE)]
     inputs.append(" ".join(flags + [compiler]).encode())
     if parallel:
         inputs.append(_cpu_identity().encode())
@@ -120,7 +127,7 @@ def build(parallel: bool, source_name: str = SOURCE) -> Path:
         if result.returncode != 0:
             raise RuntimeError(f"host build of {source_name} failed:\n{result.stderr}")
 
-    return cached_build(f"{source_name.rsplit('.', 1)[0]}-host", inputs, ".so", compile_library)
+    return cached_build(f"{SOURCE.rsplit('.', 1)[0]}-host", inputs, ".so", compile_library)
 
 
 @functools.cache

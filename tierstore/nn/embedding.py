@@ -30,7 +30,7 @@ from ..validation import (
     check_table_shape,
     integral,
 )
-from . import pooled_lookup
+from . import native_step, pooled_lookup
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
 _MISSING = ("init", "zero", "error")
@@ -451,6 +451,22 @@ class TieredEmbeddingBag(_TieredTable):
             **settings,
         )
 
+    def _native_passes(self, per_sample_weights: torch.Tensor | None):
+        """The native step passes (``native_step``) where a training forward can take them: a float32
+        host top tier with the tuned host build, float32 CPU outputs, mode "sum" or "mean", no
+        gradient for ``per_sample_weights``, not sharded; else None."""
+        training = self.training and torch.is_grad_enabled() and not self.frozen
+        if (
+            not training
+            or self.sharding is not None
+            or self.mode not in ("sum", "mean")
+            or self.output_dtype != torch.float32
+            or self._output_like.device.type != "cpu"
+            or (per_sample_weights is not None and per_sample_weights.requires_grad)
+        ):
+            return None
+        return native_step.step_passes(self.store)
+
     @_OPAQUE_TO_COMPILER
     def forward(
         self,
@@ -469,6 +485,9 @@ class TieredEmbeddingBag(_TieredTable):
             self.output_dtype,
             self.include_last_offset,
         )
+        passes = self._native_passes(per_sample_weights)
+        if passes is not None:
+            return native_step.embedding_bag(self, passes, input, offsets, per_sample_weights)
         weight, local = self._local_weight(input)
         if offsets is not None:
             offsets = offsets.to(weight.device)

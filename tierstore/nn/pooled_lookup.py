@@ -139,7 +139,7 @@ class _KernelGradientBag(torch.autograd.Function):
         bag, scale = bag.index_select(0, order), scale.index_select(0, order)
         order = torch.arange(order.numel(), device=order.device)
         grad_weight = torch.empty(rows, dim, dtype=torch.float32, device=grad_output.device)
-        grad_rows, grad_stride = _rows_in_place(grad_output)
+        grad_rows, grad_stride = rows_in_place(grad_output)
         kernels.launch(
             "bag_weight_gradient",
             rows * dim,
@@ -156,7 +156,7 @@ class _KernelGradientBag(torch.autograd.Function):
         return grad_weight, None, None, None, None, None, None
 
 
-def _rows_in_place(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+def rows_in_place(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(a contiguous 1-D view over the rows of grad [bags, dim], elements from one row to the
     next)``: a gradient whose rows are packed but spaced out (a slice of a wider output, as a
     model's ``torch.cat`` of features gives) is read in place; any other layout is copied."""
