@@ -10,9 +10,12 @@ is torch's ``reset_parameters`` for ``nn.Linear``; for a table that grows withou
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+
+from .kernels.step_passes import host_passes
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -30,6 +33,12 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _logical_shift_right(x, 30)) * _MIX1
     x = (x ^ _logical_shift_right(x, 27)) * _MIX2
     return x ^ _logical_shift_right(x, 31)
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_hash(seed: int) -> int:
+    """``splitmix64(seed)`` as a uint64 (the stream every id's values start from)."""
+    return int(splitmix64(torch.tensor(seed))) & ((1 << 64) - 1)
 
 
 def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -50,7 +59,20 @@ def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) 
 def initial_rows(
     ids: torch.Tensor, dim: int, state_width: int, seed: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Initial stored rows ``[N, dim + state_width]``: initial weights, then zero optimizer state."""
+    """Initial stored rows ``[N, dim + state_width]``: initial weights, then zero optimizer state.
+    float32 rows on the CPU come from the host build's native pass (the same bits), where it is
+    built; ``reference_initial_rows`` is the torch form everywhere."""
+    if ids.device.type == "cpu" and dtype == torch.float32 and ids.numel() and dim:
+        passes = host_passes()
+        if passes is not None:
+            return passes.initial_rows(ids.to(torch.int64), dim, state_width, _seed_hash(seed))
+    return reference_initial_rows(ids, dim, state_width, seed, dtype)
+
+
+def reference_initial_rows(
+    ids: torch.Tensor, dim: int, state_width: int, seed: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``initial_rows`` in torch ops, on any device and dtype."""
     rows = torch.zeros(ids.numel(), dim + state_width, dtype=dtype, device=ids.device)
     rows[:, :dim] = initial_weights(ids, dim, seed, dtype)
     return rows

@@ -12,8 +12,9 @@ import torch
 from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import METADATA_FILE, StoreMetadata, read_metadata
-from ..nn.collection import ID_BITS, ID_MASK, group_path, id_bound, read_layout
+from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
 from ..nn.flush_record import flush_mismatch, read_flush_record
+from ..nn.jagged_batch import id_bound
 from ..store import TieredStore
 from .progress import bar as progress_bar
 

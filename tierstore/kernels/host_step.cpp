@@ -16,39 +16,40 @@
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
 // first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding
 // entries); starts[U + 1] (U + 2 with padding: the padding row has no entries) and order[M]: the
-// non-padding entries, row by row, ascending within a row. `table_keys`/`table_rows` are scratch
-// of mask + 1 >= 2n positions. Returns U.
+// non-padding entries, row by row, ascending within a row. `table` is scratch of 2 x (mask + 1)
+// values, mask + 1 >= 2n: each position's key beside its row, so a probe touches one cache line.
+// Returns U.
 extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
-                             i64* __restrict__ table_keys, i64* __restrict__ table_rows, i64 mask,
-                             i64* __restrict__ unique, i64* __restrict__ counts, i64* __restrict__ entry_rows,
-                             i64* __restrict__ starts, i64* __restrict__ order) {
-    for (i64 p = 0; p <= mask; ++p) table_keys[p] = EMPTY_KEY;
+                             i64* __restrict__ table, i64 mask, i64* __restrict__ unique,
+                             i64* __restrict__ counts, i64* __restrict__ entry_rows, i64* __restrict__ starts,
+                             i64* __restrict__ order) {
+    for (i64 p = 0; p <= mask; ++p) table[2 * p] = EMPTY_KEY;
     i64 distinct = 0;
     for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)ids[e + AHEAD]) & (u64)mask]);
+        if (e + AHEAD < n) __builtin_prefetch(&table[2 * (mix((u64)ids[e + AHEAD]) & (u64)mask)]);
         const i64 key = ids[e];
         if (has_padding && key == padding) {
             entry_rows[e] = -1;
             continue;
         }
         u64 position = mix((u64)key) & (u64)mask;
-        while (table_keys[position] != key && table_keys[position] != EMPTY_KEY) {
+        while (table[2 * position] != key && table[2 * position] != EMPTY_KEY) {
             position = (position + 1) & (u64)mask;
         }
-        if (table_keys[position] == EMPTY_KEY) {
-            table_keys[position] = key;
-            table_rows[position] = distinct;
+        if (table[2 * position] == EMPTY_KEY) {
+            table[2 * position] = key;
+            table[2 * position + 1] = distinct;
             unique[distinct] = key;
             counts[distinct] = 0;
             ++distinct;
         }
-        const i64 row = table_rows[position];
+        const i64 row = table[2 * position + 1];
         counts[row] += 1;
         entry_rows[e] = row;
     }
     starts[0] = 0;
     for (i64 r = 0; r < distinct; ++r) starts[r + 1] = starts[r] + counts[r];
-    i64* __restrict__ next = table_rows;  // the table is done with: each row's next place in order
+    i64* __restrict__ next = table;  // the table is done with: each row's next place in order
     for (i64 r = 0; r < distinct; ++r) next[r] = starts[r];
     for (i64 e = 0; e < n; ++e) {
         const i64 row = entry_rows[e];
@@ -191,4 +192,71 @@ extern "C" i64 step_rows_moved(const i64* __restrict__ slot_keys, const int* __r
 #pragma omp parallel for reduction(+ : moved) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) moved += slot_keys[slots[i]] != keys[i];
     return moved;
+}
+
+// The first entry of values (feature f's at feature_starts[f] .. feature_starts[f + 1] - 1) whose id
+// is negative or not below bounds[f]; -1 if none.
+extern "C" i64 step_first_bad_id(const i64* __restrict__ values, const i64* __restrict__ feature_starts,
+                                 i64 features, const i64* __restrict__ bounds) {
+    for (i64 f = 0; f < features; ++f) {
+        for (i64 e = feature_starts[f]; e < feature_starts[f + 1]; ++e) {
+            if (values[e] < 0 || values[e] >= bounds[f]) return e;
+        }
+    }
+    return -1;
+}
+
+// A collection group's keys in its output's layout, from a KeyedJaggedTensor's values (feature by
+// feature, sample by sample: feature f's entries from feature_starts[f], lengths[f * batch + b] of
+// them for sample b): bag b * group_count + j holds sample b's entries of feature
+// group_features[j], as keys[p] = numbers[f] | values[e] (numbers: each feature's table number,
+// shifted past the id bits); bag_starts[bag] is where each bag's keys start. weights (null: none)
+// follow the entries into group_weights.
+extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __restrict__ lengths, i64 batch,
+                                const i64* __restrict__ feature_starts,
+                                const i64* __restrict__ group_features, i64 group_count,
+                                const i64* __restrict__ numbers, const float* __restrict__ weights,
+                                i64* __restrict__ keys, i64* __restrict__ bag_starts,
+                                float* __restrict__ group_weights, i64* __restrict__ cursors) {
+    for (i64 j = 0; j < group_count; ++j) cursors[j] = feature_starts[group_features[j]];
+    i64 position = 0;
+    for (i64 b = 0; b < batch; ++b) {
+        for (i64 j = 0; j < group_count; ++j) {
+            const i64 f = group_features[j];
+            const i64 length = lengths[f * batch + b], source = cursors[j], number = numbers[f];
+            bag_starts[b * group_count + j] = position;
+            for (i64 k = 0; k < length; ++k) keys[position + k] = number | values[source + k];
+            if (weights) {
+                for (i64 k = 0; k < length; ++k) group_weights[position + k] = weights[source + k];
+            }
+            cursors[j] = source + length;
+            position += length;
+        }
+    }
+}
+
+// SplitMix64's finaliser after its increment, as tierstore/initializer.py's splitmix64.
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+// rows[i] = ids[i]'s initial row, bit for bit tierstore/initializer.py's initial_rows: weights
+// uniform in [-bound, bound) from 53 hashed bits of (id, seed, column), computed in double and
+// rounded once to float; optimizer state zero. seed_hash: splitmix64(seed).
+extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i64 row_width, u64 seed_hash,
+                                  double bound, float* __restrict__ rows) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        const u64 stream = splitmix64((u64)ids[i] * 0x5851F42D4C957F2DULL + seed_hash);
+        float* __restrict__ row = rows + i * row_width;
+        for (i64 c = 0; c < dim; ++c) {
+            const u64 bits = splitmix64(stream + (u64)c * 0x9E3779B97F4A7C15ULL);
+            const double unit = (double)(bits >> 11) * 0x1.0p-53;
+            row[c] = (float)((2.0 * unit - 1.0) * bound);
+        }
+        for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
+    }
 }

@@ -33,10 +33,10 @@ from ..validation import as_path
 from ..warm_start import hot_ids
 from .embedding import TieredEmbeddingBag
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
-from .keyed import KeyedTensor, jagged_parts, table_settings
+from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
+from .keyed import KeyedTensor, table_settings
 from .sharding import refuse_prefetch
 
-ID_BITS = 47  # ids below 2**47; the table's number in the bits above
 ID_MASK = (1 << ID_BITS) - 1
 MAX_TABLES_PER_GROUP = 1 << 16
 LAYOUT_FILE = "collection.json"
@@ -208,7 +208,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         for name, ids in warm.items():
             table = self._tables[name]
             ids = hot_ids(ids)
-            keys = _checked_keys(ids, [table], torch.zeros(ids.numel(), dtype=torch.int64))
+            keys = checked_table_keys(table, ids)
             ranked.setdefault(_group_name(table), []).append((keys, torch.arange(ids.numel())))
         merged = {}
         for group_name, parts in ranked.items():
@@ -218,99 +218,47 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: Any) -> KeyedTensor:
         try:
-            checked = self._checked_input(features)
+            batch = JaggedBatch(features, self._table_of_feature)  # everything checked first
         except Exception as error:
             if not self.sharded:
                 raise
             self._sharding.refuse(error)  # the others raise too
-        keys, lengths, weights, tables, feature_of_entry, entry_keys = checked
-        for table, count in zip(tables, lengths.sum(dim=1).tolist()):
+        tables, lengths = batch.tables, batch.lengths
+        for table, count in zip(tables, batch.counts):
             self.lookups[table["name"]] += count
         blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
         for group_name, group in self.groups.items():
-            positions, entries = _in_group(group_name, tables, feature_of_entry)
+            positions = _in_group(group_name, tables)
             if not positions:
                 if self.sharded:  # every rank's group takes part in every exchange
                     blocks.append(_idle_forward(group, lengths.shape[1]))
                 continue
-            if entries is None:
-                group_keys, group_weights = entry_keys, weights
-            else:
-                group_keys = entry_keys[entries]
-                group_weights = None if weights is None else weights[entries.to(weights.device)]
-            blocks.append(
-                self._group_forward(
-                    group, [tables[i] for i in positions], group_keys, lengths[positions], group_weights
-                )
-            )
+            keys, starts, weights = batch.group_bags(positions)
+            group_tables = [tables[i] for i in positions]
+            blocks.append(_group_forward(group, group_tables, keys, starts, weights, lengths[positions]))
             order.extend(positions)
         dims = [table["embedding_dim"] for table in tables]
         if not blocks:
             device = next(iter(self.groups.values()))._output_like.device
-            return KeyedTensor(keys, dims, torch.zeros(lengths.shape[1], 0, device=device))
+            return KeyedTensor(batch.keys, dims, torch.zeros(lengths.shape[1], 0, device=device))
         values_out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if order != sorted(order):  # groups interleave in keys' order: one column gather
             starts = [sum(dims[:index]) for index in range(len(dims))]
             columns = torch.cat([torch.arange(starts[index], starts[index] + dims[index]) for index in order])
             values_out = values_out.index_select(1, torch.argsort(columns).to(values_out.device))
-        return KeyedTensor(keys, dims, values_out)
-
-    def _checked_input(self, features: Any) -> tuple:
-        """``(keys, lengths [F, B], weights, each key's table, feature_of_entry [N], entry_keys [N])``
-        of a KJT, everything checked before any table is touched; entry i is of feature
-        ``feature_of_entry[i]`` and has key ``entry_keys[i]`` in its group's store."""
-        keys, values, lengths, weights = jagged_parts(features)
-        unknown = [key for key in keys if key not in self._table_of_feature]
-        if unknown:
-            raise KeyError(
-                f"feature(s) {unknown} have no table; the tables' features are "
-                f"{sorted(self._table_of_feature)}"
-            )
-        for key in keys if weights is not None else ():
-            if self._table_of_feature[key]["pooling"] == "mean":
-                raise ValueError(
-                    f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
-                )
-        tables = [self._table_of_feature[key] for key in keys]
-        feature_of_entry = torch.repeat_interleave(torch.arange(len(keys)), lengths.sum(dim=1))
-        entry_keys = _checked_keys(values.cpu(), tables, feature_of_entry)
-        return keys, lengths, weights, tables, feature_of_entry, entry_keys
+        return KeyedTensor(batch.keys, dims, values_out)
 
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
         refuse_prefetch(self._sharding)
-        _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
+        batch = JaggedBatch(features, self._table_of_feature)
         stores = []
         for group_name, group in self.groups.items():
-            positions, entries = _in_group(group_name, tables, feature_of_entry)
+            positions = _in_group(group_name, batch.tables)
             if positions:
-                group_keys = entry_keys if entries is None else entry_keys[entries]
-                stores.append((group.store, torch.unique(group_keys)))
+                stores.append((group.store, torch.unique(batch.group_bags(positions)[0])))
         return stores
-
-    @staticmethod
-    def _group_forward(group, tables, keys, lengths, weights) -> torch.Tensor:
-        """``[batch, len(tables) x dim]``: the pooled rows of features looked up in ``tables`` (one
-        per feature) side by side, all in one lookup of ``group``. ``keys``: their keys in the
-        group's store, feature by feature; ``lengths [features, batch]``; ``weights`` as ``keys``
-        or None. The bags are looked up sample by sample, so the pooled rows come out in the
-        output's layout (no transpose forward or backward)."""
-        features, batch = lengths.shape
-        by_sample = lengths.t().reshape(-1)  # bag b * features + f
-        starts = torch.cumsum(by_sample, 0) - by_sample
-        by_feature = lengths.reshape(-1)
-        shift = starts.view(batch, features).t().reshape(-1) - (torch.cumsum(by_feature, 0) - by_feature)
-        positions = torch.arange(keys.numel()) + torch.repeat_interleave(shift, by_feature)
-        keys = torch.empty_like(keys).index_copy_(0, positions, keys)
-        if weights is not None:
-            weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
-        pooled = group(keys, starts, weights).view(batch, features, group.embedding_dim)
-        means = torch.tensor([table["pooling"] == "mean" for table in tables])
-        if bool(means.any()):
-            divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
-            pooled = pooled / divisors[:, :, None]
-        return pooled.view(batch, features * group.embedding_dim)
 
     def flush(self) -> None:
         """Make every table's updates durable: each group's store commits atomically, and the
@@ -385,11 +333,6 @@ def group_path(root: Path, table: dict) -> Path:
     return Path(root) / _group_name(table)
 
 
-def id_bound(table: dict) -> int:
-    """Ids of ``table`` are below this: its ``num_embeddings``, within the key space's 2**47."""
-    return min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS)
-
-
 def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
     """Keys in the group's store of ``table``'s ``ids`` (int64, below 2**47)."""
     return (table["number"] << ID_BITS) | ids
@@ -462,30 +405,22 @@ def _check_layout(root: Path, tables: dict[str, dict], sharded: bool = False) ->
             )
 
 
-def _checked_keys(values: torch.Tensor, tables: list[dict], feature_of_entry: torch.Tensor) -> torch.Tensor:
-    """Keys (int64 [N]) of ``values`` (CPU ids, entry i of feature ``feature_of_entry[i]``, whose
-    table is ``tables[f]``) in their groups' stores; ``IndexError`` naming the table if an id is
-    negative or past its table's ``num_embeddings``."""
-    bounds = [id_bound(table) for table in tables]
-    bad = (values < 0) | (values >= torch.tensor(bounds, dtype=torch.int64)[feature_of_entry])
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        feature = int(feature_of_entry[first])
-        name, value = tables[feature]["name"], int(values[first])
-        raise IndexError(f"table {name!r}: ids must be in [0, {bounds[feature]}), got {value}")
-    numbers = torch.tensor([table["number"] for table in tables], dtype=torch.int64)
-    return (numbers[feature_of_entry] << ID_BITS) | values
+def _in_group(group_name: str, tables: list[dict]) -> list[int]:
+    """Positions of the features whose table is in the group."""
+    return [index for index, table in enumerate(tables) if _group_name(table) == group_name]
 
 
-def _in_group(group_name: str, tables: list[dict], feature_of_entry: torch.Tensor) -> tuple:
-    """``(positions of the features whose table is in the group, a bool mask of their entries or
-    None when every feature is)``."""
-    positions = [index for index, table in enumerate(tables) if _group_name(table) == group_name]
-    if len(positions) in (0, len(tables)):
-        return positions, None
-    in_group = torch.zeros(len(tables), dtype=torch.bool)
-    in_group[positions] = True
-    return positions, in_group[feature_of_entry]
+def _group_forward(group, tables, keys, starts, weights, lengths) -> torch.Tensor:
+    """``[batch, len(tables) x dim]``: the pooled rows of features looked up in ``tables`` (one per
+    feature) side by side, all in one lookup of ``group``: ``keys``, ``starts`` and ``weights`` as
+    ``JaggedBatch.group_bags`` lays them out, ``lengths [features, batch]`` (for mean pooling)."""
+    features, batch = lengths.shape
+    pooled = group(keys, starts, weights).view(batch, features, group.embedding_dim)
+    means = torch.tensor([table["pooling"] == "mean" for table in tables])
+    if bool(means.any()):
+        divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
+        pooled = pooled / divisors[:, :, None]
+    return pooled.view(batch, features * group.embedding_dim)
 
 
 def _group_keys(per_group: dict[str, Any] | None, group_name: str, default: Any) -> Any:

@@ -1,0 +1,273 @@
+"""The host build's training-step passes (``host_step.cpp``) behind typed Python calls: a batch's
+distinct ids by hashing, the pooled forward read straight from a tier's rows, the gradient sum per
+row fused with the optimizer, a collection's key layout and id check, and the initial rows.
+``nn.native_step`` builds a training lookup from them; ``initializer`` uses ``initial_rows``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import threading
+
+import torch
+
+from .host import host_kernels
+
+# The optimizer kernels by number in host_step.cpp's update_row, with their float arguments.
+_OPTIMIZER_CODES = {"update_sgd": 0, "update_adagrad": 1, "update_adam": 2, "update_rowwise_adagrad": 3}
+_MAX_OPTIMIZER_ARGUMENTS = 6
+_POINTER, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "step_distinct": (_I64, [_POINTER, _I64, _I64, _INT, _POINTER, _I64] + [_POINTER] * 5),
+    "step_pooled_forward": (
+        None,
+        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _I64, _I64, _I64, _INT]
+        + [_POINTER, _POINTER, _I64, _POINTER, _POINTER],
+    ),
+    "step_backward": (
+        None,
+        [_POINTER, _I64, _POINTER, _POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER, _I64]
+        + [_POINTER, _POINTER, _INT, _POINTER, _POINTER],
+    ),
+    "step_rows_moved": (_I64, [_POINTER, _POINTER, _POINTER, _I64]),
+    "step_first_bad_id": (_I64, [_POINTER, _POINTER, _I64, _POINTER]),
+    "step_initial_rows": (None, [_POINTER, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, _POINTER]),
+    "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
+}
+
+
+def _typed(function, result, arguments: list):
+    """``function`` with its C types, refusing a call with another number of arguments (ctypes
+    would pass extra ones as 32-bit ints)."""
+    function.restype, function.argtypes = result, arguments
+
+    def call(*values):
+        if len(values) != len(arguments):
+            raise TypeError(f"{function.__name__} takes {len(arguments)} arguments, got {len(values)}")
+        return function(*values)
+
+    return call
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclasses.dataclass(frozen=True)
+class Distinct:
+    """A batch's distinct ids: ``unique [U]`` in first-appearance order, ``counts [U]``,
+    ``entry_rows [N]`` (each entry's row in ``unique``; U for padding entries), ``starts [U + 1]``
+    and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64."""
+
+    unique: torch.Tensor
+    counts: torch.Tensor
+    entry_rows: torch.Tensor
+    starts: torch.Tensor
+    order: torch.Tensor
+    padding_row: int  # -1: no padding
+
+
+class StepPasses:
+    """The native passes of one host build (``HostKernels.step_library``)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {name: _typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
+        self._scratch = threading.local()  # the dedupe's hash table, per thread, reused
+
+    def _hash_table(self, entries: int) -> tuple[torch.Tensor, int]:
+        """``(scratch [positions, 2] int64, mask)`` with positions a power of two >= 2 x entries."""
+        positions = 1 << max(4, (2 * entries - 1).bit_length())
+        table = getattr(self._scratch, "table", None)
+        if table is None or table.shape[0] < positions:
+            table = self._scratch.table = torch.empty(positions, 2, dtype=torch.int64)
+        return table, positions - 1
+
+    def distinct(self, ids: torch.Tensor, padding: int | None) -> Distinct:
+        """``Distinct`` of ``ids`` (int64 CPU, any shape, validated), leaving out entries equal to
+        ``padding`` (None: none)."""
+        flat = ids.reshape(-1).contiguous()
+        entries = flat.numel()
+        table, mask = self._hash_table(entries)
+        out = torch.empty(3, entries, dtype=torch.int64)  # unique, counts, entry rows
+        starts = torch.empty(entries + 2, dtype=torch.int64)
+        order = torch.empty(entries, dtype=torch.int64)
+        count = self._functions["step_distinct"](
+            flat.data_ptr(),
+            entries,
+            -1 if padding is None else padding,
+            padding is not None,
+            table.data_ptr(),
+            mask,
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            out[2].data_ptr(),
+            starts.data_ptr(),
+            order.data_ptr(),
+        )
+        rows = count + (padding is not None)
+        kept = int(starts[count])
+        padding_row = count if padding is not None else -1
+        return Distinct(out[0, :count], out[1, :count], out[2], starts[: rows + 1], order[:kept], padding_row)
+
+    def pooled(
+        self,
+        rows: torch.Tensor,
+        dim: int,
+        slots: torch.Tensor,
+        distinct: Distinct,
+        offsets: torch.Tensor | None,
+        bag_length: int,
+        bags: int,
+        last_end: int,
+        mean: bool,
+        weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pooled [bags, dim], each entry's bag int64 [N] (-1: none), its gradient scale float32 [N])``
+        of the bags over ``rows`` (the host tier's buffer) at ``slots`` (int32 [U]); bags as
+        ``step_pooled_forward`` takes them."""
+        entries = distinct.entry_rows.numel()
+        out = torch.empty(bags, dim, dtype=torch.float32)
+        entry_bag = torch.empty(entries, dtype=torch.int64)
+        scale = torch.empty(entries, dtype=torch.float32)
+        self._functions["step_pooled_forward"](
+            rows.data_ptr(),
+            rows.shape[1],
+            dim,
+            slots.data_ptr(),
+            distinct.entry_rows.data_ptr(),
+            distinct.padding_row,
+            _pointer(offsets),
+            bag_length,
+            last_end,
+            bags,
+            entries,
+            mean,
+            _pointer(weights),
+            out.data_ptr(),
+            dim,
+            entry_bag.data_ptr(),
+            scale.data_ptr(),
+        )
+        return out, entry_bag, scale
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        grad_stride: int,
+        distinct: Distinct,
+        entry_bag: torch.Tensor,
+        scale: torch.Tensor,
+        dim: int,
+        update: tuple | None,
+    ) -> torch.Tensor | None:
+        """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``).
+        ``update``: ``(rows, slots int32 [U], dirty, optimizer kernel name, its float arguments)``:
+        applied to the rows in place (returns None); None: the sums ``[U, dim]`` are returned."""
+        count = distinct.unique.numel()
+        if update is None:
+            summed = torch.empty(count, dim, dtype=torch.float32)
+            rows = slots = dirty = None
+            code, arguments = 0, ()
+        else:
+            summed = None
+            rows, slots, dirty, name, arguments = update
+            code = _OPTIMIZER_CODES[name]
+        parameters = (ctypes.c_float * _MAX_OPTIMIZER_ARGUMENTS)(*arguments)
+        self._functions["step_backward"](
+            grad.data_ptr(),
+            grad_stride,
+            distinct.order.data_ptr(),
+            distinct.starts.data_ptr(),
+            entry_bag.data_ptr(),
+            scale.data_ptr(),
+            count,
+            dim,
+            _pointer(rows),
+            0 if rows is None else rows.shape[1],
+            _pointer(slots),
+            _pointer(dirty),
+            code,
+            parameters,
+            _pointer(summed),
+        )
+        return summed
+
+    def rows_moved(self, slot_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> int:
+        """How many ``keys`` are no longer at their ``slots`` (int32) of a tier's ``slot_keys``."""
+        return self._functions["step_rows_moved"](
+            slot_keys.data_ptr(), slots.data_ptr(), keys.data_ptr(), keys.numel()
+        )
+
+    def first_bad_id(self, values: torch.Tensor, feature_starts: torch.Tensor, bounds: torch.Tensor) -> int:
+        """The first entry of ``values`` (int64, feature f's from ``feature_starts[f]``) negative or
+        not below its feature's ``bounds[f]``; -1 if none."""
+        return self._functions["step_first_bad_id"](
+            values.data_ptr(), feature_starts.data_ptr(), bounds.numel(), bounds.data_ptr()
+        )
+
+    def group_keys(
+        self,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        feature_starts: torch.Tensor,
+        features: list[int],
+        numbers: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(keys [M], bag starts [batch x len(features)], weights [M] or None)`` of the entries of
+        ``features`` (positions in a KeyedJaggedTensor: ``values`` int64, ``lengths [F, batch]``,
+        ``weights`` float32 or None) in the output's layout, sample by sample, as ``step_group_keys``."""
+        batch = lengths.shape[1]
+        group = torch.tensor(features, dtype=torch.int64)
+        count = int(lengths[group].sum()) if len(features) < lengths.shape[0] else values.numel()
+        keys = torch.empty(count, dtype=torch.int64)
+        starts = torch.empty(batch * len(features), dtype=torch.int64)
+        group_weights = None if weights is None else torch.empty(count, dtype=torch.float32)
+        cursors = torch.empty(len(features), dtype=torch.int64)  # scratch: each feature's next entry
+        lengths = lengths.contiguous()
+        self._functions["step_group_keys"](
+            values.data_ptr(),
+            lengths.data_ptr(),
+            batch,
+            feature_starts.data_ptr(),
+            group.data_ptr(),
+            len(features),
+            numbers.data_ptr(),
+            _pointer(weights),
+            keys.data_ptr(),
+            starts.data_ptr(),
+            _pointer(group_weights),
+            cursors.data_ptr(),
+        )
+        return keys, starts, group_weights
+
+    def initial_rows(self, ids: torch.Tensor, dim: int, state_width: int, seed_hash: int) -> torch.Tensor:
+        """float32 ``[N, dim + state_width]`` initial rows of ``ids`` (int64 CPU): ``initializer``'s,
+        bit for bit. ``seed_hash``: the seed's SplitMix64 hash, as a uint64."""
+        ids = ids.contiguous()
+        rows = torch.empty(ids.numel(), dim + state_width, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(dim)
+        width = dim + state_width
+        self._functions["step_initial_rows"](
+            ids.data_ptr(), ids.numel(), dim, width, seed_hash, bound, rows.data_ptr()
+        )
+        return rows
+
+
+_PASSES: dict[int, StepPasses] = {}
+
+
+def passes_of(library: ctypes.CDLL) -> StepPasses:
+    passes = _PASSES.get(id(library))
+    if passes is None:
+        passes = _PASSES[id(library)] = StepPasses(library)
+    return passes
+
+
+def host_passes() -> StepPasses | None:
+    """The passes of this machine's tuned host build, None where it cannot be built."""
+    kernels, _ = host_kernels(parallel=True)
+    library = None if kernels is None else kernels.step_library
+    return None if library is None else passes_of(library)

@@ -1,0 +1,111 @@
+"""``JaggedBatch``: a collection's ``KeyedJaggedTensor`` batch, checked against its tables, and each
+group's entries laid out for one lookup of the group's store.
+
+A row's key in a group's store is ``table_number << ID_BITS | id``. A group looks up its features
+bag by bag in the output's layout (bag ``b * features + j``: sample b's entries of the group's j-th
+feature), so the pooled rows come out as ``[batch, features x dim]`` with no transpose forward or
+backward. The layout is made by one native pass (``host_step.cpp``'s ``step_group_keys``) where the
+host build is available and the weights need no gradient, else by torch ops (the reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..kernels.step_passes import host_passes
+from .keyed import jagged_parts
+
+ID_BITS = 47  # ids below 2**47; the table's number in the bits above
+
+
+def id_bound(table: dict) -> int:
+    """Ids of ``table`` are below this: its ``num_embeddings``, within the key space's 2**47."""
+    return min(table["num_embeddings"] or 1 << ID_BITS, 1 << ID_BITS)
+
+
+def checked_table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Keys (int64 [N]) of ``table``'s ``ids`` (int64 CPU) in its group's store; ``IndexError`` naming
+    the table if an id is negative or past its ``num_embeddings``."""
+    bound = id_bound(table)
+    bad = ((ids < 0) | (ids >= bound)).nonzero()
+    if bad.numel():
+        raise IndexError(f"table {table['name']!r}: ids must be in [0, {bound}), got {int(ids[bad[0, 0]])}")
+    return (table["number"] << ID_BITS) | ids
+
+
+class JaggedBatch:
+    """``keys`` (feature names), ``values`` (int64 CPU ids, feature by feature), ``lengths [F, B]``,
+    ``weights`` (``[N]`` or None) and ``tables`` (each feature's table settings), checked."""
+
+    def __init__(self, features: Any, table_of_feature: dict[str, dict]) -> None:
+        keys, values, lengths, weights = jagged_parts(features)
+        unknown = [key for key in keys if key not in table_of_feature]
+        if unknown:
+            raise KeyError(
+                f"feature(s) {unknown} have no table; the tables' features are {sorted(table_of_feature)}"
+            )
+        for key in keys if weights is not None else ():
+            if table_of_feature[key]["pooling"] == "mean":
+                raise ValueError(
+                    f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
+                )
+        self.keys, self.lengths, self.weights = keys, lengths, weights
+        self.values = values.cpu().contiguous()
+        self.tables = [table_of_feature[key] for key in keys]
+        per_feature = lengths.sum(dim=1)
+        self.counts = per_feature.tolist()  # entries of each feature
+        self._feature_starts = torch.zeros(len(keys) + 1, dtype=torch.int64)
+        torch.cumsum(per_feature, 0, out=self._feature_starts[1:])
+        self._numbers = torch.tensor([table["number"] << ID_BITS for table in self.tables], dtype=torch.int64)
+        native = weights is None or (weights.device.type == "cpu" and not weights.requires_grad)
+        self._passes = host_passes() if native else None
+        self._check_ids()
+
+    def _check_ids(self) -> None:
+        """``IndexError`` naming the table if an id is negative or past its table's ``num_embeddings``."""
+        bounds = torch.tensor([id_bound(table) for table in self.tables], dtype=torch.int64)
+        if self._passes is not None:
+            first = self._passes.first_bad_id(self.values, self._feature_starts, bounds)
+        else:
+            bound = bounds[self._feature_of_entry()]
+            bad = ((self.values < 0) | (self.values >= bound)).nonzero()
+            first = int(bad[0, 0]) if bad.numel() else -1
+        if first >= 0:
+            feature = int(torch.searchsorted(self._feature_starts, first, right=True)) - 1
+            name, value = self.tables[feature]["name"], int(self.values[first])
+            raise IndexError(f"table {name!r}: ids must be in [0, {int(bounds[feature])}), got {value}")
+
+    def _feature_of_entry(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.keys)), self.lengths.sum(dim=1))
+
+    def group_bags(self, features: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(keys [M], bag starts [batch x len(features)], weights [M] or None)``: the entries of
+        ``features`` (positions in ``keys``, one group's) as keys of the group's store, bag by bag
+        in the output's layout."""
+        weights = self.weights
+        if self._passes is not None:
+            weights = None if weights is None else weights.to(torch.float32).contiguous()
+            return self._passes.group_keys(
+                self.values, self.lengths, self._feature_starts, features, self._numbers, weights
+            )
+        feature_of_entry = self._feature_of_entry()
+        keys = self._numbers[feature_of_entry] | self.values
+        lengths = self.lengths[features]
+        if len(features) < len(self.keys):
+            in_group = torch.zeros(len(self.keys), dtype=torch.bool)
+            in_group[features] = True
+            entries = in_group[feature_of_entry]
+            keys = keys[entries]
+            weights = None if weights is None else weights[entries.to(weights.device)]
+        count, batch = lengths.shape
+        by_sample = lengths.t().reshape(-1)  # bag b * features + f
+        starts = torch.cumsum(by_sample, 0) - by_sample
+        by_feature = lengths.reshape(-1)
+        shift = starts.view(batch, count).t().reshape(-1) - (torch.cumsum(by_feature, 0) - by_feature)
+        positions = torch.arange(keys.numel()) + torch.repeat_interleave(shift, by_feature)
+        keys = torch.empty_like(keys).index_copy_(0, positions, keys)
+        if weights is not None:
+            weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
+        return keys, starts, weights
