@@ -1,0 +1,234 @@
+"""The native training step (``host_step.cpp`` through ``kernels.step_passes`` and ``nn.native_step``)
+against the reference paths it replaces: torch's unique, the gather-then-``embedding_bag`` lookup
+with the gradient kernel and the optimizer kernels, the torch layout of a collection's batch, and
+the torch initializer. Rows must match bit for bit: the passes sum in the same order."""
+
+import numpy as np
+import pytest
+import torch
+from host_kernels import parallel_host_kernels
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, optim
+from tierstore.initializer import initial_rows, reference_initial_rows
+from tierstore.kernels import step_passes
+from tierstore.kernels.host import openmp_runtime
+from tierstore.nn import jagged_batch, native_step
+from tierstore.nn.collection import TieredEmbeddingBagCollection
+
+OPTIMIZERS = [
+    optim.SGD(lr=0.1),
+    optim.Adagrad(lr=0.1),
+    optim.RowWiseAdagrad(lr=0.1),
+    optim.Adam(lr=0.01),
+]
+
+
+@pytest.fixture(scope="module")
+def passes():
+    return step_passes.passes_of(parallel_host_kernels().step_library)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=200), st.sampled_from([None, 0, 7]))
+def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    distinct = passes.distinct(ids, padding)
+    kept = ids if padding is None else ids[ids != padding]
+    expected, counts = torch.unique(kept, return_counts=True)
+    order = torch.argsort(distinct.unique)
+    assert torch.equal(distinct.unique[order], expected)
+    assert torch.equal(distinct.counts[order], counts)
+    first_seen = [int(i) for i in dict.fromkeys(kept.tolist())]
+    assert distinct.unique.tolist() == first_seen
+    rows = distinct.entry_rows
+    padded = ids == padding if padding is not None else torch.zeros_like(ids, dtype=torch.bool)
+    assert bool((rows[padded] == distinct.unique.numel()).all())
+    assert torch.equal(distinct.unique[rows[~padded]], ids[~padded])
+    for row in range(distinct.unique.numel()):  # each row's entries, ascending
+        entries = distinct.order[distinct.starts[row] : distinct.starts[row + 1]]
+        assert entries.tolist() == (rows == row).nonzero().squeeze(1).tolist()
+
+
+def _train(monkeypatch, native: bool, optimizer, steps, **settings):
+    """Rows of a table trained on ``steps`` ((forward args), upstream gradient), native or not."""
+    monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda store: None)
+    table = TieredEmbeddingBag(None, 6, optimizer=optimizer, host_cache=48, **settings)
+    outputs = []
+    for arguments, gradient in steps:
+        out = table(*arguments)
+        (out * gradient).sum().backward()
+        outputs.append(out.detach())
+    ids = torch.arange(60)
+    rows = table.store.get(ids, with_state=True)
+    table.close()
+    monkeypatch.undo()
+    return outputs, rows
+
+
+def _bag_steps(seed: int, include_last_offset: bool, weighted: bool, two_d: bool, padding: bool):
+    generator = torch.Generator().manual_seed(seed)
+    steps = []
+    for _ in range(6):
+        if two_d:
+            ids = torch.randint(0, 60, (5, 3), generator=generator)
+            arguments, bags = [ids, None], 5
+        else:
+            ids = torch.randint(0, 60, (30,), generator=generator)
+            cuts = torch.sort(torch.randint(0, 31, (6,), generator=generator)).values
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
+            if include_last_offset:
+                offsets = torch.cat([offsets, torch.tensor([30])])
+            arguments, bags = [ids, offsets], offsets.numel() - include_last_offset
+        if padding:
+            ids[::4] = 3
+        weights = torch.rand(ids.shape, generator=generator) if weighted else None
+        steps.append(((*arguments, weights), torch.randn(bags, 6, generator=generator)))
+    return steps
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "mode, include_last_offset, weighted, two_d, padding",
+    [
+        ("sum", False, False, False, False),
+        ("mean", False, False, False, True),
+        ("sum", True, True, False, True),
+        ("mean", True, False, True, False),
+        ("sum", False, True, True, False),
+    ],
+)
+def test_native_step_trains_the_rows_of_the_reference_path(
+    monkeypatch, optimizer, mode, include_last_offset, weighted, two_d, padding
+):
+    steps = _bag_steps(3, include_last_offset, weighted, two_d, padding)
+    settings = dict(mode=mode, include_last_offset=include_last_offset, padding_idx=3 if padding else None)
+    native_outputs, native_rows = _train(monkeypatch, True, optimizer, steps, **settings)
+    reference_outputs, reference_rows = _train(monkeypatch, False, optimizer, steps, **settings)
+    assert torch.equal(native_rows, reference_rows)
+    for native, reference in zip(native_outputs, reference_outputs):
+        torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_the_native_path_is_the_one_taken(monkeypatch):
+    calls = []
+    pooled = step_passes.StepPasses.pooled
+    monkeypatch.setattr(step_passes.StepPasses, "pooled", lambda *a, **k: calls.append(1) or pooled(*a, **k))
+    table = TieredEmbeddingBag(10, 4, mode="sum", host_cache=16)
+    table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
+    assert calls == [1]
+    with torch.no_grad():  # evaluation reads through the store (ids not seen stay out of it)
+        table(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    assert calls == [1]
+
+
+def test_rows_moved_between_forward_and_backward_are_found_again(monkeypatch):
+    """A second forward evicts the first one's rows (a cache of one batch's rows): the first
+    backward's update goes through the store, which brings them back."""
+    generator = torch.Generator().manual_seed(1)
+    first, second = torch.arange(0, 20), torch.arange(20, 40)
+    gradients = [torch.randn(4, 6, generator=generator) for _ in range(2)]
+    offsets = torch.tensor([0, 5, 10, 15])
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda s: None)
+        table = TieredEmbeddingBag(None, 6, mode="sum", optimizer=optim.Adagrad(lr=0.1), host_cache=24)
+        one, two = table(first, offsets), table(second, offsets)
+        (one * gradients[0]).sum().backward()
+        (two * gradients[1]).sum().backward()
+        results.append(table.store.get(torch.arange(40), with_state=True))
+        table.close()
+        monkeypatch.undo()
+    assert torch.equal(results[0], results[1])
+
+
+def test_rows_do_not_depend_on_the_thread_count(monkeypatch):
+    runtime = openmp_runtime()
+    if runtime is None:
+        pytest.skip("the OpenMP runtime (libgomp) is not loaded: one thread count only")
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 5000, (8192,), generator=generator)
+    offsets = torch.arange(0, 8192, 4)
+    gradient = torch.randn(offsets.numel(), 8, generator=generator)
+    threads = runtime.omp_get_max_threads()
+    rows = []
+    try:
+        for count in (1, 2, 3):
+            runtime.omp_set_num_threads(count)
+            table = TieredEmbeddingBag(None, 8, mode="sum", optimizer=optim.Adam(lr=0.01), host_cache=8192)
+            for _ in range(3):
+                (table(ids, offsets) * gradient).sum().backward()
+            rows.append(table.store.get(torch.arange(5000), with_state=True))
+            table.close()
+    finally:
+        runtime.omp_set_num_threads(threads)
+    assert all(torch.equal(rows[0], other) for other in rows[1:])
+
+
+def _kjt(seed: int, weighted: bool):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 4, (3, 5))
+    values = np.concatenate([rng.integers(0, 40, int(count)) for count in lengths.sum(axis=1)])
+    weights = torch.from_numpy(rng.random(values.size).astype(np.float32)) if weighted else None
+    return KeyedJaggedTensor(
+        ["a", "b", "c"],
+        torch.from_numpy(values),
+        lengths=torch.from_numpy(lengths.reshape(-1)),
+        weights=weights,
+    )
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weighted):
+    tables = [
+        EmbeddingBagConfig(40, 4, name="ta", feature_names=["a"]),
+        EmbeddingBagConfig(40, 8, name="tb", feature_names=["b"]),
+        EmbeddingBagConfig(40, 4, name="tc", feature_names=["c"]),
+    ]
+    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    for seed in range(5):
+        kjt = _kjt(seed, weighted)
+        native = jagged_batch.JaggedBatch(kjt, collection._table_of_feature)
+        monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
+        reference = jagged_batch.JaggedBatch(kjt, collection._table_of_feature)
+        monkeypatch.undo()
+        for features in ([0, 2], [1], [0, 1, 2]):
+            for ours, theirs in zip(native.group_bags(features), reference.group_bags(features)):
+                assert (ours is None) == (theirs is None)
+                if ours is not None:
+                    assert torch.equal(ours, theirs.to(ours.dtype))
+    collection.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bad_id_is_refused_naming_its_table_either_way(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
+    tables = [
+        EmbeddingBagConfig(10, 4, name="small", feature_names=["a"]),
+        EmbeddingBagConfig(20, 4, name="large", feature_names=["b"]),
+    ]
+    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 9, 15, 20]), lengths=torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(IndexError, match=r"table 'large': ids must be in \[0, 20\), got 20"):
+        collection(kjt)
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([3, -1, 15, 2]), lengths=torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(IndexError, match=r"table 'small': ids must be in \[0, 10\), got -1"):
+        collection(kjt)
+    assert len(collection.groups["dim4"].store) == 0  # refused before any lookup
+    collection.close()
+
+
+@pytest.mark.parametrize(
+    "dim, state_width, seed", [(1, 0, 0), (5, 1, 123456789), (16, 16, -3), (64, 128, 2**62)]
+)
+def test_native_initial_rows_are_the_reference_bit_for_bit(dim, state_width, seed):
+    ids = torch.cat([torch.randint(0, 2**62, (3000,)), torch.arange(50), torch.tensor([2**63 - 1])])
+    native = initial_rows(ids, dim, state_width, seed, torch.float32)
+    assert torch.equal(native, reference_initial_rows(ids, dim, state_width, seed, torch.float32))
+
+
+def test_a_pass_called_with_the_wrong_number_of_arguments_is_refused(passes):
+    with pytest.raises(TypeError, match="step_rows_moved takes 4 arguments, got 3"):
+        passes._functions["step_rows_moved"](0, 0, 0)
