@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import statistics
 import tempfile
 import threading
 import time
@@ -60,9 +61,9 @@ from tierstore import (
     prefetch,
 )
 from tierstore.cli.traces import load_trace
-from tierstore.nn import pooled_lookup
+from tierstore.kernels.step_passes import StepPasses
 from tierstore.nn.collection import table_keys
-from tierstore.store import TieredStore
+from tierstore.nn.jagged_batch import JaggedBatch
 from tierstore.tiers import RowCache
 from tierstore.tiers.stack import TierStack
 from tierstore.workloads import ZipfIds
@@ -288,14 +289,13 @@ def fbgemm_step(work: Workload, args):
 # timed, each inside the one above it of lower depth.
 STAGES = [
     ("forward", 0, TieredEmbeddingBagCollection, "forward"),
-    ("distinct ids (one sort)", 1, pooled_lookup, "distinct"),
+    ("check the batch, lay out its keys (native)", 1, JaggedBatch, "__init__"),
+    ("distinct ids (native hashing)", 1, StepPasses, "distinct"),
     ("make the rows resident in the host tier", 1, TierStack, "make_resident"),
     ("fetch misses from the cold store", 2, TierStack, "_fetch"),
     ("admit misses, evict victims", 2, RowCache, "admit"),
-    ("gather the rows", 1, RowCache, "read"),
-    ("pooled lookup (torch's embedding_bag)", 1, pooled_lookup._KernelGradientBag, "forward"),
-    ("gradient sum per row (kernel)", 0, pooled_lookup._KernelGradientBag, "backward"),
-    ("fused optimizer update", 0, TieredStore, "apply_gradients"),
+    ("pooled lookup (native, rows read in place)", 1, StepPasses, "pooled"),
+    ("gradient sum + fused optimizer (native)", 0, StepPasses, "backward"),
 ]
 
 
@@ -333,6 +333,36 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     ]
 
 
+def step_costs(step, store, batches: list, lengths: torch.Tensor) -> dict[str, float]:
+    """The collection's step as a cost model, from medians over ``batches`` (fresh ones):
+    ``fixed_ms`` (a one-sample step whose rows are resident), ``hit_ns_per_id`` (a whole batch run
+    again at once, every row resident: its time past the fixed cost, per looked-up id) and
+    ``miss_us_per_row`` (a fresh batch's time past the same batch's all-hit rerun, per row moved in)."""
+    small = lengths[: len(lengths) // batches[0].shape[1]]
+    fixed, hits, fresh, moved = [], [], [], []
+    for ids in batches:
+        before = store.stats()["host"]["rows_in"]
+        start = time.perf_counter()
+        step(ids, lengths)
+        fresh.append(time.perf_counter() - start)
+        moved.append(store.stats()["host"]["rows_in"] - before)
+        start = time.perf_counter()
+        step(ids, lengths)  # every row resident now
+        hits.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        step(ids[:, :1], small)
+        fixed.append(time.perf_counter() - start)
+    median = statistics.median
+    entries = batches[0].numel()
+    misses = [max(f - h, 0.0) / max(m, 1) for f, h, m in zip(fresh, hits, moved)]
+    return {
+        "fixed_ms": median(fixed) * 1e3,
+        "hit_ns_per_id": max(median(hits) - median(fixed), 0.0) / entries * 1e9,
+        "miss_us_per_row": median(misses) * 1e6,
+        "rows_moved_in_per_step": median(moved),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, help="a CSV/TSV trace whose --columns are the features")
@@ -362,8 +392,8 @@ def main() -> None:
         return work.next_ids(args.batch_size), lengths
 
     with tempfile.TemporaryDirectory() as directory:
-        step, _, host_rows, store = collection_step(work, args, Path(directory) / "plain")
-        runs = {"collection": counted(each(step), store, host := {})}
+        step_of_collection, _, host_rows, store = collection_step(work, args, Path(directory) / "plain")
+        runs = {"collection": counted(each(step_of_collection), store, host := {})}
         if args.lookahead:  # its own tables: batches the other collection ran would be resident
             step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
             with_lookahead = lookahead_run(step, collection, work, args.lookahead)
@@ -382,6 +412,7 @@ def main() -> None:
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
         rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
+        costs = step_costs(step_of_collection, store, [batch()[0] for _ in range(args.steps)], lengths)
         if args.lookahead:
             breakdowns["collection_lookahead"] = time_breakdown(
                 runs["collection_lookahead"], [batch() for _ in range(args.steps)]
@@ -412,6 +443,16 @@ def main() -> None:
     for row, (label, depth, _) in enumerate(breakdowns["collection"]):
         figures = "".join(f"{breakdowns[name][row][2]:>22.2f}" for name in names)
         print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{figures}")
+    print(
+        f"the collection's step as a cost model: fixed {costs['fixed_ms']:.3f} ms, hit path "
+        f"{costs['hit_ns_per_id']:.0f} ns per id, {costs['miss_us_per_row']:.2f} us per row moved in "
+        f"({costs['rows_moved_in_per_step']:,.0f} a step)"
+    )
+    step_ms = breakdowns["collection"][0][2]
+    shares = ", ".join(
+        f"{label} {ms / step_ms:.0%}" for label, depth, ms in breakdowns["collection"][1:] if depth <= 1
+    )
+    print(f"shares of the collection's step: {shares}")
     if args.lookahead:
         moving = [label for label, depth, _ in breakdowns["collection"] if label.startswith("make the rows")]
         before, after = (dict((label, ms) for label, _, ms in breakdowns[name])[moving[0]] for name in names)
@@ -424,6 +465,7 @@ def main() -> None:
                 "workload": work.description,
                 "samples_per_s": rates,
                 "host_cache": caches,
+                "step_costs": costs,
                 "breakdown_ms_per_step": {
                     name: {label: milliseconds for label, _, milliseconds in rows}
                     for name, rows in breakdowns.items()

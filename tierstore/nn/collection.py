@@ -31,7 +31,7 @@ from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_path
 from ..warm_start import hot_ids
-from .embedding import TieredEmbeddingBag
+from .embedding import _OPAQUE_TO_COMPILER, TieredEmbeddingBag
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
@@ -83,6 +83,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._table_of_feature = {
             feature: table for table in self._tables.values() for feature in table["feature_names"]
         }
+        self._layouts: dict = {}  # JaggedBatch's per-feature-order tensors
         warm_keys = self._warm_keys(warm)  # checked before any store is opened
         auto = isinstance(replicate, str) and replicate == "auto"
         replicated = None if auto else self._replicated_keys(replicate, warm_keys)
@@ -216,9 +217,10 @@ class TieredEmbeddingBagCollection(nn.Module):
             merged[group_name] = keys[torch.sort(ranks, stable=True).indices]
         return merged
 
+    @_OPAQUE_TO_COMPILER
     def forward(self, features: Any) -> KeyedTensor:
         try:
-            batch = JaggedBatch(features, self._table_of_feature)  # everything checked first
+            batch = JaggedBatch(features, self._table_of_feature, self._layouts)  # all checked first
         except Exception as error:
             if not self.sharded:
                 raise
@@ -252,7 +254,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
         refuse_prefetch(self._sharding)
-        batch = JaggedBatch(features, self._table_of_feature)
+        batch = JaggedBatch(features, self._table_of_feature, self._layouts)
         stores = []
         for group_name, group in self.groups.items():
             positions = _in_group(group_name, batch.tables)
@@ -415,9 +417,14 @@ def _group_forward(group, tables, keys, starts, weights, lengths) -> torch.Tenso
     feature) side by side, all in one lookup of ``group``: ``keys``, ``starts`` and ``weights`` as
     ``JaggedBatch.group_bags`` lays them out, ``lengths [features, batch]`` (for mean pooling)."""
     features, batch = lengths.shape
-    pooled = group(keys, starts, weights).view(batch, features, group.embedding_dim)
-    means = torch.tensor([table["pooling"] == "mean" for table in tables])
-    if bool(means.any()):
+    if group.sharding is None:  # checked by JaggedBatch: straight to the lookup
+        pooled = group.lookup_bags(keys, starts, weights)
+    else:  # every rank takes part in the exchanges forward makes
+        pooled = group(keys, starts, weights)
+    pooled = pooled.view(batch, features, group.embedding_dim)
+    means = [table["pooling"] == "mean" for table in tables]
+    if any(means):
+        means = torch.tensor(means)
         divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
         pooled = pooled / divisors[:, :, None]
     return pooled.view(batch, features * group.embedding_dim)

@@ -485,6 +485,13 @@ class TieredEmbeddingBag(_TieredTable):
             self.output_dtype,
             self.include_last_offset,
         )
+        return self.lookup_bags(input, offsets, per_sample_weights)
+
+    def lookup_bags(
+        self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``forward`` on arguments already checked (ids int64 CPU, offsets int64 CPU or None): the
+        entry of a collection, which checks its whole batch first."""
         passes = self._native_passes(per_sample_weights)
         if passes is not None:
             return native_step.embedding_bag(self, passes, input, offsets, per_sample_weights)

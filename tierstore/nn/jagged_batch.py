@@ -39,7 +39,9 @@ class JaggedBatch:
     """``keys`` (feature names), ``values`` (int64 CPU ids, feature by feature), ``lengths [F, B]``,
     ``weights`` (``[N]`` or None) and ``tables`` (each feature's table settings), checked."""
 
-    def __init__(self, features: Any, table_of_feature: dict[str, dict]) -> None:
+    def __init__(self, features: Any, table_of_feature: dict[str, dict], layouts: dict | None = None) -> None:
+        """``layouts``: a dict the owner keeps across batches, where each feature order's table
+        numbers and id bounds are kept once made."""
         keys, values, lengths, weights = jagged_parts(features)
         unknown = [key for key in keys if key not in table_of_feature]
         if unknown:
@@ -58,14 +60,22 @@ class JaggedBatch:
         self.counts = per_feature.tolist()  # entries of each feature
         self._feature_starts = torch.zeros(len(keys) + 1, dtype=torch.int64)
         torch.cumsum(per_feature, 0, out=self._feature_starts[1:])
-        self._numbers = torch.tensor([table["number"] << ID_BITS for table in self.tables], dtype=torch.int64)
+        layout = None if layouts is None else layouts.get(tuple(keys))
+        if layout is None:
+            layout = (
+                torch.tensor([table["number"] << ID_BITS for table in self.tables], dtype=torch.int64),
+                torch.tensor([id_bound(table) for table in self.tables], dtype=torch.int64),
+            )
+            if layouts is not None:
+                layouts[tuple(keys)] = layout
+        self._numbers, self._bounds = layout
         native = weights is None or (weights.device.type == "cpu" and not weights.requires_grad)
         self._passes = host_passes() if native else None
         self._check_ids()
 
     def _check_ids(self) -> None:
         """``IndexError`` naming the table if an id is negative or past its table's ``num_embeddings``."""
-        bounds = torch.tensor([id_bound(table) for table in self.tables], dtype=torch.int64)
+        bounds = self._bounds
         if self._passes is not None:
             first = self._passes.first_bad_id(self.values, self._feature_starts, bounds)
         else:
