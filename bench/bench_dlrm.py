@@ -20,6 +20,8 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``collection_lookahead``: a second collection like it (its own tables: rows the first one just
   looked up would be resident) trained through ``tierstore.prefetch`` with ``--lookahead``
   batches (0: left out), which moves the next batches' rows up in a worker thread;
+- ``collection_lookahead_worker``: the same with the pipeline's worker thread forced on, where
+  this machine's default runs the pipeline inline (few cores; ``tierstore.lookahead``);
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);
@@ -62,6 +64,7 @@ from tierstore import (
 )
 from tierstore.cli.traces import load_trace
 from tierstore.kernels.step_passes import StepPasses
+from tierstore.lookahead import default_background
 from tierstore.nn.collection import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch
 from tierstore.tiers import RowCache
@@ -178,15 +181,16 @@ def collection_step(work: Workload, args, directory: Path):
     return step, collection, host_rows, store
 
 
-def lookahead_run(step, collection, work: Workload, lookahead: int):
-    """A run of ``step`` over a list of batches through ``tierstore.prefetch``."""
+def lookahead_run(step, collection, work: Workload, lookahead: int, background: bool | None = None):
+    """A run of ``step`` over a list of batches through ``tierstore.prefetch`` (``background`` as it
+    takes it: None, the default for this machine)."""
 
     def features(batch):
         ids, lengths = batch
         return KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
 
     def run(batches: list) -> None:
-        for batch in prefetch(batches, collection, lookahead, ids=features):
+        for batch in prefetch(batches, collection, lookahead, ids=features, background=background):
             step(*batch)
 
     return run
@@ -398,6 +402,11 @@ def main() -> None:
             step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
             with_lookahead = lookahead_run(step, collection, work, args.lookahead)
             runs["collection_lookahead"] = counted(with_lookahead, own_store, host_lookahead := {})
+            if not default_background():  # what the default (inline here) was chosen against
+                step, collection, _, _ = collection_step(work, args, Path(directory) / "worker")
+                runs["collection_lookahead_worker"] = lookahead_run(
+                    step, collection, work, args.lookahead, background=True
+                )
         runs["separate"] = each(separate_step(work, args, Path(directory)))
         runs["nn_embedding_bag"] = each(torch_step(work, args))
         fbgemm = fbgemm_step(work, args)

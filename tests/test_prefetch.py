@@ -23,6 +23,7 @@ from tierstore import (
     TieredEmbeddingBagCollection,
     optim,
 )
+from tierstore import lookahead as lookahead_module
 from tierstore.lookahead import MAX_LOOKAHEAD
 
 ROWS = 60
@@ -42,7 +43,11 @@ def train(table, batches, lookahead=None):
     """Outputs of each step of ``table`` trained on ``batches`` (with the pipeline if ``lookahead``)."""
     torch.manual_seed(0)
     targets = [torch.randn(offsets.numel(), table.embedding_dim) for _, offsets in batches]
-    loop = batches if lookahead is None else tierstore.prefetch(batches, table, lookahead, ids=lambda b: b[0])
+    loop = (
+        batches
+        if lookahead is None
+        else tierstore.prefetch(batches, table, lookahead, ids=lambda b: b[0], background=True)
+    )
     outputs = []
     for step, (ids, offsets) in enumerate(loop):
         out = table(ids, offsets)
@@ -132,7 +137,11 @@ def test_the_collection_trains_the_same_with_the_pipeline(tmp_path):
         collection = TieredEmbeddingBagCollection(
             tables, tmp_path / name, host_cache=30, optimizer=optim.Adagrad(lr=0.1)
         )
-        loop = batches if lookahead is None else tierstore.prefetch(batches, collection, lookahead)
+        loop = (
+            batches
+            if lookahead is None
+            else tierstore.prefetch(batches, collection, lookahead, background=True)
+        )
         outputs = []
         for kjt in loop:
             out = collection(kjt).values()
@@ -184,7 +193,9 @@ def test_the_window_shrinks_to_its_room_and_skips_batches_larger_than_it(tmp_pat
     with closing(preloaded_table(tmp_path / "t", host_rows=20)) as table:
         plain = TieredEmbeddingBag(None, 4, mode="sum", host_cache=20)
         plain.load_weights(torch.arange(ROWS), table.store.get(torch.arange(ROWS), grow=False))
-        for ids, offsets in tierstore.prefetch(batches, table, lookahead=8, ids=lambda b: b[0]):
+        for ids, offsets in tierstore.prefetch(
+            batches, table, lookahead=8, ids=lambda b: b[0], background=True
+        ):
             assert table.store.stack.top.pinned_count() <= 20 - 4  # the room never overflows
             table(ids, offsets).sum().backward()
             plain(ids, offsets).sum().backward()
@@ -199,7 +210,7 @@ def test_batches_come_out_unchanged_in_order_whatever_they_are(tmp_path):
     with closing(preloaded_table(tmp_path / "t", host_rows=30)) as table:
         batches = [{"ids": torch.tensor([index, index + 1]), "label": index} for index in range(12)]
         batches.insert(5, {"ids": torch.tensor([-1]), "label": "bad"})  # the module refuses it: not pinned
-        seen = list(tierstore.prefetch(batches, table, lookahead=2, ids=lambda b: b["ids"]))
+        seen = list(tierstore.prefetch(batches, table, lookahead=2, ids=lambda b: b["ids"], background=True))
         assert all(a is b for a, b in zip(seen, batches)) and len(seen) == len(batches)
         assert table.store.stack.top.pinned_count() == 0
 
@@ -213,7 +224,7 @@ def test_a_loader_error_is_raised_in_the_loop_at_its_batch(tmp_path):
     with closing(preloaded_table(tmp_path / "t", host_rows=30)) as table:
         seen = []
         with pytest.raises(RuntimeError, match="the loader broke"):
-            for ids in tierstore.prefetch(loader(), table, lookahead=4):
+            for ids in tierstore.prefetch(loader(), table, lookahead=4, background=True):
                 seen.append(int(ids))
         assert seen == [0, 1, 2]
         assert table.store.stack.top.pinned_count() == 0
@@ -229,14 +240,14 @@ def test_a_damaged_store_is_raised_in_the_loop_and_never_served(tmp_path):
     with closing(TieredEmbeddingBag(None, 4, mode="sum", path=tmp_path / "t", host_cache=10)) as table:
         batches = [torch.tensor([index]) for index in range(ROWS)]
         with pytest.raises(StoreFormatError, match="fail their checksum"):
-            for ids in tierstore.prefetch(batches, table, lookahead=4):
+            for ids in tierstore.prefetch(batches, table, lookahead=4, background=True):
                 table(ids, torch.tensor([0]))
 
 
 def test_leaving_the_loop_stops_the_worker_and_unpins_its_rows(tmp_path):
     with closing(preloaded_table(tmp_path / "t", host_rows=30)) as table:
         batches = bag_batches(3, 40, 3)
-        loop = tierstore.prefetch(batches, table, lookahead=6, ids=lambda b: b[0])
+        loop = tierstore.prefetch(batches, table, lookahead=6, ids=lambda b: b[0], background=True)
         for step, (ids, offsets) in enumerate(loop):
             table(ids, offsets).sum().backward()
             if step == 4:
@@ -256,6 +267,7 @@ def test_leaving_the_loop_stops_the_worker_and_unpins_its_rows(tmp_path):
         ({"lookahead": 2.0}, ValueError, "lookahead must be an int in"),
         ({"ids": "sparse"}, TypeError, "ids must be a function"),
         ({"module": torch.nn.EmbeddingBag(4, 2)}, TypeError, "module must be a TieredEmbeddingBag"),
+        ({"background": "yes"}, TypeError, "background must be True, False or None"),
     ],
 )
 def test_bad_arguments_are_named_before_anything_starts(tmp_path, arguments, error, message):
@@ -275,7 +287,8 @@ KILLED_RUN = textwrap.dedent(
     from test_prefetch import bag_batches, preloaded_table
     table = preloaded_table(sys.argv[1], host_rows=20)
     batches = bag_batches(4, 30, 4)
-    for step, (ids, offsets) in enumerate(tierstore.prefetch(batches, table, 5, ids=lambda b: b[0])):
+    loop = tierstore.prefetch(batches, table, 5, ids=lambda b: b[0], background=True)
+    for step, (ids, offsets) in enumerate(loop):
         table(ids, offsets).sum().backward()
         if step == 9:
             table.flush()
@@ -329,7 +342,9 @@ def test_a_warm_start_in_the_background_fills_the_caches_and_changes_no_row(tmp_
             torch.manual_seed(0)
             targets = [torch.randn(offsets.numel(), 4) for _, offsets in batches]
             outputs = []
-            loop = tierstore.prefetch(batches, table, lookahead, ids=lambda b: b[0], warm=warm)
+            loop = tierstore.prefetch(
+                batches, table, lookahead, ids=lambda b: b[0], warm=warm, background=True
+            )
             for step, (ids, offsets) in enumerate(loop):
                 out = table(ids, offsets)
                 (out * targets[step]).sum().backward()
@@ -350,3 +365,44 @@ def test_a_bad_warm_ranking_is_refused_before_the_loop_starts():
     with pytest.raises(KeyError, match="unknown table"):
         collection = TieredEmbeddingBagCollection([EmbeddingBagConfig(10, 4, name="t", feature_names=["f"])])
         tierstore.prefetch([], collection, 2, warm={"u": [1]})
+
+
+def test_the_inline_pipeline_passes_batches_through_and_trains_the_same(tmp_path):
+    """``background=False``: no worker, nothing pinned; the rows and outputs are the plain loop's."""
+    batches = bag_batches(3, 12, 6)
+    results = []
+    for name, loop_of in (
+        ("plain", lambda b, t: b),
+        ("inline", lambda b, t: tierstore.prefetch(b, t, 4, ids=lambda x: x[0], background=False)),
+    ):
+        with closing(preloaded_table(tmp_path / name, host_rows=30)) as table:
+            threads = threading.active_count()
+            outputs = []
+            for ids, offsets in loop_of(batches, table):
+                assert threading.active_count() == threads  # no worker
+                assert table.store.stack.top.pinned_count() == 0
+                out = table(ids, offsets)
+                (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+                outputs.append(out.detach())
+            results.append((outputs, table.store.get(torch.arange(40), with_state=True)))
+    (outputs, rows), (inline_outputs, inline_rows) = results
+    assert all(torch.equal(a, b) for a, b in zip(outputs, inline_outputs))
+    assert torch.equal(rows, inline_rows)
+
+
+def test_the_inline_pipeline_loads_a_warm_ranking_between_batches(tmp_path):
+    with closing(preloaded_table(tmp_path / "t", host_rows=30)) as table:
+        table.store.stack.top.clear()
+        loop = tierstore.prefetch(
+            bag_batches(0, 3, 2), table, 2, ids=lambda b: b[0], warm=list(range(10, 20)), background=False
+        )
+        for _ in loop:
+            pass
+        assert table.store.stats()["prefetch"]["warmed_rows"] == 10
+        assert bool((table.store.stack.top.find(torch.arange(10, 20)) >= 0).all())
+
+
+@pytest.mark.parametrize("cores, expected", [(1, False), (2, False), (4, True)])
+def test_the_worker_runs_by_default_only_with_cores_to_spare(monkeypatch, cores, expected):
+    monkeypatch.setattr(lookahead_module.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert lookahead_module.default_background() is expected

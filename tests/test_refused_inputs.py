@@ -186,7 +186,11 @@ def test_prefetch_refuses_ids_that_are_not_ids_at_their_batch(tmp_path, bad_ids)
         seen = []
         with pytest.raises(TypeError, match=r"prefetch: batch 2: ids\(batch\) is .*pass ids="):
             for batch in tierstore.prefetch(
-                batches, table, lookahead=1, ids=lambda b: bad_ids(b) if int(b[0]) == 2 else b
+                batches,
+                table,
+                lookahead=1,
+                ids=lambda b: bad_ids(b) if int(b[0]) == 2 else b,
+                background=True,
             ):
                 seen.append(int(batch[0]))
         assert seen == [0, 1]

@@ -11,6 +11,13 @@ within the window. Tiers are exclusive and a move carries a row whole, so traini
 rows with or without the pipeline, bit for bit; the store's lock orders the worker's moves and
 the loop's lookups and updates.
 
+The worker needs a core of its own: on a machine with few cores it contends with the step's own
+threads (the native step runs on every core) and its moves, Python holding the GIL, slow the loop
+more than they save (``bench/bench_dlrm.py --lookahead``). So by default (``background=None``)
+the worker runs only where more than ``INLINE_UP_TO_CORES`` cores are available; otherwise the
+pipeline runs inline: batches pass straight through, each step makes its own rows resident, and a
+``warm`` ranking is loaded a chunk after each batch.
+
 Pinned rows count in the top tier's budget: the window pins at most the tier's capacity less the
 largest batch's distinct rows, so any batch fits beside it. A batch that does not fit waits for
 earlier ones to run (the window shrinks); one larger than that is not pinned at all. Both are
@@ -20,6 +27,7 @@ counted in ``store.stats()["prefetch"]``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +37,7 @@ import torch
 
 from .kernels.host import openmp_runtime
 
+INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 PRELOAD_CHUNK = 1 << 16  # ranked ids the worker loads at a time (the store's lock is held meanwhile)
 
@@ -74,6 +83,7 @@ def prefetch(
     lookahead: int = 8,
     ids: Callable[[Any], Any] | None = None,
     warm: Any = None,
+    background: bool | None = None,
 ) -> Iterator:
     """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
     ``lookahead`` batches into ``module``'s top cache tier.
@@ -89,6 +99,8 @@ def prefetch(
     into the caches' free slots in the background, a chunk at a time while its window is full
     (a warm start that does not hold up the first batches).
     Leaving the loop (``break``, an exception) stops the worker and unpins its rows.
+    ``background``: run the worker (True) or the inline pipeline (False); None: the worker only
+    where more than ``INLINE_UP_TO_CORES`` cores are available (see the module docstring).
     """
     if not hasattr(module, "store_keys"):
         raise TypeError(
@@ -107,10 +119,34 @@ def prefetch(
             f"batches must be an iterable of batches (a DataLoader, a list, a generator), "
             f"got {type(batches).__name__}"
         ) from None
+    if background is not None and not isinstance(background, bool):
+        raise TypeError(f"background must be True, False or None (choose by the cores), got {background!r}")
     preloads = [] if warm is None else module.warm_keys(warm)  # a bad ranking raises here
+    if not (default_background() if background is None else background):
+        return _inline(iterator, lookahead, preloads)
     pipeline = _Pipeline(iterator, module, lookahead, ids)
     pipeline.preload_later(preloads)
     return pipeline.run()
+
+
+def default_background() -> bool:
+    """Whether ``prefetch`` runs its worker by default here: more than ``INLINE_UP_TO_CORES``
+    cores available to this process."""
+    return len(os.sched_getaffinity(0)) > INLINE_UP_TO_CORES
+
+
+def _inline(batches: Iterator, lookahead: int, preloads: list[tuple[Any, torch.Tensor]]) -> Iterator:
+    """The pipeline without a worker: ``batches`` pass straight through; a chunk of the warm
+    ranking (``(store, ranked ids)``) is loaded after each batch has run."""
+    chunks = [(store, chunk) for store, ranked in preloads for chunk in ranked.split(PRELOAD_CHUNK)]
+    stats = {id(store): PrefetchStats(lookahead) for store, _ in preloads}
+    for store, _ in preloads:
+        store.prefetch_stats = stats[id(store)]
+    for batch in batches:
+        yield batch
+        if chunks:
+            store, chunk = chunks.pop(0)
+            stats[id(store)].warmed_rows += store.preload(chunk)
 
 
 class _Pipeline:
