@@ -16,6 +16,7 @@ from tierstore.kernels import step_passes
 from tierstore.kernels.host import openmp_runtime
 from tierstore.nn import jagged_batch, native_step
 from tierstore.nn.collection import TieredEmbeddingBagCollection
+from tierstore.tiers.cold import codec
 
 OPTIMIZERS = [
     optim.SGD(lr=0.1),
@@ -232,3 +233,16 @@ def test_native_initial_rows_are_the_reference_bit_for_bit(dim, state_width, see
 def test_a_pass_called_with_the_wrong_number_of_arguments_is_refused(passes):
     with pytest.raises(TypeError, match="step_rows_moved takes 4 arguments, got 3"):
         passes._functions["step_rows_moved"](0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "rows, width, spare", [(1, 1, 0), (7, 3, 0), (3000, 64, 4), (100, 67, 5), (4, 256, 8)]
+)
+def test_native_row_checks_are_the_reference_bit_for_bit(rows, width, spare):
+    """The cold stores' row checks are a file format: the native pass must give numpy's bits,
+    for rows read in place as a prefix of wider stored rows too."""
+    rng = np.random.default_rng(width)
+    stored = rng.integers(0, 256, (rows, width + spare), dtype=np.uint8)
+    keys = rng.integers(-(2**63), 2**63 - 1, rows, dtype=np.int64)
+    native = codec.row_hashes(keys, stored[:, :width])
+    assert np.array_equal(native, codec.reference_row_hashes(keys, stored[:, :width]))

@@ -260,3 +260,26 @@ extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i
         for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
     }
 }
+
+// The cold stores' row checks (tierstore/tiers/cold/codec.py's row_hashes, bit for bit): for each
+// row of width bytes (raw + i * stride), its bytes as little-endian 32-bit words (the last one
+// zero-padded) summed modulo 2^32, word j times the odd multiplier (uint32)(mix((j + 1) * golden) | 1),
+// then hashes[i] = mix(sum ^ keys[i] * golden).
+extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned char* __restrict__ raw, i64 n,
+                                i64 width, i64 stride, u64* __restrict__ hashes) {
+    const u64 golden = 0x9E3779B97F4A7C15ULL;
+    const i64 words = (width + 3) / 4;
+    std::vector<unsigned int> multipliers(words);
+    for (i64 j = 0; j < words; ++j) multipliers[j] = (unsigned int)(mix((u64)(j + 1) * golden) | 1ULL);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        const unsigned char* __restrict__ row = raw + i * stride;
+        unsigned int sum = 0;
+        for (i64 j = 0; j < words; ++j) {
+            unsigned int word = 0;
+            for (i64 b = 0; b < 4 && 4 * j + b < width; ++b) word |= (unsigned int)row[4 * j + b] << (8 * b);
+            sum += word * multipliers[j];
+        }
+        hashes[i] = mix((u64)sum ^ ((u64)keys[i] * golden));
+    }
+}

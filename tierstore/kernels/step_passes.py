@@ -11,6 +11,7 @@ import dataclasses
 import math
 import threading
 
+import numpy as np
 import torch
 
 from .host import host_kernels
@@ -34,6 +35,7 @@ _SIGNATURES = {
     "step_rows_moved": (_I64, [_POINTER, _POINTER, _POINTER, _I64]),
     "step_first_bad_id": (_I64, [_POINTER, _POINTER, _I64, _POINTER]),
     "step_initial_rows": (None, [_POINTER, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, _POINTER]),
+    "step_row_hashes": (None, [_POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
 }
 
@@ -254,6 +256,19 @@ class StepPasses:
             ids.data_ptr(), ids.numel(), dim, width, seed_hash, bound, rows.data_ptr()
         )
         return rows
+
+    def row_hashes(self, keys: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """uint64 [N]: the cold stores' row checks of ``raw`` (uint8 [N, B], rows packed but maybe
+        spaced: a prefix of wider stored rows) for ids ``keys`` (int64 [N]), as ``codec.row_hashes``."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if raw.strides[1] != 1:
+            raw = np.ascontiguousarray(raw)
+        hashes = np.empty(raw.shape[0], dtype=np.uint64)
+        stride = raw.strides[0] if raw.shape[0] > 1 else raw.shape[1]
+        self._functions["step_row_hashes"](
+            keys.ctypes.data, raw.ctypes.data, raw.shape[0], raw.shape[1], stride, hashes.ctypes.data
+        )
+        return hashes
 
 
 _PASSES: dict[int, StepPasses] = {}

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ...errors import StoreFormatError
+from ...kernels.step_passes import host_passes
 
 _CHUNK_ROWS = 4096  # rows hashed at once: bounds the hash's temporary memory
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -57,7 +58,16 @@ def _mix(values: np.ndarray) -> np.ndarray:
 def row_hashes(keys: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """uint64 [N]: a hash of each row's bytes ``raw`` (uint8 [N, B]) and its id ``keys`` (int64 [N]).
     The bytes, as 32-bit words, are summed modulo 2**32 with odd per-position multipliers (any
-    change to one word changes the sum), then mixed with the id."""
+    change to one word changes the sum), then mixed with the id. Computed by the host build's
+    native pass where it is built, else by ``reference_row_hashes`` (the same bits)."""
+    passes = host_passes()
+    if passes is not None and raw.shape[0]:
+        return passes.row_hashes(keys, raw)
+    return reference_row_hashes(keys, raw)
+
+
+def reference_row_hashes(keys: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    """``row_hashes`` in numpy."""
     count, width = raw.shape
     padding = (-width) % 4
     words = (width + padding) // 4
