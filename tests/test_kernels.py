@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tierstore import optim
 from tierstore.kernels import cuda as kernels
+from tierstore.tiers.backends import TorchRows
 from tierstore.tiers.hash_index import HashIndex
 from tierstore.tiers.kernel_hash_table import KernelHashTable
 
@@ -30,6 +31,7 @@ def test_every_kernel_compiles_with_nvrtc_without_warnings(arch):
         "cache_erase",
         "cache_touch",
         "cache_victim_scores",
+        "cache_pin_add",
         "cache_gather_vec4",
         "cache_gather",
         "cache_scatter",
@@ -203,6 +205,18 @@ def test_touch_accumulates_repeated_slots_like_index_add(host):
     assert torch.equal(scores, torch.zeros(10).index_add_(0, slots.long(), weights))
 
 
+def test_pin_add_counts_up_and_down_like_the_torch_backend(host):
+    pins = torch.tensor([0, 3, 255, 1, 0], dtype=torch.uint8)
+    slots = torch.tensor([0, 2, 3], dtype=torch.int32)
+    expected = pins.clone()
+    TorchRows().add_pins(expected, slots.long(), 1)
+    host.launch("cache_pin_add", 3, pins, slots, 3, 1)
+    assert pins.tolist() == expected.tolist() == [1, 3, 0, 2, 0]
+    TorchRows().add_pins(expected, slots.long(), -1)
+    host.launch("cache_pin_add", 3, pins, slots, 3, -1)
+    assert pins.tolist() == expected.tolist() == [0, 3, 255, 1, 0]
+
+
 def test_victim_scores_block_free_and_needed_slots(host):
     scores = torch.tensor([5.0, 1.0, 3.0, 0.5, 2.0])
     slot_keys = torch.tensor([10, 11, -1, 13, 14])
@@ -294,4 +308,4 @@ def test_a_built_wheel_carries_the_kernel_sources_inside_the_package(tmp_path):
         env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")},
     ).stdout
     assert str(tmp_path / "installed" / "tierstore") in shown
-    assert "['embedding_cache.cu', 'host_shim.h']" in shown
+    assert "['embedding_cache.cu', 'host_shim.h', 'host_step.cpp']" in shown

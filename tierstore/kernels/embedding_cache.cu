@@ -167,6 +167,12 @@ extern "C" __global__ void cache_touch(float* __restrict__ scores, const int* __
     }
 }
 
+// pins[slots[i]] += delta (slots distinct; uint8 counts, wrapping as the caller's undo expects).
+extern "C" __global__ void cache_pin_add(unsigned char* __restrict__ pins, const int* __restrict__ slots,
+                                         i64 n, i64 delta) {
+    GRID_STRIDE_LOOP(i, n) { pins[slots[i]] = (unsigned char)(pins[slots[i]] + delta); }
+}
+
 // Eviction candidates: out[s] = scores[s], or `blocked` (+inf) for a free slot (slot_keys < 0) or one
 // the current batch needs (blocked_slots[s] != 0). The lowest `count` are the victims.
 extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores,

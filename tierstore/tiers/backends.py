@@ -47,6 +47,11 @@ class TorchRows:
     def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
         scores.index_add_(0, slots, weights)
 
+    def add_pins(self, pins: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        """``pins`` (uint8 [capacity]) at ``slots`` (distinct) += ``delta`` (1 or -1)."""
+        step = torch.full((slots.numel(),), delta % 256, dtype=torch.uint8, device=pins.device)
+        pins.index_put_((slots,), step, accumulate=True)
+
     def victim_scores(
         self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor
     ) -> torch.Tensor:
@@ -108,6 +113,9 @@ class KernelRows:
         self.kernels.launch(
             "cache_touch", slots.numel(), scores, _int32(slots), weights.contiguous(), slots.numel()
         )
+
+    def add_pins(self, pins: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        self.kernels.launch("cache_pin_add", slots.numel(), pins, _int32(slots), slots.numel(), delta)
 
     def victim_scores(
         self, scores: torch.Tensor, slot_keys: torch.Tensor, blocked: torch.Tensor

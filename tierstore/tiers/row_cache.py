@@ -128,13 +128,13 @@ class RowCache:
 
     def pin(self, slots: torch.Tensor) -> None:
         """Keep the rows at ``slots`` (distinct) from eviction until as many ``unpin``s."""
-        self.pins[slots] += 1
+        self.backend.add_pins(self.pins, slots, 1)
 
     def unpin(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Undo a ``pin`` of ``slots`` (distinct) where they still hold ``keys`` (a pinned row taken
         out of the tier since, by ``load`` or ``clear``, left its pins behind)."""
         slots = slots[(self.slot_keys[slots] == keys.to(self.device)) & (self.pins[slots] > 0)]
-        self.pins[slots] -= 1
+        self.backend.add_pins(self.pins, slots, -1)
 
     def pinned_count(self) -> int:
         return int((self.pins > 0).sum())
@@ -202,14 +202,14 @@ class RowCache:
     def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
         protect = protected is not None and protected.numel() > 0
         if protect:
-            self.pins[protected] += 1
+            self.backend.add_pins(self.pins, protected, 1)
         try:
             return self.policy.victims(count, self.slot_keys, self.pins)
         except CacheCapacityError as error:
             reason = str(error)
         finally:
             if protect:
-                self.pins[protected] -= 1  # undone where done: no pass over every slot
+                self.backend.add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
         pinned = self.pinned_count()
         window = f" ({pinned} pinned by a lookahead window)" if pinned else ""
         raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows{window} and {reason}")
