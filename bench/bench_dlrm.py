@@ -462,7 +462,9 @@ def main() -> None:
         f"{label} {ms / step_ms:.0%}" for label, depth, ms in breakdowns["collection"][1:] if depth <= 1
     )
     print(f"shares of the collection's step: {shares}")
-    if args.lookahead:
+    if args.lookahead and not default_background():
+        print("the pipeline ran inline (this machine's default: few cores), so nothing moved off the thread")
+    elif args.lookahead:
         moving = [label for label, depth, _ in breakdowns["collection"] if label.startswith("make the rows")]
         before, after = (dict((label, ms) for label, _, ms in breakdowns[name])[moving[0]] for name in names)
         print(f"share of the rows' movement taken off the training thread: {1 - after / before:.2f}")

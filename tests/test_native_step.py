@@ -11,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, optim
+from tierstore.errors import StoreFormatError
 from tierstore.initializer import initial_rows, reference_initial_rows
 from tierstore.kernels import step_passes
 from tierstore.kernels.host import openmp_runtime
 from tierstore.nn import jagged_batch, native_step
 from tierstore.nn.collection import TieredEmbeddingBagCollection
-from tierstore.tiers.cold import codec
+from tierstore.tiers.cold import codec, mmap_store, open_cold_store
 
 OPTIMIZERS = [
     optim.SGD(lr=0.1),
@@ -246,3 +247,46 @@ def test_native_row_checks_are_the_reference_bit_for_bit(rows, width, spare):
     keys = rng.integers(-(2**63), 2**63 - 1, rows, dtype=np.int64)
     native = codec.row_hashes(keys, stored[:, :width])
     assert np.array_equal(native, codec.reference_row_hashes(keys, stored[:, :width]))
+
+
+def _mmap_store(path):
+    path.mkdir(exist_ok=True)
+    return open_cold_store("mmap", path, 5, torch.float32, False, index_kernels=parallel_host_kernels())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_mmap_stores_read_finds_rows_in_the_log_and_the_main_file(tmp_path, monkeypatch, native):
+    """Rows flushed to the main file, and newer rows of half of them staged in the log: the read
+    (native, or the reference) gives the newest."""
+    if not native:
+        monkeypatch.setattr(mmap_store, "host_passes", lambda: None)
+    store = _mmap_store(tmp_path / "s")
+    keys = torch.arange(0, 300, 3)
+    store.put(keys, torch.arange(keys.numel() * 5, dtype=torch.float32).view(-1, 5))
+    store.flush()
+    store.put(keys[::2], -torch.ones(keys[::2].numel(), 5))  # in the log, over the main rows
+    asked = torch.cat([keys, torch.tensor([1, 2, 10**12])])
+    rows, found = store.get(asked)
+    expected = torch.arange(keys.numel() * 5, dtype=torch.float32).view(-1, 5)
+    expected[::2] = -1
+    assert found.tolist() == [True] * keys.numel() + [False] * 3
+    assert torch.equal(rows[: keys.numel()], expected)
+    store.close()
+
+
+def test_a_damaged_row_is_refused_by_the_native_read(tmp_path):
+    store = _mmap_store(tmp_path / "s")
+    store.put(torch.arange(10), torch.ones(10, 5))
+    store.flush()
+    store.close()
+    with open(tmp_path / "s" / "rows.bin", "r+b") as file:  # row 3's first value
+        file.seek(3 * (5 * 4 + 4))
+        file.write(b"\xff")
+    store = _mmap_store(tmp_path / "s")
+    with pytest.raises(
+        StoreFormatError, match=r"rows.bin is damaged: 1 stored row\(s\) fail their checksum \(first id: 3\)"
+    ):
+        store.get(torch.tensor([1, 3, 5]))
+    rows, found = store.get(torch.tensor([1, 5]))
+    assert bool(found.all()) and torch.equal(rows, torch.ones(2, 5))
+    store.close()

@@ -283,3 +283,62 @@ extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned cha
         hashes[i] = mix((u64)sum ^ ((u64)keys[i] * golden));
     }
 }
+
+// The check of a stored row (row_bytes bytes at row): step_row_hashes' hash of it and its key.
+__device__ __forceinline__ u64 row_check(const unsigned char* __restrict__ row, i64 row_bytes, i64 key,
+                                         const unsigned int* __restrict__ multipliers) {
+    unsigned int sum = 0;
+    for (i64 j = 0; 4 * j < row_bytes; ++j) {
+        unsigned int word = 0;
+        for (i64 b = 0; b < 4 && 4 * j + b < row_bytes; ++b) word |= (unsigned int)row[4 * j + b] << (8 * b);
+        sum += word * multipliers[j];
+    }
+    return mix((u64)sum ^ ((u64)key * 0x9E3779B97F4A7C15ULL));
+}
+
+// The mmap cold store's batched read (tierstore/tiers/cold/mmap_store.py): each keys[i]'s stored
+// row from the log's rows (its index: log_keys/log_values/log_mask; log_mask < 0: no log) if the log
+// holds it, else from the main rows (main_keys/main_values/main_mask), each stored row being
+// stored_bytes apart: the row's row_bytes, then check_bytes of its check. Copies the row's bytes to
+// out[i] and sets found[i]; returns how many copied rows fail their check (0 without checks), the
+// first of them in *first_bad.
+extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __restrict__ main_keys,
+                              const i64* __restrict__ main_values, i64 main_mask,
+                              const unsigned char* __restrict__ main_rows, const i64* __restrict__ log_keys,
+                              const i64* __restrict__ log_values, i64 log_mask,
+                              const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
+                              i64 check_bytes, unsigned char* __restrict__ out,
+                              unsigned char* __restrict__ found, i64* __restrict__ first_bad) {
+    const u64 golden = 0x9E3779B97F4A7C15ULL;
+    std::vector<unsigned int> multipliers((row_bytes + 3) / 4);
+    for (size_t j = 0; j < multipliers.size(); ++j)
+        multipliers[j] = (unsigned int)(mix((u64)(j + 1) * golden) | 1ULL);
+    i64 bad = 0, first = n;
+#pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        const unsigned char* source = nullptr;
+        if (log_mask >= 0) {
+            const i64 position = probe(log_keys, log_mask, keys[i]);
+            if (position >= 0) source = log_rows + log_values[position] * stored_bytes;
+        }
+        if (!source && main_mask >= 0) {
+            const i64 position = probe(main_keys, main_mask, keys[i]);
+            if (position >= 0) source = main_rows + main_values[position] * stored_bytes;
+        }
+        found[i] = source != nullptr;
+        if (!source) continue;
+        for (i64 b = 0; b < row_bytes; ++b) out[i * row_bytes + b] = source[b];
+        if (check_bytes) {
+            const u64 check = row_check(source, row_bytes, keys[i], multipliers.data());
+            bool matches = true;
+            for (i64 b = 0; b < check_bytes; ++b)
+                matches &= source[row_bytes + b] == ((check >> (8 * b)) & 0xFF);
+            if (!matches) {
+                bad += 1;
+                first = i < first ? i : first;
+            }
+        }
+    }
+    *first_bad = first;
+    return bad;
+}

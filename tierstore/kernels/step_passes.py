@@ -36,6 +36,11 @@ _SIGNATURES = {
     "step_first_bad_id": (_I64, [_POINTER, _POINTER, _I64, _POINTER]),
     "step_initial_rows": (None, [_POINTER, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, _POINTER]),
     "step_row_hashes": (None, [_POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
+    "step_cold_rows": (
+        _I64,
+        [_POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
+        + [_I64, _I64, _I64, _POINTER, _POINTER, _POINTER],
+    ),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
 }
 
@@ -269,6 +274,40 @@ class StepPasses:
             keys.ctypes.data, raw.ctypes.data, raw.shape[0], raw.shape[1], stride, hashes.ctypes.data
         )
         return hashes
+
+    def cold_rows(
+        self, keys: torch.Tensor, main: tuple, log: tuple | None, row_bytes: int, check_bytes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The mmap cold store's read of ``keys`` (int64 [N]): ``main`` and ``log`` are ``(index keys,
+        index values (int64 row numbers), stored rows uint8 [R, stored bytes])`` (``log`` None: no
+        log). Returns ``(row bytes uint8 [N, row_bytes], found bool [N], rows failing their check,
+        the first of them)``; rows of keys not found are unspecified."""
+        keys = keys.contiguous()
+        count = keys.numel()
+        out = torch.empty(count, row_bytes, dtype=torch.uint8)
+        found = torch.empty(count, dtype=torch.bool)
+        first_bad = torch.empty(1, dtype=torch.int64)
+        main_keys, main_values, main_rows = main
+        log_keys, log_values, log_rows = log if log is not None else (None, None, None)
+        bad = self._functions["step_cold_rows"](
+            keys.data_ptr(),
+            count,
+            main_keys.data_ptr(),
+            main_values.data_ptr(),
+            main_keys.numel() - 1,
+            main_rows.ctypes.data,
+            _pointer(log_keys),
+            _pointer(log_values),
+            -1 if log is None else log_keys.numel() - 1,
+            None if log is None else log_rows.ctypes.data,
+            main_rows.shape[1],
+            row_bytes,
+            check_bytes,
+            out.data_ptr(),
+            found.data_ptr(),
+            first_bad.data_ptr(),
+        )
+        return out, found, bad, int(first_bad)
 
 
 _PASSES: dict[int, StepPasses] = {}

@@ -4,8 +4,9 @@ tables fused into one store per embedding dim (TorchRec's ``EmbeddingBagCollecti
 Fusion: the tables of one dim live in one ``TieredEmbeddingBag`` (one store, one key space, one
 host and one device budget, so hot rows of any table compete for the same cache). A row's key
 is ``table_number << 47 | id``: ids must be below 2**47, and a group holds up to 2**16 tables.
-Each forward makes one pass through the tiers per group: one unique over the keys of all its
-features, one pooled lookup of all their bags, one fused optimizer step in backward. The
+Each forward checks the whole batch and lays out each group's keys (``JaggedBatch``), then makes
+one pass through the tiers per group: one dedupe over the keys of all its features, one pooled
+lookup of all their bags, one fused optimizer step in backward. The
 numbering is recorded in ``collection.json`` under ``path`` and checked when the collection is
 reopened. Several groups split the cache budgets evenly.
 """

@@ -1,6 +1,9 @@
 """Drop-in ``nn.EmbeddingBag`` / ``nn.Embedding`` replacements backed by a ``TieredStore``.
 
-A forward gathers the batch's distinct ids from the store into a small local weight
+A training forward of bags on a float32 host top tier runs as native passes (``native_step``):
+distinct ids by hashing, the rows made resident, the bags pooled straight from the host tier,
+and in backward each row's gradient summed and the fused optimizer applied in place. Every other
+forward gathers the batch's distinct ids from the store into a small local weight
 ``[U (+1 padding row), dim]`` and runs torch's own ``F.embedding_bag`` / ``F.embedding`` on it, so
 outputs (and gradients w.r.t. ``per_sample_weights``) are torch's. In training, a hook on that
 local weight receives its gradient — already reduced to one row per distinct id — during

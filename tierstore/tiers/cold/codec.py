@@ -116,12 +116,16 @@ class RowCodec:
         if self.check_bytes:
             wrong = (self._checks(keys, raw) != stored[:, self.row_bytes :]).any(axis=1)
             if wrong.any():
-                raise StoreFormatError(
-                    f"{source} is damaged: {int(wrong.sum())} stored row(s) fail their checksum (first id: "
-                    f"{int(keys[wrong][0])}); restore the store from a backup, or export what still "
-                    f"reads and re-import it"
-                )
+                raise self.damaged(source, int(wrong.sum()), int(keys[wrong][0]))
         return rows_from_bytes(raw, self.dtype)
+
+    @staticmethod
+    def damaged(source: object, count: int, first_id: int) -> StoreFormatError:
+        """The error for ``count`` stored rows of ``source`` failing their check (the first: ``first_id``)."""
+        return StoreFormatError(
+            f"{source} is damaged: {count} stored row(s) fail their checksum (first id: {first_id}); "
+            f"restore the store from a backup, or export what still reads and re-import it"
+        )
 
     def _checks(self, keys: np.ndarray, raw: np.ndarray) -> np.ndarray:
         hashes = row_hashes(keys, raw).astype("<u8")

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ...errors import StoreFormatError
+from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
@@ -314,6 +315,17 @@ class MmapColdStore(ColdStore):
         return rows_from_bytes(self._wal_rows.array, torch.uint8)
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        passes = host_passes() if isinstance(self._index, KernelHashTable) else None
+        if passes is not None:  # one native pass: both indexes, the copies and the checks
+            main = (self._index.keys, self._index.values, self._rows.array)
+            log = None
+            if self._wal_count:
+                log = (self._wal_index.keys, self._wal_index.values, self._wal_rows.array)
+            codec = self.codec
+            raw, found, bad, first = passes.cold_rows(keys, main, log, codec.row_bytes, codec.check_bytes)
+            if bad:
+                raise codec.damaged(self.directory / ROWS_FILE, bad, int(keys[first]))
+            return raw.view(self.dtype), found
         stored = torch.empty(keys.numel(), self.codec.stored_bytes, dtype=torch.uint8)
         position = self._index.find(keys)
         found = position >= 0
