@@ -313,9 +313,13 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
     std::vector<unsigned int> multipliers((row_bytes + 3) / 4);
     for (size_t j = 0; j < multipliers.size(); ++j)
         multipliers[j] = (unsigned int)(mix((u64)(j + 1) * golden) | 1ULL);
-    i64 bad = 0, first = n;
-#pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
+    // Two passes, each asking for the memory of item i + AHEAD while it works on item i: the
+    // indexes' positions (random in tables far larger than the caches), then the rows themselves.
+    std::vector<const unsigned char*> sources(n);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
+        if (main_mask >= 0 && i + AHEAD < n)
+            __builtin_prefetch(&main_keys[mix((u64)keys[i + AHEAD]) & (u64)main_mask]);
         const unsigned char* source = nullptr;
         if (log_mask >= 0) {
             const i64 position = probe(log_keys, log_mask, keys[i]);
@@ -325,7 +329,14 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
             const i64 position = probe(main_keys, main_mask, keys[i]);
             if (position >= 0) source = main_rows + main_values[position] * stored_bytes;
         }
+        sources[i] = source;
         found[i] = source != nullptr;
+    }
+    i64 bad = 0, first = n;
+#pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n && sources[i + AHEAD]) __builtin_prefetch(sources[i + AHEAD]);
+        const unsigned char* source = sources[i];
         if (!source) continue;
         for (i64 b = 0; b < row_bytes; ++b) out[i * row_bytes + b] = source[b];
         if (check_bytes) {
