@@ -19,7 +19,8 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
   fill its host cache until it evicts (steady state: misses evict rows, as in a long run);
 - ``collection_lookahead``: a second collection like it (its own tables: rows the first one just
   looked up would be resident) trained through ``tierstore.prefetch`` with ``--lookahead``
-  batches (0: left out), which moves the next batches' rows up in a worker thread;
+  batches (0: left out), as this machine's default runs it (a worker thread moving the next
+  batches' rows up, or inline where cores are few);
 - ``collection_lookahead_worker``: the same with the pipeline's worker thread forced on, where
   this machine's default runs the pipeline inline (few cores; ``tierstore.lookahead``);
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what

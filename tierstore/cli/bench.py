@@ -90,7 +90,8 @@ def run_store(
             out = torch.empty(batch_size, dim)
             batches = keys.split(batch_size)
             first_tenth = max(1, round(len(batches) / 10))
-            loop = prefetch(batches, store, lookahead) if lookahead else batches
+            # the worker, whatever the cores: what its pins do to the hit rate is the measure here
+            loop = prefetch(batches, store, lookahead, background=True) if lookahead else batches
             start = time.perf_counter()
             for number, batch in enumerate(
                 progress_bar(

@@ -165,12 +165,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             )
         samples: dict[str, list[torch.Tensor]] = {}
         for features in access_sample:
-            _, _, _, tables, feature_of_entry, entry_keys = self._checked_input(features)
+            batch = JaggedBatch(features, self._table_of_feature, self._layouts)
             for group_name in {_group_name(table) for table in self._tables.values()}:
-                positions, entries = _in_group(group_name, tables, feature_of_entry)
+                positions = _in_group(group_name, batch.tables)
                 if positions:
-                    keys = entry_keys if entries is None else entry_keys[entries]
-                    samples.setdefault(group_name, []).append(keys)
+                    samples.setdefault(group_name, []).append(batch.group_bags(positions)[0])
         return samples
 
     def _replicated_keys(
