@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.errors import CacheCapacityError
-from tierstore.tiers import RowCache, Rows
+from tierstore.tiers import RowCache, Rows, policies
 from tierstore.tiers.backends import TorchRows
 from tierstore.tiers.policies import LfuWithAgeing
 
@@ -150,3 +150,11 @@ def test_lfu_victims_from_its_pool_score_no_more_than_any_row_untouched_since_th
         policy.touch(torch.cat([victims, protected]), None)  # the batch's rows: as RowCache does
         changed[victims] = changed[refill] = changed[protected] = True
     assert policy.scans < 40  # the pool served many batches without a scan
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=300), st.floats(1e-3, 1e30))
+def test_victims_are_ranked_as_a_stable_sort_ranks_them(levels, scale):
+    """The LFU pool's ranking (one sort of bits and positions) is torch's stable argsort, ties included."""
+    scores = torch.tensor(levels, dtype=torch.float32) * scale
+    assert torch.equal(policies._ascending(scores), torch.argsort(scores, stable=True))

@@ -121,7 +121,7 @@ class LfuWithAgeing(EvictionPolicy):
                 f"the current batch needs {count} more than it can evict ({available} evictable); "
                 f"raise its budget or split the batch"
             )
-        ranked = ranked[torch.argsort(scores[ranked], stable=True)]
+        ranked = ranked[_ascending(scores[ranked])]
         pool = ranked[count:]
         self._pool, self._pool_scores, self._pool_keys = pool, scores[pool], slot_keys[pool]
         return ranked[:count]
@@ -147,6 +147,18 @@ class LfuWithAgeing(EvictionPolicy):
             if size >= self._pool.numel():
                 return None
             size *= 2
+
+
+def _ascending(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.argsort(scores, stable=True)`` of finite non-negative scores. On the CPU one
+    unstable sort of (the score's bits, the position) gives the same order several times faster:
+    such floats order as their bits do, and the position breaks ties as a stable sort does."""
+    if scores.device.type != "cpu" or scores.numel() >= 1 << 32:
+        return torch.argsort(scores, stable=True)
+    bits = scores.contiguous().view(torch.int32).numpy().astype(np.int64)
+    keys = (bits << 32) | np.arange(scores.numel(), dtype=np.int64)
+    keys.sort()
+    return torch.from_numpy(keys & 0xFFFFFFFF)
 
 
 def _lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
