@@ -290,3 +290,20 @@ def test_a_damaged_row_is_refused_by_the_native_read(tmp_path):
     rows, found = store.get(torch.tensor([1, 5]))
     assert bool(found.all()) and torch.equal(rows, torch.ones(2, 5))
     store.close()
+
+
+def test_the_pooled_pass_reads_the_rows_holding_the_stores_lock(monkeypatch):
+    """A lookahead worker moves rows under the store's lock: the pass reading rows in place must
+    hold it from making them resident to reading them."""
+    table = TieredEmbeddingBag(10, 4, mode="sum", host_cache=16)
+    held = []
+    pooled = step_passes.StepPasses.pooled
+
+    def checked(*arguments, **keywords):
+        held.append(table.store._lock._is_owned())
+        return pooled(*arguments, **keywords)
+
+    monkeypatch.setattr(step_passes.StepPasses, "pooled", checked)
+    table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
+    assert held == [True]
+    table.close()

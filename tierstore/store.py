@@ -259,17 +259,21 @@ class TieredStore:
         return weights, slots
 
     @_serialized
-    def resident_slots(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Top-tier slots (int64 [U]) of distinct ``ids`` (int64 [U], any order), each looked up
-        ``counts [U]`` times, made resident (fetched, admitted; new ids join the table): the
-        training lookup of a pass that reads the rows where they lie (``nn.native_step``)."""
+    def read_resident(
+        self, ids: torch.Tensor, counts: torch.Tensor, read: Callable[[Any, torch.Tensor], Any]
+    ) -> Any:
+        """``read(top tier, slots)``, holding the store's lock, right after distinct ``ids`` (int64
+        [U], any order), each looked up ``counts [U]`` times, were made resident at ``slots``
+        (int64 [U]; fetched, admitted, new ids joining the table): the training lookup of a pass
+        that reads the rows where they lie (``nn.native_step``), while no other thread (a lookahead
+        pipeline's worker) can move them."""
         self._check_open()
-        return self.stack.make_resident(ids, counts)
+        return read(self.stack.top, self.stack.make_resident(ids, counts))
 
     @_serialized
     def update_top_tier(self, update: Callable[[Any], bool]) -> bool:
         """``update(top tier)`` holding the store's lock, the store being writable: an in-place
-        change of rows ``resident_slots`` placed (``nn.native_step``'s fused backward). Returns
+        change of rows ``read_resident`` placed (``nn.native_step``'s fused backward). Returns
         what ``update`` returns (False: it changed nothing)."""
         self._check_writable("update")
         return update(self.stack.top)

@@ -3,9 +3,9 @@
 
 1. ``distinct``: the batch's distinct ids by hashing (no sort), each entry's row among them, and
    the entries grouped by row (a counting sort);
-2. the store makes those rows resident (``TieredStore.resident_slots``: hits counted, misses
-   fetched and admitted), then ``step_pooled_forward`` pools every bag straight from the host
-   tier's rows (no gathered copy of the rows);
+2. the store makes those rows resident (hits counted, misses fetched and admitted) and, still
+   holding its lock (``TieredStore.read_resident``: a lookahead worker cannot move them meanwhile),
+   ``step_pooled_forward`` pools every bag straight from the host tier's rows (no gathered copy);
 3. in backward, ``step_backward`` sums each row's gradient from its entries and applies the fused
    optimizer to the row in its slot, in one pass, under the store's lock. If a row moved between
    forward and backward (another lookup evicted it), the sums are handed to
@@ -40,7 +40,6 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
     1-D with offsets or 2-D), its backward updating the rows in place."""
     store, dim = table.store, table.embedding_dim
     distinct = passes.distinct(ids, table.padding_idx)
-    slots = store.resident_slots(distinct.unique, distinct.counts).to(torch.int32)
     entries = ids.numel()
     if ids.dim() == 2:
         bags, bag_length, last_end = ids.shape[0], ids.shape[1], entries
@@ -49,18 +48,14 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
     else:
         bags, bag_length, last_end = offsets.numel(), 0, entries
     weights = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
-    pooled, entry_bag, scale = passes.pooled(
-        store.stack.top.rows,
-        dim,
-        slots,
-        distinct,
-        None if offsets is None else offsets.contiguous(),
-        bag_length,
-        bags,
-        last_end,
-        table.mode == "mean",
-        weights,
-    )
+    offsets = None if offsets is None else offsets.contiguous()
+
+    def pool(top, resident: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
+        slots = resident.to(torch.int32)
+        bag_settings = (offsets, bag_length, bags, last_end, table.mode == "mean", weights)
+        return slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings)
+
+    slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
 
     def backward(grad_output: torch.Tensor) -> None:
         if distinct.unique.numel() == 0:
