@@ -235,13 +235,10 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
     }
 }
 
-// SplitMix64's finaliser after its increment, as tierstore/initializer.py's splitmix64.
-__device__ __forceinline__ u64 splitmix64(u64 x) {
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+// SplitMix64 (its increment, then the finaliser), as tierstore/initializer.py's splitmix64.
+__device__ __forceinline__ u64 splitmix64(u64 x) { return mix(x + GOLDEN); }
 
 // rows[i] = ids[i]'s initial row, bit for bit tierstore/initializer.py's initial_rows: weights
 // uniform in [-bound, bound) from 53 hashed bits of (id, seed, column), computed in double and
@@ -253,7 +250,7 @@ extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i
         const u64 stream = splitmix64((u64)ids[i] * 0x5851F42D4C957F2DULL + seed_hash);
         float* __restrict__ row = rows + i * row_width;
         for (i64 c = 0; c < dim; ++c) {
-            const u64 bits = splitmix64(stream + (u64)c * 0x9E3779B97F4A7C15ULL);
+            const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
             const double unit = (double)(bits >> 11) * 0x1.0p-53;
             row[c] = (float)((2.0 * unit - 1.0) * bound);
         }
@@ -261,39 +258,37 @@ extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i
     }
 }
 
-// The cold stores' row checks (tierstore/tiers/cold/codec.py's row_hashes, bit for bit): for each
-// row of width bytes (raw + i * stride), its bytes as little-endian 32-bit words (the last one
-// zero-padded) summed modulo 2^32, word j times the odd multiplier (uint32)(mix((j + 1) * golden) | 1),
-// then hashes[i] = mix(sum ^ keys[i] * golden).
-extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned char* __restrict__ raw, i64 n,
-                                i64 width, i64 stride, u64* __restrict__ hashes) {
-    const u64 golden = 0x9E3779B97F4A7C15ULL;
-    const i64 words = (width + 3) / 4;
-    std::vector<unsigned int> multipliers(words);
-    for (i64 j = 0; j < words; ++j) multipliers[j] = (unsigned int)(mix((u64)(j + 1) * golden) | 1ULL);
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i) {
-        const unsigned char* __restrict__ row = raw + i * stride;
+// The cold stores' row checks (tierstore/tiers/cold/codec.py's row_hashes, bit for bit): a row's
+// bytes as little-endian 32-bit words (the last one zero-padded) summed modulo 2^32, word j times
+// the odd multiplier (uint32)(mix((j + 1) * golden) | 1), then mixed with its key:
+// mix(sum ^ key * golden). RowChecks holds the multipliers for rows of row_bytes bytes.
+struct RowChecks {
+    i64 row_bytes;
+    std::vector<unsigned int> multipliers;
+
+    explicit RowChecks(i64 bytes) : row_bytes(bytes), multipliers((bytes + 3) / 4) {
+        for (size_t j = 0; j < multipliers.size(); ++j)
+            multipliers[j] = (unsigned int)(mix((u64)(j + 1) * GOLDEN) | 1ULL);
+    }
+
+    u64 of(const unsigned char* __restrict__ row, i64 key) const {
         unsigned int sum = 0;
-        for (i64 j = 0; j < words; ++j) {
+        for (size_t j = 0; j < multipliers.size(); ++j) {
             unsigned int word = 0;
-            for (i64 b = 0; b < 4 && 4 * j + b < width; ++b) word |= (unsigned int)row[4 * j + b] << (8 * b);
+            for (i64 b = 0; b < 4 && 4 * (i64)j + b < row_bytes; ++b)
+                word |= (unsigned int)row[4 * j + b] << (8 * b);
             sum += word * multipliers[j];
         }
-        hashes[i] = mix((u64)sum ^ ((u64)keys[i] * golden));
+        return mix((u64)sum ^ ((u64)key * GOLDEN));
     }
-}
+};
 
-// The check of a stored row (row_bytes bytes at row): step_row_hashes' hash of it and its key.
-__device__ __forceinline__ u64 row_check(const unsigned char* __restrict__ row, i64 row_bytes, i64 key,
-                                         const unsigned int* __restrict__ multipliers) {
-    unsigned int sum = 0;
-    for (i64 j = 0; 4 * j < row_bytes; ++j) {
-        unsigned int word = 0;
-        for (i64 b = 0; b < 4 && 4 * j + b < row_bytes; ++b) word |= (unsigned int)row[4 * j + b] << (8 * b);
-        sum += word * multipliers[j];
-    }
-    return mix((u64)sum ^ ((u64)key * 0x9E3779B97F4A7C15ULL));
+// hashes[i]: the check of the row of width bytes at raw + i * stride, with id keys[i].
+extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned char* __restrict__ raw, i64 n,
+                                i64 width, i64 stride, u64* __restrict__ hashes) {
+    const RowChecks checks(width);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) hashes[i] = checks.of(raw + i * stride, keys[i]);
 }
 
 // The mmap cold store's batched read (tierstore/tiers/cold/mmap_store.py): each keys[i]'s stored
@@ -309,10 +304,7 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
                               const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
                               i64 check_bytes, unsigned char* __restrict__ out,
                               unsigned char* __restrict__ found, i64* __restrict__ first_bad) {
-    const u64 golden = 0x9E3779B97F4A7C15ULL;
-    std::vector<unsigned int> multipliers((row_bytes + 3) / 4);
-    for (size_t j = 0; j < multipliers.size(); ++j)
-        multipliers[j] = (unsigned int)(mix((u64)(j + 1) * golden) | 1ULL);
+    const RowChecks checks(row_bytes);
     // Two passes, each asking for the memory of item i + AHEAD while it works on item i: the
     // indexes' positions (random in tables far larger than the caches), then the rows themselves.
     std::vector<const unsigned char*> sources(n);
@@ -340,7 +332,7 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
         if (!source) continue;
         for (i64 b = 0; b < row_bytes; ++b) out[i * row_bytes + b] = source[b];
         if (check_bytes) {
-            const u64 check = row_check(source, row_bytes, keys[i], multipliers.data());
+            const u64 check = checks.of(source, keys[i]);
             bool matches = true;
             for (i64 b = 0; b < check_bytes; ++b)
                 matches &= source[row_bytes + b] == ((check >> (8 * b)) & 0xFF);

@@ -31,8 +31,12 @@ def checked_table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
     bound = id_bound(table)
     bad = ((ids < 0) | (ids >= bound)).nonzero()
     if bad.numel():
-        raise IndexError(f"table {table['name']!r}: ids must be in [0, {bound}), got {int(ids[bad[0, 0]])}")
+        raise _bad_id(table, int(ids[bad[0, 0]]))
     return (table["number"] << ID_BITS) | ids
+
+
+def _bad_id(table: dict, value: int) -> IndexError:
+    return IndexError(f"table {table['name']!r}: ids must be in [0, {id_bound(table)}), got {value}")
 
 
 class JaggedBatch:
@@ -84,8 +88,7 @@ class JaggedBatch:
             first = int(bad[0, 0]) if bad.numel() else -1
         if first >= 0:
             feature = int(torch.searchsorted(self._feature_starts, first, right=True)) - 1
-            name, value = self.tables[feature]["name"], int(self.values[first])
-            raise IndexError(f"table {name!r}: ids must be in [0, {int(bounds[feature])}), got {value}")
+            raise _bad_id(self.tables[feature], int(self.values[first]))
 
     def _feature_of_entry(self) -> torch.Tensor:
         return torch.repeat_interleave(torch.arange(len(self.keys)), self.lengths.sum(dim=1))
