@@ -6,12 +6,15 @@
 // - step_backward: each distinct row's gradient summed from its entries and the fused optimizer
 //   applied to the row in place, in one pass (or the sums written out, to be applied elsewhere).
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
+// It also holds the host cache tier's own calls (host_cache.cpp).
 
 #include <vector>
 
 #include "embedding_cache.cu"
 
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
+
+#include "host_cache.cpp"
 
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
 // first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding
@@ -344,4 +347,41 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
     }
     *first_bad = first;
     return bad;
+}
+
+// The mmap cold store's staging of rows in its write-ahead log (tierstore/tiers/cold/mmap_store.py):
+// the stored form of rows[i] (row_bytes, then check_bytes of its check for id keys[i]) goes over
+// keys[i]'s record in log_rows when the log's index (log_keys/log_values/log_mask) has one at or
+// past `committed` (staged since the last flush); else it is packed into out_new, in order, with
+// new_keys[j] its id and superseded[j] whether an older (committed) record of it exists. Returns
+// how many were packed.
+extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsigned char* __restrict__ rows,
+                               i64 row_bytes, i64 check_bytes, const i64* __restrict__ log_keys,
+                               const i64* __restrict__ log_values, i64 log_mask, i64 committed,
+                               unsigned char* __restrict__ log_rows, unsigned char* __restrict__ out_new,
+                               i64* __restrict__ new_keys, unsigned char* __restrict__ superseded) {
+    const RowChecks checks(row_bytes);
+    const i64 stored_bytes = row_bytes + check_bytes;
+    i64 packed = 0;
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&log_keys[mix((u64)keys[i + AHEAD]) & (u64)log_mask]);
+        const i64 position = probe(log_keys, log_mask, keys[i]);
+        const i64 record = position < 0 ? -1 : log_values[position];
+        unsigned char* target;
+        if (record >= committed) {
+            target = log_rows + record * stored_bytes;
+        } else {
+            target = out_new + packed * stored_bytes;
+            new_keys[packed] = keys[i];
+            superseded[packed] = record >= 0;
+            ++packed;
+        }
+        const unsigned char* row = rows + i * row_bytes;
+        std::memcpy(target, row, row_bytes);
+        if (check_bytes) {
+            const u64 check = checks.of(row, keys[i]);
+            for (i64 b = 0; b < check_bytes; ++b) target[row_bytes + b] = (unsigned char)(check >> (8 * b));
+        }
+    }
+    return packed;
 }

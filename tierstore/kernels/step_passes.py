@@ -41,11 +41,15 @@ _SIGNATURES = {
         [_POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
         + [_I64, _I64, _I64, _POINTER, _POINTER, _POINTER],
     ),
+    "step_cold_stage": (
+        _I64,
+        [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _I64] + [_POINTER] * 4,
+    ),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
 }
 
 
-def _typed(function, result, arguments: list):
+def typed(function, result, arguments: list):
     """``function`` with its C types, refusing a call with another number of arguments (ctypes
     would pass extra ones as 32-bit ints)."""
     function.restype, function.argtypes = result, arguments
@@ -58,7 +62,7 @@ def _typed(function, result, arguments: list):
     return call
 
 
-def _pointer(tensor: torch.Tensor | None) -> int | None:
+def pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
@@ -80,7 +84,7 @@ class StepPasses:
     """The native passes of one host build (``HostKernels.step_library``)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {name: _typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
+        self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
         self._scratch = threading.local()  # the dedupe's hash table, per thread, reused
 
     def _hash_table(self, entries: int) -> tuple[torch.Tensor, int]:
@@ -145,13 +149,13 @@ class StepPasses:
             slots.data_ptr(),
             distinct.entry_rows.data_ptr(),
             distinct.padding_row,
-            _pointer(offsets),
+            pointer(offsets),
             bag_length,
             last_end,
             bags,
             entries,
             mean,
-            _pointer(weights),
+            pointer(weights),
             out.data_ptr(),
             dim,
             entry_bag.data_ptr(),
@@ -191,13 +195,13 @@ class StepPasses:
             scale.data_ptr(),
             count,
             dim,
-            _pointer(rows),
+            pointer(rows),
             0 if rows is None else rows.shape[1],
-            _pointer(slots),
-            _pointer(dirty),
+            pointer(slots),
+            pointer(dirty),
             code,
             parameters,
-            _pointer(summed),
+            pointer(summed),
         )
         return summed
 
@@ -242,10 +246,10 @@ class StepPasses:
             group.data_ptr(),
             len(features),
             numbers.data_ptr(),
-            _pointer(weights),
+            pointer(weights),
             keys.data_ptr(),
             starts.data_ptr(),
-            _pointer(group_weights),
+            pointer(group_weights),
             cursors.data_ptr(),
         )
         return keys, starts, group_weights
@@ -296,8 +300,8 @@ class StepPasses:
             main_values.data_ptr(),
             main_keys.numel() - 1,
             main_rows.ctypes.data,
-            _pointer(log_keys),
-            _pointer(log_values),
+            pointer(log_keys),
+            pointer(log_values),
             -1 if log is None else log_keys.numel() - 1,
             None if log is None else log_rows.ctypes.data,
             main_rows.shape[1],
@@ -308,6 +312,38 @@ class StepPasses:
             first_bad.data_ptr(),
         )
         return out, found, bad, int(first_bad)
+
+    def cold_stage(
+        self, keys: torch.Tensor, rows: torch.Tensor, log: tuple, committed: int, check_bytes: int
+    ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """The mmap cold store's staging of ``rows`` (``[N, W]``, any dtype) of ``keys`` (int64 [N],
+        distinct) in its log, ``log`` being ``(index keys, index values (int64 record numbers), stored
+        rows uint8 [R, stored bytes], writable)``: rows whose record is at or past ``committed`` are
+        stored over it; returns the others' ``(stored rows uint8 [M, stored bytes], keys [M], whether
+        each had an older record bool [M])``, in order."""
+        keys = keys.contiguous()
+        raw = rows.contiguous().view(torch.uint8)
+        count, row_bytes = keys.numel(), raw.shape[1]
+        index_keys, index_values, log_rows = log
+        out = np.empty((count, row_bytes + check_bytes), dtype=np.uint8)
+        new_keys = torch.empty(count, dtype=torch.int64)
+        superseded = torch.empty(count, dtype=torch.bool)
+        packed = self._functions["step_cold_stage"](
+            keys.data_ptr(),
+            count,
+            raw.data_ptr(),
+            row_bytes,
+            check_bytes,
+            index_keys.data_ptr(),
+            index_values.data_ptr(),
+            index_keys.numel() - 1,
+            committed,
+            log_rows.ctypes.data if log_rows.size else None,
+            out.ctypes.data,
+            new_keys.data_ptr(),
+            superseded.data_ptr(),
+        )
+        return out[:packed], new_keys[:packed], superseded[:packed]
 
 
 _PASSES: dict[int, StepPasses] = {}

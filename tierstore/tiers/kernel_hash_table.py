@@ -3,7 +3,8 @@
 One thread per key, linear probing over a power-of-two table of int64 keys beside int32 values
 (cache slots: the ``cache_*`` kernels) or int64 values (row numbers: ``index_*``), in
 ``embedding_cache.cu``. Inserts claim empty positions only, with a compare-and-swap;
-removed keys leave tombstones, which the table clears by rebuilding itself when live keys and
+removed keys leave tombstones (except on the tuned host build, whose erase shifts entries back:
+``kernels.cache_passes``), which the table clears by rebuilding itself when live keys and
 tombstones together pass ``MAX_LOAD_WITH_TOMBSTONES`` (a full cache tier then removes at least a
 quarter of the table's size in keys between rebuilds, not a few), growing when live keys alone
 pass ``MAX_LOAD``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.cache_passes import cache_passes_of
 from .hash_index import MAX_LOAD_WITH_TOMBSTONES, BatchedHashTable
 
 EMPTY = -1
@@ -45,6 +47,7 @@ class KernelHashTable(BatchedHashTable):
         if value_dtype not in _KERNEL_PREFIX:
             raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
+        self._shifting = cache_passes_of(kernels)  # the tuned host build: erase without tombstones
         self.device = torch.device(device)
         self.value_dtype = value_dtype
         self._kernel = {
@@ -120,7 +123,12 @@ class KernelHashTable(BatchedHashTable):
         self.live += keys.numel()
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys)."""
+        """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys). On the
+        tuned host build a table without tombstones stays so (entries shift back, on one thread)."""
+        if self._shifting is not None and self.tombstones == 0:
+            former = self._shifting.erase(self.keys, self.values, keys)
+            self.live -= int((former >= 0).sum())
+            return former.to(torch.int64)
         former = self._per_key("erase", keys)
         removed = int((former >= 0).sum())
         self.live -= removed

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import CacheCapacityError
+from ..kernels.cache_passes import cache_passes_of
 
 _RENORMALISE_AT = 2.0**20
 POOL_SHARE = 1 / 32  # of the capacity: victims ranked ahead by one scan of every slot
@@ -86,6 +87,7 @@ class LfuWithAgeing(EvictionPolicy):
         self._pool_scores = self.score[:0]  # their scores and keys when ranked
         self._pool_keys = self._pool
         self.scans = 0
+        self._passes = cache_passes_of(getattr(backend, "kernels", None))  # the tuned host build's scan
 
     @property
     def nbytes(self) -> int:
@@ -112,19 +114,29 @@ class LfuWithAgeing(EvictionPolicy):
         if taken is not None:
             return taken
         self.scans += 1
+        if self._passes is not None:
+            ranked = self._passes.lowest_slots(self.score, slot_keys, pins, count + self._pool_size)
+            if ranked.numel() < count:
+                raise self._too_few(count, ranked.numel())
+            pool = ranked[count:]
+            self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
+            return ranked[:count]
         scores = self.backend.victim_scores(self.score, slot_keys, pins)
         ranked = _lowest(scores, min(count + self._pool_size, self.capacity))
         ranked = ranked[torch.isfinite(scores[ranked])]
         if ranked.numel() < count:
-            available = int(torch.isfinite(scores).sum())
-            raise CacheCapacityError(
-                f"the current batch needs {count} more than it can evict ({available} evictable); "
-                f"raise its budget or split the batch"
-            )
+            raise self._too_few(count, int(torch.isfinite(scores).sum()))
         ranked = ranked[_ascending(scores[ranked])]
         pool = ranked[count:]
         self._pool, self._pool_scores, self._pool_keys = pool, scores[pool], slot_keys[pool]
         return ranked[:count]
+
+    @staticmethod
+    def _too_few(count: int, available: int) -> CacheCapacityError:
+        return CacheCapacityError(
+            f"the current batch needs {count} more than it can evict ({available} evictable); "
+            f"raise its budget or split the batch"
+        )
 
     def _from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
         """The first ``count`` slots of the pool that hold the row and the score they were ranked

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..errors import CacheCapacityError
+from ..kernels.cache_passes import cache_passes_of
 from .backends import TorchRows
 from .contract import Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing
@@ -66,6 +67,7 @@ class RowCache:
         else:
             self.policy = policy(capacity, self.device, self.backend)
         self.stats = TierStats()
+        self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
 
     @property
     def kernels(self):
@@ -147,6 +149,8 @@ class RowCache:
         self._release(slots)
 
     def _rows_at(self, slots: torch.Tensor) -> Rows:
+        if self._passes is not None:
+            return Rows(*self._passes.slot_rows(self.slot_keys, self.rows, self.dirty, self.fresh, slots))
         return Rows(self.slot_keys[slots], self.read(slots), self.dirty[slots], self.fresh[slots])
 
     def take(self, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, Rows]:
@@ -191,10 +195,13 @@ class RowCache:
             self.stats.writebacks += int(evicted.dirty.sum())
         keys = incoming.keys.to(self.device)
         self.index.insert(keys, slots)
-        self.slot_keys[slots] = keys
-        self.backend.scatter(self.rows, slots, incoming.rows, self.rows.shape[1])
-        self.dirty[slots] = incoming.dirty.to(self.device)
-        self.fresh[slots] = incoming.fresh.to(self.device)
+        if self._passes is not None:
+            self._passes.fill_slots(self.slot_keys, self.rows, self.dirty, self.fresh, slots, incoming)
+        else:
+            self.slot_keys[slots] = keys
+            self.backend.scatter(self.rows, slots, incoming.rows, self.rows.shape[1])
+            self.dirty[slots] = incoming.dirty.to(self.device)
+            self.fresh[slots] = incoming.fresh.to(self.device)
         self.policy.reset(slots)
         self.stats.rows_in += count
         return slots, evicted

@@ -386,22 +386,31 @@ class MmapColdStore(ColdStore):
     # -- writes ------------------------------------------------------------------------------
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        record = self._wal_index.find(keys)
-        staged = record >= self._wal_committed  # staged since the last flush: rewritten in place
-        new = (~staged).nonzero().squeeze(1)  # appended in this order: committed records never change
+        """Rows staged since the last flush are rewritten in place; the others are appended (in this
+        order: committed records never change)."""
         start = self._wal_count
-        self._wal_rows.reserve(start + new.numel())
-        self._wal_keys.reserve(start + new.numel())
-        stored = self.codec.encode(keys.numpy(), rows)
-        if bool(staged.any()):
-            self._wal_rows.array[record[staged].numpy()] = stored[staged.numpy()]
-        new_stored = stored if new.numel() == keys.numel() else stored[new.numpy()]
-        self._wal_rows.write(start, new_stored)
-        self._wal_keys.write(start, keys[new].numpy()[:, None])
-        superseded = record[new] >= 0  # keys whose last record is committed: they move to a new one
-        self._wal_index.remove(keys[new][superseded])
-        self._wal_index.insert(keys[new], torch.arange(start, start + new.numel()))
-        self._wal_count += new.numel()
+        self._wal_rows.reserve(start + keys.numel())  # before any write: a full disk changes nothing
+        self._wal_keys.reserve(start + keys.numel())
+        passes = host_passes() if isinstance(self._wal_index, KernelHashTable) else None
+        if passes is not None:  # one native pass: the log's index, the checks, the rewrites
+            log = (self._wal_index.keys, self._wal_index.values, self._wal_rows.array)
+            stored, keys, superseded = passes.cold_stage(
+                keys, rows, log, self._wal_committed, self.codec.check_bytes
+            )
+        else:
+            record = self._wal_index.find(keys)
+            staged = record >= self._wal_committed
+            stored = self.codec.encode(keys.numpy(), rows)
+            if bool(staged.any()):
+                self._wal_rows.array[record[staged].numpy()] = stored[staged.numpy()]
+                stored, keys, record = stored[(~staged).numpy()], keys[~staged], record[~staged]
+            superseded = record >= 0  # keys whose last record is committed: they move to a new one
+        count = keys.numel()
+        self._wal_rows.write(start, stored)
+        self._wal_keys.write(start, keys.numpy()[:, None])
+        self._wal_index.remove(keys[superseded])
+        self._wal_index.insert(keys, torch.arange(start, start + count))
+        self._wal_count += count
 
     def can_bulk_load(self) -> bool:
         return not self.read_only and not self._wal_count

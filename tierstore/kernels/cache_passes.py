@@ -1,0 +1,131 @@
+"""The host cache tier's own calls (``host_cache.cpp``, in the tuned host build) behind typed
+Python calls: erase by backward shifting (no tombstones), LFU's ranked scan, and the rows of an
+eviction and an admission moved in one call each. ``tiers.row_cache``, ``tiers.policies`` and
+``tiers.kernel_hash_table`` use them where a tier runs on that build."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .step_passes import pointer, typed
+
+_POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "cache_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
+    "index_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
+    "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
+    "cache_slot_rows": (
+        None,
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64] + [_POINTER] * 4,
+    ),
+    "cache_fill_slots": (
+        None,
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64] + [_POINTER] * 4,
+    ),
+}
+_ERASE = {torch.int32: "cache_erase_shifting", torch.int64: "index_erase_shifting"}
+
+
+class CachePasses:
+    """The host cache calls of one host build (``HostKernels.step_library``). Tensors are CPU,
+    contiguous: keys and slots int64, flags bool, rows float32."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
+
+    def erase(self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Remove ``keys`` (distinct) from a table without tombstones (``table_values`` int32 or
+        int64), leaving none; returns the values they held (-1: absent), in the values' dtype."""
+        keys = keys.to(torch.int64).contiguous()
+        former = torch.empty(keys.numel(), dtype=table_values.dtype)
+        self._functions[_ERASE[table_values.dtype]](
+            table_keys.data_ptr(),
+            table_values.data_ptr(),
+            table_keys.numel() - 1,
+            keys.data_ptr(),
+            keys.numel(),
+            former.data_ptr(),
+        )
+        return former
+
+    def lowest_slots(
+        self, scores: torch.Tensor, slot_keys: torch.Tensor, pins: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """int64: up to ``count`` slots holding a row and unpinned, of the lowest ``scores``
+        (float32, finite, non-negative), ascending by (score, slot)."""
+        out = torch.empty(min(count, scores.numel()), dtype=torch.int64)
+        kept = self._functions["cache_lowest_slots"](
+            scores.data_ptr(),
+            slot_keys.data_ptr(),
+            pins.data_ptr(),
+            scores.numel(),
+            out.numel(),
+            out.data_ptr(),
+        )
+        return out[:kept]
+
+    def slot_rows(
+        self, slot_keys: torch.Tensor, rows: torch.Tensor, dirty: torch.Tensor, fresh: torch.Tensor, slots
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, rows, dirty, fresh)`` at ``slots`` (int64)."""
+        slots = slots.to(torch.int64).contiguous()
+        count = slots.numel()
+        keys = torch.empty(count, dtype=torch.int64)
+        out = torch.empty(count, rows.shape[1], dtype=rows.dtype)
+        flags = torch.empty(2, count, dtype=torch.bool)
+        self._functions["cache_slot_rows"](
+            slot_keys.data_ptr(),
+            rows.data_ptr(),
+            rows.shape[1],
+            dirty.data_ptr(),
+            fresh.data_ptr(),
+            slots.data_ptr(),
+            count,
+            keys.data_ptr(),
+            out.data_ptr(),
+            flags[0].data_ptr(),
+            flags[1].data_ptr(),
+        )
+        return keys, out, flags[0], flags[1]
+
+    def fill_slots(self, slot_keys, rows, dirty, fresh, slots: torch.Tensor, incoming) -> None:
+        """Slot ``slots[i]`` (int64) takes ``incoming`` (a ``Rows``) ``i``'s key, row and flags."""
+        if incoming.rows.shape[1:] != rows.shape[1:]:
+            raise ValueError(
+                f"incoming rows are {tuple(incoming.rows.shape)}; the tier's are {tuple(rows.shape)}"
+            )
+        slots = slots.to(torch.int64).contiguous()
+        keys = incoming.keys.to(torch.int64).contiguous()
+        values = incoming.rows.to(rows.dtype).contiguous()
+        in_dirty = incoming.dirty.to(torch.bool).contiguous()
+        in_fresh = incoming.fresh.to(torch.bool).contiguous()
+        self._functions["cache_fill_slots"](
+            slot_keys.data_ptr(),
+            rows.data_ptr(),
+            rows.shape[1],
+            dirty.data_ptr(),
+            fresh.data_ptr(),
+            slots.data_ptr(),
+            slots.numel(),
+            keys.data_ptr(),
+            pointer(values),
+            in_dirty.data_ptr(),
+            in_fresh.data_ptr(),
+        )
+
+
+_PASSES: dict[int, CachePasses] = {}
+
+
+def cache_passes_of(kernels) -> CachePasses | None:
+    """The host cache calls of ``kernels`` (a ``HostKernels``/``CudaKernels`` or None): None unless it
+    is a tuned host build."""
+    library = getattr(kernels, "step_library", None)
+    if library is None:
+        return None
+    passes = _PASSES.get(id(library))
+    if passes is None:
+        passes = _PASSES[id(library)] = CachePasses(library)
+    return passes

@@ -1,0 +1,106 @@
+// A host cache tier's movement of rows as a few calls (tierstore/tiers/row_cache.py through
+// tierstore/kernels/cache_passes.py; included by host_step.cpp into the tuned host build):
+// - table erase by backward shifting: linear probing keeps no tombstones, so the index of a tier
+//   that evicts every step never fills with them (and is never rebuilt for them);
+// - the lowest-scoring evictable slots, ranked (LFU's scan);
+// - the rows of slots being evicted, and an admission's writes to its slots.
+// The erase runs on one thread (it moves entries); the row copies on the OpenMP team.
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+// Remove keys[0..n) (distinct) from a table that holds no tombstones, moving each removed key's
+// followers back so that every key stays reachable from its home without crossing an empty
+// position (Knuth's algorithm R). out_values[i]: the value keys[i] held, or -1 where absent.
+template <typename Value>
+static void erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
+                           const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask]);
+        const i64 found = probe(table_keys, mask, keys[i]);
+        out_values[i] = found < 0 ? (Value)-1 : table_values[found];
+        if (found < 0) continue;
+        u64 hole = (u64)found;
+        for (u64 next = (hole + 1) & (u64)mask;; next = (next + 1) & (u64)mask) {
+            const i64 stored = table_keys[next];
+            if (stored == EMPTY_KEY) break;
+            const u64 home = mix((u64)stored) & (u64)mask;
+            // The entry at `next` may fill the hole unless its home lies in (hole, next].
+            if (((next - home) & (u64)mask) >= ((next - hole) & (u64)mask)) {
+                table_keys[hole] = stored;
+                table_values[hole] = table_values[next];
+                hole = next;
+            }
+        }
+        table_keys[hole] = EMPTY_KEY;
+    }
+}
+
+extern "C" void cache_erase_shifting(i64* __restrict__ table_keys, int* __restrict__ table_values, i64 mask,
+                                     const i64* __restrict__ keys, i64 n, int* __restrict__ out_values) {
+    erase_shifting(table_keys, table_values, mask, keys, n, out_values);
+}
+
+extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restrict__ table_values, i64 mask,
+                                     const i64* __restrict__ keys, i64 n, i64* __restrict__ out_values) {
+    erase_shifting(table_keys, table_values, mask, keys, n, out_values);
+}
+
+// The `count` lowest-scoring slots among those holding a row (slot_keys >= 0) and not pinned
+// (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Scores are
+// finite and non-negative, so they order as their bits do. Returns how many were written.
+extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
+                                  const unsigned char* __restrict__ pins, i64 capacity, i64 count,
+                                  i64* __restrict__ out) {
+    std::vector<u64> ranked;
+    ranked.reserve(capacity);
+    for (i64 s = 0; s < capacity; ++s) {
+        if (slot_keys[s] < 0 || pins[s]) continue;
+        unsigned int bits;
+        std::memcpy(&bits, &scores[s], sizeof bits);
+        ranked.push_back(((u64)bits << 32) | (u64)s);
+    }
+    const i64 kept = std::min<i64>(count, (i64)ranked.size());
+    if (kept < (i64)ranked.size()) std::nth_element(ranked.begin(), ranked.begin() + kept, ranked.end());
+    std::sort(ranked.begin(), ranked.begin() + kept);
+    for (i64 i = 0; i < kept; ++i) out[i] = (i64)(ranked[i] & 0xFFFFFFFFULL);
+    return kept;
+}
+
+// The rows at slots[0..n): out_keys[i], out_rows[i] (row_width values), out_dirty[i], out_fresh[i].
+extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const float* __restrict__ rows,
+                                i64 row_width, const unsigned char* __restrict__ dirty,
+                                const unsigned char* __restrict__ fresh, const i64* __restrict__ slots, i64 n,
+                                i64* __restrict__ out_keys, float* __restrict__ out_rows,
+                                unsigned char* __restrict__ out_dirty,
+                                unsigned char* __restrict__ out_fresh) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&rows[slots[i + AHEAD] * row_width]);
+        const i64 s = slots[i];
+        out_keys[i] = slot_keys[s];
+        out_dirty[i] = dirty[s];
+        out_fresh[i] = fresh[s];
+        std::memcpy(&out_rows[i * row_width], &rows[s * row_width], row_width * sizeof(float));
+    }
+}
+
+// An admission's writes: slot slots[i] takes keys[i], the row incoming[i] (row_width values) and
+// the flags in_dirty[i] / in_fresh[i].
+extern "C" void cache_fill_slots(i64* __restrict__ slot_keys, float* __restrict__ rows, i64 row_width,
+                                 unsigned char* __restrict__ dirty, unsigned char* __restrict__ fresh,
+                                 const i64* __restrict__ slots, i64 n, const i64* __restrict__ keys,
+                                 const float* __restrict__ incoming,
+                                 const unsigned char* __restrict__ in_dirty,
+                                 const unsigned char* __restrict__ in_fresh) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&rows[slots[i + AHEAD] * row_width], 1);
+        const i64 s = slots[i];
+        slot_keys[s] = keys[i];
+        dirty[s] = in_dirty[i];
+        fresh[s] = in_fresh[i];
+        std::memcpy(&rows[s * row_width], &incoming[i * row_width], row_width * sizeof(float));
+    }
+}
