@@ -125,24 +125,34 @@ def test_the_native_path_is_the_one_taken(monkeypatch):
     assert calls == [1]
 
 
-def test_rows_moved_between_forward_and_backward_are_found_again(monkeypatch):
-    """A second forward evicts the first one's rows (a cache of one batch's rows): the first
-    backward's update goes through the store, which brings them back."""
+@pytest.mark.parametrize("between", ["a second forward", "a load of new rows"])
+def test_rows_moved_between_forward_and_backward_are_found_again(monkeypatch, between):
+    """A second forward evicts the first one's rows (a cache of one batch's rows), or a load takes
+    them out of the cache: the first backward's update goes through the store, which finds them
+    again, as the reference path does."""
     generator = torch.Generator().manual_seed(1)
     first, second = torch.arange(0, 20), torch.arange(20, 40)
     gradients = [torch.randn(4, 6, generator=generator) for _ in range(2)]
+    loaded = torch.randn(5, 6, generator=generator)
     offsets = torch.tensor([0, 5, 10, 15])
     results = []
     for native in (True, False):
         monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda s: None)
         table = TieredEmbeddingBag(None, 6, mode="sum", optimizer=optim.Adagrad(lr=0.1), host_cache=24)
-        one, two = table(first, offsets), table(second, offsets)
+        one = table(first, offsets)
+        if between == "a second forward":
+            two = table(second, offsets)
+        else:
+            table.load_weights(first[::4], loaded)
         (one * gradients[0]).sum().backward()
-        (two * gradients[1]).sum().backward()
+        if between == "a second forward":
+            (two * gradients[1]).sum().backward()
         results.append(table.store.get(torch.arange(40), with_state=True))
         table.close()
         monkeypatch.undo()
     assert torch.equal(results[0], results[1])
+    if between == "a load of new rows":  # the update landed on the loaded rows, not the old ones
+        assert not torch.equal(results[0][first[::4], :6], loaded)
 
 
 def test_rows_do_not_depend_on_the_thread_count(monkeypatch):

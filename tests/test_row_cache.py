@@ -2,12 +2,14 @@ import cachetools
 import numpy as np
 import pytest
 import torch
+from host_kernels import parallel_host_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.errors import CacheCapacityError
+from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.tiers import RowCache, Rows, policies
-from tierstore.tiers.backends import TorchRows
+from tierstore.tiers.backends import KernelRows, TorchRows
 from tierstore.tiers.policies import LfuWithAgeing
 
 
@@ -107,16 +109,20 @@ def test_byte_accounting_is_exact():
     assert cache.nbytes == RowCache.nbytes_for(1000, 64, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "openmp"])
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.sampled_from([1e9, 50.0]))
-def test_lfu_victims_from_its_pool_score_no_more_than_any_row_untouched_since_the_scan(seed, half_life):
+def test_lfu_victims_from_its_pool_score_no_more_than_any_row_untouched_since_the_scan(
+    backend, seed, half_life
+):
     """Victims come from a pool ranked by the last scan of every slot; whatever was touched,
     filled or emptied in between, a victim must score at most every row (not protected, not a
     victim) left as it was at that scan, and never be a protected or an empty slot. As in a
     RowCache, a batch's protected rows are touched after its victims are chosen."""
     rng = np.random.default_rng(seed)
     capacity = 320  # a pool of 10
-    policy = LfuWithAgeing(capacity, torch.device("cpu"), TorchRows(), half_life)
+    rows = TorchRows() if backend == "torch" else KernelRows(parallel_host_kernels(), "openmp")
+    policy = LfuWithAgeing(capacity, torch.device("cpu"), rows, half_life)
     slot_keys = torch.arange(capacity)
     changed = torch.zeros(capacity, dtype=torch.bool)  # touched, filled or emptied since the last scan
     for _ in range(60):
@@ -158,3 +164,25 @@ def test_victims_are_ranked_as_a_stable_sort_ranks_them(levels, scale):
     """The LFU pool's ranking (one sort of bits and positions) is torch's stable argsort, ties included."""
     scores = torch.tensor(levels, dtype=torch.float32) * scale
     assert torch.equal(policies._ascending(scores), torch.argsort(scores, stable=True))
+
+
+@pytest.mark.parametrize("capacity", [100, 5000, 70_000])
+@pytest.mark.parametrize("scores_are", ["zipf counts", "ties", "low where sampled"])
+def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capacity, scores_are):
+    """The host build's scan (a sample bounds the scores worth ranking in a large tier) returns
+    what a stable sort of every evictable slot's score returns, whatever misleads the sample."""
+    rng = np.random.default_rng(capacity)
+    if scores_are == "zipf counts":
+        scores = torch.from_numpy(rng.zipf(1.2, capacity).astype(np.float32))
+    elif scores_are == "ties":
+        scores = torch.from_numpy(rng.integers(0, 3, capacity).astype(np.float32))
+    else:  # the sampled slots (every 64th) score lowest: their bound covers too few slots
+        scores = torch.full((capacity,), 5.0)
+        scores[::64] = 1.0
+    slot_keys = torch.from_numpy(np.where(rng.random(capacity) < 0.1, -1, np.arange(capacity)))
+    pins = torch.from_numpy((rng.random(capacity) < 0.1).astype(np.uint8))
+    evictable = ((slot_keys >= 0) & (pins == 0)).nonzero().squeeze(1)
+    expected = evictable[torch.argsort(scores[evictable], stable=True)]
+    passes = cache_passes_of(parallel_host_kernels())
+    for count in (1, 7, capacity // 50, capacity // 3, capacity):
+        assert torch.equal(passes.lowest_slots(scores, slot_keys, pins, count), expected[:count])

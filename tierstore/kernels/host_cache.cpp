@@ -47,19 +47,50 @@ extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restri
     erase_shifting(table_keys, table_values, mask, keys, n, out_values);
 }
 
+// Score bits beside the slot: ordering these orders slots by (score, slot), scores being finite and
+// non-negative (so they order as their bits do).
+static inline u64 ranked_slot(const float* __restrict__ scores, i64 slot) {
+    unsigned int bits;
+    std::memcpy(&bits, &scores[slot], sizeof bits);
+    return ((u64)bits << 32) | (u64)slot;
+}
+
+static inline bool evictable(const i64* __restrict__ slot_keys, const unsigned char* __restrict__ pins,
+                             i64 slot) {
+    return slot_keys[slot] >= 0 && !pins[slot];
+}
+
+#define SAMPLE_EVERY 64  // slots: one in this many is sampled to bound the scores worth ranking
+
 // The `count` lowest-scoring slots among those holding a row (slot_keys >= 0) and not pinned
-// (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Scores are
-// finite and non-negative, so they order as their bits do. Returns how many were written.
+// (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Returns how
+// many were written. A large tier first samples its scores for a bound that `count` of them are
+// likely under and ranks only the slots at or under it (all slots if too few are): the same slots.
 extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
                                   const unsigned char* __restrict__ pins, i64 capacity, i64 count,
                                   i64* __restrict__ out) {
     std::vector<u64> ranked;
-    ranked.reserve(capacity);
-    for (i64 s = 0; s < capacity; ++s) {
-        if (slot_keys[s] < 0 || pins[s]) continue;
-        unsigned int bits;
-        std::memcpy(&bits, &scores[s], sizeof bits);
-        ranked.push_back(((u64)bits << 32) | (u64)s);
+    if (capacity >= 64 * SAMPLE_EVERY && count < capacity / 4) {
+        std::vector<u64> sample;
+        for (i64 s = 0; s < capacity; s += SAMPLE_EVERY)
+            if (evictable(slot_keys, pins, s)) sample.push_back(ranked_slot(scores, s));
+        const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 64;  // a margin over the share
+        if (wanted < (i64)sample.size()) {
+            std::nth_element(sample.begin(), sample.begin() + wanted, sample.end());
+            const u64 bound = sample[wanted] | 0xFFFFFFFFULL;  // every slot of that score or lower
+            ranked.reserve(2 * count);
+            for (i64 s = 0; s < capacity; ++s) {
+                if (!evictable(slot_keys, pins, s)) continue;
+                const u64 item = ranked_slot(scores, s);
+                if (item <= bound) ranked.push_back(item);
+            }
+            if ((i64)ranked.size() < count) ranked.clear();  // the sample misled: rank every slot
+        }
+    }
+    if (ranked.empty()) {
+        ranked.reserve(capacity);
+        for (i64 s = 0; s < capacity; ++s)
+            if (evictable(slot_keys, pins, s)) ranked.push_back(ranked_slot(scores, s));
     }
     const i64 kept = std::min<i64>(count, (i64)ranked.size());
     if (kept < (i64)ranked.size()) std::nth_element(ranked.begin(), ranked.begin() + kept, ranked.end());

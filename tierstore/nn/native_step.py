@@ -53,9 +53,9 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
     def pool(top, resident: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
         slots = resident.to(torch.int32)
         bag_settings = (offsets, bag_length, bags, last_end, table.mode == "mean", weights)
-        return slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings)
+        return top.vacated, slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings)
 
-    slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
+    vacated, slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
 
     def backward(grad_output: torch.Tensor) -> None:
         if distinct.unique.numel() == 0:
@@ -65,7 +65,7 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
         name, arguments, _ = table.optimizer.kernel(table.step)
 
         def in_place(top) -> bool:
-            if passes.rows_moved(top.slot_keys, slots, distinct.unique):
+            if top.vacated != vacated and passes.rows_moved(top.slot_keys, slots, distinct.unique):
                 return False
             update = (top.rows, slots, top.dirty, name, arguments)
             passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, update)

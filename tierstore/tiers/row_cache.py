@@ -67,6 +67,7 @@ class RowCache:
         else:
             self.policy = policy(capacity, self.device, self.backend)
         self.stats = TierStats()
+        self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
 
     @property
@@ -164,6 +165,7 @@ class RowCache:
         return found, taken
 
     def _release(self, slots: torch.Tensor) -> None:
+        self.vacated += slots.numel()
         self.slot_keys[slots] = -1
         self.policy.reset(slots)
         self.dirty[slots] = False
@@ -190,6 +192,7 @@ class RowCache:
         self._free_count -= from_free
         if victims is not None:
             self.index.remove(evicted.keys)
+            self.vacated += victims.numel()
             slots = torch.cat([slots, victims])
             self.stats.evictions += victims.numel()
             self.stats.writebacks += int(evicted.dirty.sum())

@@ -135,17 +135,30 @@ class GrowableArray:
             self._map()
         if count <= self._allocated:
             return
+        ahead = min(self.capacity, max(count, 2 * self._allocated))  # as the file grows: few calls
+        for target in dict.fromkeys((ahead, count)):  # ahead while the disk has room, else exactly
+            error = self._allocate_to(target)
+            if error is None:
+                self._allocated = target
+                return
+            if error.errno != errno.ENOSPC:
+                break
+        full = "; the disk is full: free space and retry (the store keeps its last flush)"
+        raise OSError(
+            error.errno,
+            f"cannot allocate {(count - self._allocated) * item:,} bytes in {self.path}: "
+            f"{os.strerror(error.errno)}" + (full if error.errno == errno.ENOSPC else ""),
+        )
+
+    def _allocate_to(self, count: int) -> OSError | None:
+        """Allocate the blocks of items ``_allocated..count``; the error if the file system refuses."""
+        item = self.width * self.dtype.itemsize
         try:
             with open(self.path, "r+b", buffering=0) as file:
                 os.posix_fallocate(file.fileno(), self._allocated * item, (count - self._allocated) * item)
         except OSError as error:
-            full = "; the disk is full: free space and retry (the store keeps its last flush)"
-            raise OSError(
-                error.errno,
-                f"cannot allocate {(count - self._allocated) * item:,} bytes in {self.path}: "
-                f"{os.strerror(error.errno)}" + (full if error.errno == errno.ENOSPC else ""),
-            ) from None
-        self._allocated = count
+            return error
+        return None
 
     def release(self) -> None:
         """Free the blocks of every item (the file keeps its size: a reader may have it mapped;
