@@ -16,6 +16,7 @@ _SIGNATURES = {
     "cache_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
     "index_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
     "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
+    "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
     "cache_slot_rows": (
         None,
         [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64] + [_POINTER] * 4,
@@ -65,6 +66,25 @@ class CachePasses:
             out.data_ptr(),
         )
         return out[:kept]
+
+    def pool_take(self, pool: tuple, scores, slot_keys, pins, count: int) -> tuple[torch.Tensor, int]:
+        """``(slots, entries consumed)``: the first ``count`` slots of LFU's ``pool`` (``(slots int64,
+        their scores, their keys)`` when ranked) that still hold that key and score and are not
+        pinned; consumed is -1 (and slots empty) if fewer qualify."""
+        slots, ranked_scores, ranked_keys = pool
+        out = torch.empty(count, dtype=torch.int64)
+        consumed = self._functions["cache_pool_take"](
+            slots.data_ptr(),
+            ranked_scores.data_ptr(),
+            ranked_keys.data_ptr(),
+            slots.numel(),
+            scores.data_ptr(),
+            slot_keys.data_ptr(),
+            pins.data_ptr(),
+            count,
+            out.data_ptr(),
+        )
+        return (out if consumed >= 0 else out[:0]), consumed
 
     def slot_rows(
         self, slot_keys: torch.Tensor, rows: torch.Tensor, dirty: torch.Tensor, fresh: torch.Tensor, slots

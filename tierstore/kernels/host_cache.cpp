@@ -99,6 +99,25 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
     return kept;
 }
 
+// LFU's pool (slots ranked by a scan, with the scores and keys they had then): the first `count`
+// of pool[0..n) still holding that key and score and not pinned, into out. Returns how many pool
+// entries that consumed, or -1 if fewer than `count` qualify.
+extern "C" i64 cache_pool_take(const i64* __restrict__ pool, const float* __restrict__ pool_scores,
+                               const i64* __restrict__ pool_keys, i64 n, const float* __restrict__ scores,
+                               const i64* __restrict__ slot_keys, const unsigned char* __restrict__ pins,
+                               i64 count, i64* __restrict__ out) {
+    if (count == 0) return 0;
+    i64 found = 0;
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&slot_keys[pool[i + AHEAD]]);
+        const i64 s = pool[i];
+        if (scores[s] != pool_scores[i] || slot_keys[s] != pool_keys[i] || pins[s]) continue;
+        out[found++] = s;
+        if (found == count) return i + 1;
+    }
+    return -1;
+}
+
 // The rows at slots[0..n): out_keys[i], out_rows[i] (row_width values), out_dirty[i], out_fresh[i].
 extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const float* __restrict__ rows,
                                 i64 row_width, const unsigned char* __restrict__ dirty,

@@ -141,6 +141,14 @@ class LfuWithAgeing(EvictionPolicy):
     def _from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
         """The first ``count`` slots of the pool that hold the row and the score they were ranked
         with and are not pinned now (those skipped leave the pool), or None if it has too few."""
+        if self._passes is not None:
+            pool = (self._pool, self._pool_scores, self._pool_keys)
+            chosen, consumed = self._passes.pool_take(pool, self.score, slot_keys, pins, count)
+            if consumed < 0:
+                return None
+            self._pool, self._pool_scores = self._pool[consumed:], self._pool_scores[consumed:]
+            self._pool_keys = self._pool_keys[consumed:]
+            return chosen
         size = 2 * count + 256
         while True:
             window = self._pool[:size]

@@ -125,9 +125,9 @@ class GrowableArray:
 
     def reserve(self, count: int) -> None:
         """Make room for items ``0..count``: the file's size doubles as needed (sparse, never
-        shrinking: a reader may have it mapped), and the blocks of the items up to ``count`` are
-        allocated on disk, so a write through the map never needs a block the disk cannot give
-        (which would be SIGBUS). A full disk raises ``OSError(ENOSPC)`` here, before any write."""
+        shrinking: a reader may have it mapped), and the blocks of the items up to ``count`` (and
+        a few past) are allocated on disk, so a write through the map never needs a block the disk
+        cannot give (which would be SIGBUS). A full disk raises ``OSError(ENOSPC)`` here, before any write."""
         item = self.width * self.dtype.itemsize
         if count > self.capacity:
             self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
@@ -135,7 +135,7 @@ class GrowableArray:
             self._map()
         if count <= self._allocated:
             return
-        ahead = min(self.capacity, max(count, 2 * self._allocated))  # as the file grows: few calls
+        ahead = min(self.capacity, count + self._allocated // 8)  # a little ahead: few calls, little waste
         for target in dict.fromkeys((ahead, count)):  # ahead while the disk has room, else exactly
             error = self._allocate_to(target)
             if error is None:
