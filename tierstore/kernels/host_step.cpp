@@ -362,20 +362,27 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
                                i64* __restrict__ new_keys, unsigned char* __restrict__ superseded) {
     const RowChecks checks(row_bytes);
     const i64 stored_bytes = row_bytes + check_bytes;
+    // Two passes, as the read's: where each row goes (the log's index, in order: the packing), then
+    // the rows and their checks, asking for the target of row i + AHEAD while writing row i.
+    std::vector<unsigned char*> targets(n);
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) __builtin_prefetch(&log_keys[mix((u64)keys[i + AHEAD]) & (u64)log_mask]);
         const i64 position = probe(log_keys, log_mask, keys[i]);
         const i64 record = position < 0 ? -1 : log_values[position];
-        unsigned char* target;
         if (record >= committed) {
-            target = log_rows + record * stored_bytes;
+            targets[i] = log_rows + record * stored_bytes;
         } else {
-            target = out_new + packed * stored_bytes;
+            targets[i] = out_new + packed * stored_bytes;
             new_keys[packed] = keys[i];
             superseded[packed] = record >= 0;
             ++packed;
         }
+    }
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(targets[i + AHEAD], 1);
+        unsigned char* target = targets[i];
         const unsigned char* row = rows + i * row_bytes;
         std::memcpy(target, row, row_bytes);
         if (check_bytes) {
