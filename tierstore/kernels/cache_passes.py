@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from .step_passes import pointer, typed
+from .step_passes import typed
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -96,13 +96,7 @@ class CachePasses:
         out = torch.empty(count, rows.shape[1], dtype=rows.dtype)
         flags = torch.empty(2, count, dtype=torch.bool)
         self._functions["cache_slot_rows"](
-            slot_keys.data_ptr(),
-            rows.data_ptr(),
-            rows.shape[1],
-            dirty.data_ptr(),
-            fresh.data_ptr(),
-            slots.data_ptr(),
-            count,
+            *_tier_arguments(slot_keys, rows, dirty, fresh, slots),
             keys.data_ptr(),
             out.data_ptr(),
             flags[0].data_ptr(),
@@ -122,18 +116,25 @@ class CachePasses:
         in_dirty = incoming.dirty.to(torch.bool).contiguous()
         in_fresh = incoming.fresh.to(torch.bool).contiguous()
         self._functions["cache_fill_slots"](
-            slot_keys.data_ptr(),
-            rows.data_ptr(),
-            rows.shape[1],
-            dirty.data_ptr(),
-            fresh.data_ptr(),
-            slots.data_ptr(),
-            slots.numel(),
+            *_tier_arguments(slot_keys, rows, dirty, fresh, slots),
             keys.data_ptr(),
-            pointer(values),
+            values.data_ptr(),
             in_dirty.data_ptr(),
             in_fresh.data_ptr(),
         )
+
+
+def _tier_arguments(slot_keys, rows, dirty, fresh, slots: torch.Tensor) -> tuple:
+    """A tier's arrays and ``slots`` (int64, contiguous), as the row calls take them first."""
+    return (
+        slot_keys.data_ptr(),
+        rows.data_ptr(),
+        rows.shape[1],
+        dirty.data_ptr(),
+        fresh.data_ptr(),
+        slots.data_ptr(),
+        slots.numel(),
+    )
 
 
 _PASSES: dict[int, CachePasses] = {}
