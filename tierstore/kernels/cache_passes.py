@@ -15,6 +15,8 @@ _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "cache_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
     "index_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
+    "cache_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
+    "index_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
     "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
     "cache_slot_rows": (
@@ -27,6 +29,7 @@ _SIGNATURES = {
     ),
 }
 _ERASE = {torch.int32: "cache_erase_shifting", torch.int64: "index_erase_shifting"}
+_INSERT = {torch.int32: "cache_insert_serial", torch.int64: "index_insert_serial"}
 
 
 class CachePasses:
@@ -50,6 +53,24 @@ class CachePasses:
             former.data_ptr(),
         )
         return former
+
+    def insert(
+        self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[int, int]:
+        """Insert ``keys`` (int64, distinct, absent) with ``values`` (the table's value dtype), on one
+        thread. Returns ``(-1, 0)``, or the first key's position that could not go in and its
+        status (the insert kernel's codes); the keys before it are in."""
+        status = ctypes.c_int(0)
+        failed = self._functions[_INSERT[table_values.dtype]](
+            table_keys.data_ptr(),
+            table_values.data_ptr(),
+            table_keys.numel() - 1,
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.numel(),
+            ctypes.byref(status),
+        )
+        return failed, status.value
 
     def lowest_slots(
         self, scores: torch.Tensor, slot_keys: torch.Tensor, pins: torch.Tensor, count: int

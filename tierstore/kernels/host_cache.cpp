@@ -1,7 +1,8 @@
 // A host cache tier's movement of rows as a few calls (tierstore/tiers/row_cache.py through
 // tierstore/kernels/cache_passes.py; included by host_step.cpp into the tuned host build):
 // - table erase by backward shifting: linear probing keeps no tombstones, so the index of a tier
-//   that evicts every step never fills with them (and is never rebuilt for them);
+//   that evicts every step never fills with them (and is never rebuilt for them); and inserts on
+//   one thread (a batch of a few thousand keys costs less than waking the team);
 // - the lowest-scoring evictable slots, ranked (LFU's scan);
 // - the rows of slots being evicted, and an admission's writes to its slots.
 // The erase runs on one thread (it moves entries); the row copies on the OpenMP team.
@@ -35,6 +36,44 @@ static void erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ tab
         }
         table_keys[hole] = EMPTY_KEY;
     }
+}
+
+// Insert keys[i] -> values[i] (distinct, absent) on one thread, each claiming the first empty
+// position from its home (as the insert kernel does, without its compare-and-swap). Returns -1, or
+// the first key that could not go in, its reason (ALREADY_PRESENT, TABLE_FULL) in *status; the
+// keys before it are in.
+template <typename Value>
+static i64 insert_serial(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
+                         const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,
+                         int* __restrict__ status) {
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask], 1);
+        u64 position = mix((u64)keys[i]) & (u64)mask;
+        i64 probes = 0;
+        while (table_keys[position] != EMPTY_KEY && table_keys[position] != keys[i] && probes <= mask) {
+            position = (position + 1) & (u64)mask;
+            ++probes;
+        }
+        if (probes > mask || table_keys[position] != EMPTY_KEY) {
+            *status = probes > mask ? TABLE_FULL : ALREADY_PRESENT;
+            return i;
+        }
+        table_keys[position] = keys[i];
+        table_values[position] = values[i];
+    }
+    return -1;
+}
+
+extern "C" i64 cache_insert_serial(i64* __restrict__ table_keys, int* __restrict__ table_values, i64 mask,
+                                   const i64* __restrict__ keys, const int* __restrict__ values, i64 n,
+                                   int* __restrict__ status) {
+    return insert_serial(table_keys, table_values, mask, keys, values, n, status);
+}
+
+extern "C" i64 index_insert_serial(i64* __restrict__ table_keys, i64* __restrict__ table_values, i64 mask,
+                                   const i64* __restrict__ keys, const i64* __restrict__ values, i64 n,
+                                   int* __restrict__ status) {
+    return insert_serial(table_keys, table_values, mask, keys, values, n, status);
 }
 
 extern "C" void cache_erase_shifting(i64* __restrict__ table_keys, int* __restrict__ table_values, i64 mask,

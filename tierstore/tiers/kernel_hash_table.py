@@ -101,6 +101,15 @@ class KernelHashTable(BatchedHashTable):
         )
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self._shifting is not None:  # the tuned host build: on one thread
+            failed, code = self._shifting.insert(self.keys, self.values, keys, values)
+            if failed >= 0:
+                self.live += failed
+                raise ValueError(
+                    f"insert: key {int(keys[failed])} was {_STATUS[code]}; keys must be distinct and absent"
+                )
+            self.live += keys.numel()
+            return
         status = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
         self.kernels.launch(
             self._kernel["insert"],
