@@ -3,7 +3,7 @@
 // - table erase by backward shifting: linear probing keeps no tombstones, so the index of a tier
 //   that evicts every step never fills with them (and is never rebuilt for them); and inserts on
 //   one thread (a batch of a few thousand keys costs less than waking the team);
-// - the lowest-scoring evictable slots, ranked (LFU's scan);
+// - the lowest-scoring evictable slots, ranked (LFU's scan), and the pool it leaves, served;
 // - the rows of slots being evicted, and an admission's writes to its slots.
 // The erase runs on one thread (it moves entries); the row copies on the OpenMP team.
 
