@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tierstore import optim
 from tierstore.kernels import cuda as kernels
+from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.tiers.backends import TorchRows
 from tierstore.tiers.hash_index import HashIndex
 from tierstore.tiers.kernel_hash_table import KernelHashTable
@@ -167,6 +168,21 @@ def test_insert_kernel_reports_repeated_keys_and_a_full_table(host):
     host.launch("cache_insert", 20, keys, values, 15, many, torch.arange(20, dtype=torch.int32), 20, status)
     assert sorted(status.tolist()) == [0] * 14 + [2] * 6  # 16 positions, 2 taken: 6 find the table full
     assert int((keys >= 0).sum()) == 16
+
+
+def test_serial_insert_and_shifting_erase_on_a_full_table_end():
+    """No table below its load limit is full, but the tuned build's serial calls must end on one
+    that is: an insert reports it full, an erase empties the key's position and keeps the rest."""
+    passes = cache_passes_of(parallel_host_kernels())
+    keys = torch.full((16,), -1, dtype=torch.int64)
+    values = torch.full((16,), -1, dtype=torch.int32)
+    many = torch.arange(100, 117)
+    failed, status = passes.insert(keys, values, many, torch.arange(17, dtype=torch.int32))
+    assert (failed, status) == (16, 2) and int((keys >= 0).sum()) == 16  # the 17th finds it full
+    assert passes.erase(keys, values, torch.tensor([103])).tolist() == [3]
+    found = torch.empty(16, dtype=torch.int32)
+    parallel_host_kernels().launch("cache_find", 16, keys, values, 15, many[:16], 16, found)
+    assert found.tolist() == [-1 if key == 103 else key - 100 for key in range(100, 116)]
 
 
 def test_kernel_table_refuses_repeated_keys_in_one_insert(host):

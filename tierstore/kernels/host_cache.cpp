@@ -23,7 +23,9 @@ static void erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ tab
         out_values[i] = found < 0 ? (Value)-1 : table_values[found];
         if (found < 0) continue;
         u64 hole = (u64)found;
-        for (u64 next = (hole + 1) & (u64)mask;; next = (next + 1) & (u64)mask) {
+        // A table below its load limit has an empty position; stopping on coming round to the
+        // start keeps a full one from looping for ever.
+        for (u64 next = (hole + 1) & (u64)mask; next != (u64)found; next = (next + 1) & (u64)mask) {
             const i64 stored = table_keys[next];
             if (stored == EMPTY_KEY) break;
             const u64 home = mix((u64)stored) & (u64)mask;
