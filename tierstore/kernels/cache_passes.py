@@ -6,6 +6,7 @@ eviction and an admission moved in one call each. ``tiers.row_cache``, ``tiers.p
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -158,16 +159,13 @@ def _tier_arguments(slot_keys, rows, dirty, fresh, slots: torch.Tensor) -> tuple
     )
 
 
-_PASSES: dict[int, CachePasses] = {}
-
-
 def cache_passes_of(kernels) -> CachePasses | None:
     """The host cache calls of ``kernels`` (a ``HostKernels``/``CudaKernels`` or None): None unless it
     is a tuned host build."""
     library = getattr(kernels, "step_library", None)
-    if library is None:
-        return None
-    passes = _PASSES.get(id(library))
-    if passes is None:
-        passes = _PASSES[id(library)] = CachePasses(library)
-    return passes
+    return None if library is None else _cache_passes(library)
+
+
+@functools.cache
+def _cache_passes(library: ctypes.CDLL) -> CachePasses:
+    return CachePasses(library)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import threading
 
@@ -346,14 +347,10 @@ class StepPasses:
         return out[:packed], new_keys[:packed], superseded[:packed]
 
 
-_PASSES: dict[int, StepPasses] = {}
-
-
+@functools.cache
 def passes_of(library: ctypes.CDLL) -> StepPasses:
-    passes = _PASSES.get(id(library))
-    if passes is None:
-        passes = _PASSES[id(library)] = StepPasses(library)
-    return passes
+    """The passes of ``library``, made once per library."""
+    return StepPasses(library)
 
 
 def host_passes() -> StepPasses | None:

@@ -105,9 +105,7 @@ class KernelHashTable(BatchedHashTable):
             failed, code = self._shifting.insert(self.keys, self.values, keys, values)
             if failed >= 0:
                 self.live += failed
-                raise ValueError(
-                    f"insert: key {int(keys[failed])} was {_STATUS[code]}; keys must be distinct and absent"
-                )
+                raise _refused(int(keys[failed]), code)
             self.live += keys.numel()
             return
         status = torch.empty(keys.numel(), dtype=torch.int32, device=self.device)
@@ -125,10 +123,7 @@ class KernelHashTable(BatchedHashTable):
         failed = status != 0
         if bool(failed.any()):
             first = int(failed.nonzero()[0, 0])
-            raise ValueError(
-                f"insert: key {int(keys[first])} was {_STATUS[int(status[first])]}; "
-                f"keys must be distinct and absent"
-            )
+            raise _refused(int(keys[first]), int(status[first]))
         self.live += keys.numel()
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
@@ -143,3 +138,8 @@ class KernelHashTable(BatchedHashTable):
         self.live -= removed
         self.tombstones += removed
         return former.to(torch.int64)
+
+
+def _refused(key: int, status: int) -> ValueError:
+    """The error of an insert whose ``key`` got ``status`` (the insert kernels' codes)."""
+    return ValueError(f"insert: key {key} was {_STATUS[status]}; keys must be distinct and absent")

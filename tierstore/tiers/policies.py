@@ -114,29 +114,24 @@ class LfuWithAgeing(EvictionPolicy):
         if taken is not None:
             return taken
         self.scans += 1
-        if self._passes is not None:
-            ranked = self._passes.lowest_slots(self.score, slot_keys, pins, count + self._pool_size)
-            if ranked.numel() < count:
-                raise self._too_few(count, ranked.numel())
-            pool = ranked[count:]
-            self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
-            return ranked[:count]
-        scores = self.backend.victim_scores(self.score, slot_keys, pins)
-        ranked = _lowest(scores, min(count + self._pool_size, self.capacity))
-        ranked = ranked[torch.isfinite(scores[ranked])]
-        if ranked.numel() < count:
-            raise self._too_few(count, int(torch.isfinite(scores).sum()))
-        ranked = ranked[_ascending(scores[ranked])]
+        ranked = self._ranked(count + self._pool_size, slot_keys, pins)
+        if ranked.numel() < count:  # then it holds every evictable slot
+            raise CacheCapacityError(
+                f"the current batch needs {count} more than it can evict ({ranked.numel()} evictable); "
+                f"raise its budget or split the batch"
+            )
         pool = ranked[count:]
-        self._pool, self._pool_scores, self._pool_keys = pool, scores[pool], slot_keys[pool]
+        self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
         return ranked[:count]
 
-    @staticmethod
-    def _too_few(count: int, available: int) -> CacheCapacityError:
-        return CacheCapacityError(
-            f"the current batch needs {count} more than it can evict ({available} evictable); "
-            f"raise its budget or split the batch"
-        )
+    def _ranked(self, wanted: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
+        """Up to ``wanted`` evictable slots of the lowest scores, ascending (a stable sort's order)."""
+        if self._passes is not None:
+            return self._passes.lowest_slots(self.score, slot_keys, pins, wanted)
+        scores = self.backend.victim_scores(self.score, slot_keys, pins)
+        ranked = _lowest(scores, min(wanted, self.capacity))
+        ranked = ranked[torch.isfinite(scores[ranked])]
+        return ranked[_ascending(scores[ranked])]
 
     def _from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
         """The first ``count`` slots of the pool that hold the row and the score they were ranked
