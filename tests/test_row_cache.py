@@ -2,7 +2,7 @@ import cachetools
 import numpy as np
 import pytest
 import torch
-from host_kernels import parallel_host_kernels
+from host_kernels import parallel_host_kernels, shared_host_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -186,3 +186,33 @@ def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capac
     passes = cache_passes_of(parallel_host_kernels())
     for count in (1, 7, capacity // 50, capacity // 3, capacity):
         assert torch.equal(passes.lowest_slots(scores, slot_keys, pins, count), expected[:count])
+
+
+def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch():
+    """``resolve`` + ``touch_admitted`` (the tuned host build's one pass) leave the same slots, LFU
+    scores (bit for bit, ageing renormalised on the way) and counters as ``find`` + ``touch``."""
+    rng = np.random.default_rng(3)
+    rows = KernelRows(parallel_host_kernels(), "openmp")
+    fast, reference = (RowCache("host", 64, 2, torch.float32, backend=rows, half_life=40.0) for _ in range(2))
+    for _ in range(60):
+        keys = torch.from_numpy(np.unique(rng.zipf(1.3, 40) % 300)).to(torch.int64)
+        counts = torch.from_numpy(rng.integers(1, 4, keys.numel()))
+        slots = reference.find(keys)
+        hit = slots >= 0
+        slots[~hit] = reference.admit(rows_for(keys[~hit]), slots[hit])[0]
+        reference.touch(slots, counts, ~hit)
+        resolved, hit_slots, missed = fast.resolve(keys, counts)
+        assert torch.equal(hit_slots, resolved[resolved >= 0]) and torch.equal(missed, (~hit).nonzero()[:, 0])
+        admitted, _ = fast.admit(rows_for(keys[missed]), hit_slots)
+        resolved[missed] = admitted
+        fast.touch_admitted(admitted, counts[missed])
+        assert torch.equal(resolved, slots)
+        assert torch.equal(fast.policy.score, reference.policy.score)
+        assert fast.stats == reference.stats
+    assert fast.stats.evictions > 100 and fast.policy.increment < 2.0**20
+
+
+def test_resolve_is_left_to_find_and_touch_without_the_tuned_host_build():
+    cache = RowCache("host", 8, 2, torch.float32, backend=KernelRows(shared_host_kernels(), "openmp"))
+    assert cache.resolve(torch.arange(3), torch.ones(3, dtype=torch.int64)) is None
+    assert RowCache("host", 8, 2, torch.float32).resolve(torch.arange(3), torch.ones(3)) is None

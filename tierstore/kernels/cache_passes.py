@@ -18,6 +18,12 @@ _SIGNATURES = {
     "index_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
     "cache_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "index_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
+    "cache_resolve": (
+        _I64,
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, ctypes.c_float] + [_POINTER] * 4,
+    ),
+    "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
+    "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
     "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
     "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
     "cache_slot_rows": (
@@ -72,6 +78,44 @@ class CachePasses:
             ctypes.byref(status),
         )
         return failed, status.value
+
+    def resolve(
+        self, table_keys, table_values, keys: torch.Tensor, counts: torch.Tensor, scores, increment: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """``(slots, hit_slots, missed, hit lookups, missed lookups)`` of distinct ``keys`` (int64,
+        each looked up ``counts`` times) in a tier's index (int32 values): each key's slot or -1,
+        the hits' slots, the misses' positions in ``keys``; the hits' ``scores`` (float32) gain
+        ``counts x increment`` as LFU's touch adds."""
+        keys, counts = keys.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        count = keys.numel()
+        out = torch.empty(3, count, dtype=torch.int64)
+        lookups = torch.zeros(2, dtype=torch.int64)
+        misses = self._functions["cache_resolve"](
+            table_keys.data_ptr(),
+            table_values.data_ptr(),
+            table_keys.numel() - 1,
+            keys.data_ptr(),
+            counts.data_ptr(),
+            count,
+            scores.data_ptr(),
+            increment,
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            out[2].data_ptr(),
+            lookups.data_ptr(),
+        )
+        hits, missed = lookups.tolist()
+        return out[0], out[1, : count - misses], out[2, :misses], hits, missed
+
+    def add_pins(self, pins: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        """``pins`` (uint8) at ``slots`` (distinct) += ``delta`` (1 or -1), on one thread."""
+        slots = slots.to(torch.int64).contiguous()
+        self._functions["cache_pins_add"](pins.data_ptr(), slots.data_ptr(), slots.numel(), delta)
+
+    def zero_at(self, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """``values`` (float32) at ``slots`` = 0, on one thread."""
+        slots = slots.to(torch.int64).contiguous()
+        self._functions["cache_zero_at"](values.data_ptr(), slots.data_ptr(), slots.numel())
 
     def lowest_slots(
         self, scores: torch.Tensor, slot_keys: torch.Tensor, pins: torch.Tensor, count: int

@@ -3,6 +3,7 @@
 // - table erase by backward shifting: linear probing keeps no tombstones, so the index of a tier
 //   that evicts every step never fills with them (and is never rebuilt for them); and inserts on
 //   one thread (a batch of a few thousand keys costs less than waking the team);
+// - a batch's keys resolved: slots found, hits touched, misses listed; pins and scores set per slot;
 // - the lowest-scoring evictable slots, ranked (LFU's scan), and the pool it leaves, served;
 // - the rows of slots being evicted, and an admission's writes to its slots.
 // The erase runs on one thread (it moves entries); the row copies on the OpenMP team.
@@ -86,6 +87,62 @@ extern "C" void cache_erase_shifting(i64* __restrict__ table_keys, int* __restri
 extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restrict__ table_values, i64 mask,
                                      const i64* __restrict__ keys, i64 n, i64* __restrict__ out_values) {
     erase_shifting(table_keys, table_values, mask, keys, n, out_values);
+}
+
+// A batch's distinct keys[0..n) (each looked up counts[i] times) resolved in a tier's index: slots[i]
+// is the key's slot or -1. Hits are touched as LFU counts an access (scores[slot] += counts[i] x
+// increment, in float as the touch kernel's weights are) and their slots listed in hit_slots; the
+// misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses' counts summed.
+// Returns the number of misses. The product is rounded before the sum (no fused multiply-add), as the
+// touch kernel's weights are computed apart.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
+                             i64 mask, const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                             float* __restrict__ scores, float increment, i64* __restrict__ slots,
+                             i64* __restrict__ hit_slots, i64* __restrict__ missed,
+                             i64* __restrict__ lookups) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask]);
+        const i64 position = probe(table_keys, mask, keys[i]);
+        slots[i] = position < 0 ? -1 : (i64)table_values[position];
+    }
+    i64 hits = 0, misses = 0, hit_lookups = 0, missed_lookups = 0;
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n && slots[i + AHEAD] >= 0) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
+        const i64 slot = slots[i];
+        if (slot < 0) {
+            missed[misses++] = i;
+            missed_lookups += counts[i];
+            continue;
+        }
+        scores[slot] += (float)counts[i] * increment;
+        hit_slots[hits++] = slot;
+        hit_lookups += counts[i];
+    }
+    lookups[0] = hit_lookups;
+    lookups[1] = missed_lookups;
+    return misses;
+}
+#pragma GCC pop_options
+
+// pins[slots[i]] += delta for slots[0..n) (distinct; uint8 counts wrapping as the undo expects), and
+// values[slots[i]] = 0 (float), each on one thread: a batch's few thousand slots cost less than
+// waking the team.
+extern "C" void cache_pins_add(unsigned char* __restrict__ pins, const i64* __restrict__ slots, i64 n,
+                               i64 delta) {
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&pins[slots[i + AHEAD]], 1);
+        pins[slots[i]] = (unsigned char)(pins[slots[i]] + delta);
+    }
+}
+
+extern "C" void cache_zero_at(float* __restrict__ values, const i64* __restrict__ slots, i64 n) {
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&values[slots[i + AHEAD]], 1);
+        values[slots[i]] = 0.0f;
+    }
 }
 
 // Score bits beside the slot: ordering these orders slots by (score, slot), scores being finite and

@@ -123,6 +123,16 @@ class CacheTier(Protocol):
         ``counts`` is given): the policy's access record and the tier's hit/miss counters;
         ``missed`` (bool [N]) marks rows admitted for these lookups (misses)."""
 
+    def resolve(
+        self, keys: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``find`` and ``touch`` of distinct ``keys`` in one pass where the tier has one: ``(slots,
+        hit_slots, missed)`` (the misses' positions), the hits counted; then ``touch_admitted``
+        counts the misses once resident. None: use ``find`` and ``touch``."""
+
+    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """After ``resolve``: the missed keys' lookups (``counts``), now at ``slots``, recorded."""
+
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:

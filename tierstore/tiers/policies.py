@@ -99,6 +99,16 @@ class LfuWithAgeing(EvictionPolicy):
         else:
             weights, accesses = counts.to(self.device, torch.float32) * self._increment, int(counts.sum())
         self.backend.add_scores(self.score, slots, weights)
+        self.advance(accesses)
+
+    @property
+    def increment(self) -> float:
+        """What one access adds to its slot's score now."""
+        return self._increment
+
+    def advance(self, accesses: int) -> None:
+        """``accesses`` were just added to the scores at ``increment`` (by ``touch``, or by a native
+        pass that touches as it finds): later accesses weigh more."""
         self._increment *= self._growth**accesses
         if self._increment > _RENORMALISE_AT:
             self.score /= self._increment
@@ -107,7 +117,10 @@ class LfuWithAgeing(EvictionPolicy):
             self._increment = 1.0
 
     def reset(self, slots: torch.Tensor) -> None:
-        self.score[slots] = 0
+        if self._passes is not None:
+            self._passes.zero_at(self.score, slots)
+        else:
+            self.score[slots] = 0
 
     def victims(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
         taken = self._from_pool(count, slot_keys, pins)

@@ -69,6 +69,7 @@ class RowCache:
         self.stats = TierStats()
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
+        self._resolved_lookups = 0  # of the last resolve, for touch_admitted
 
     @property
     def kernels(self):
@@ -112,6 +113,33 @@ class RowCache:
             self.stats.hits += slots.numel() if counts is None else int(counts.sum())
         else:
             self.stats.count_lookups(~missed, counts)
+
+    def resolve(
+        self, keys: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A lookup of distinct ``keys`` (each ``counts`` times) in one native pass, where the tier
+        runs the tuned host build with LFU: ``(slots, hit_slots, missed)``, each key's slot (-1:
+        absent), the hits' slots (touched and counted, as ``touch`` would) and the misses'
+        positions in ``keys``; ``touch_admitted`` then counts the misses once they are resident.
+        None where the tier has no such pass (``find`` and ``touch`` serve it)."""
+        if self._passes is None or type(self.policy) is not LfuWithAgeing:
+            return None
+        policy = self.policy
+        slots, hit_slots, missed, hits, misses = self._passes.resolve(
+            self.index.keys, self.index.values, keys, counts, policy.score, policy.increment
+        )
+        self.stats.hits += hits
+        self.stats.misses += misses
+        self._resolved_lookups = hits + misses
+        return slots, hit_slots, missed
+
+    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """After ``resolve``: the accesses of the missed keys, now at ``slots`` (their ``counts``)
+        counted, at the weight the hits had; later accesses weigh more."""
+        policy = self.policy
+        if slots.numel():
+            policy.backend.add_scores(policy.score, slots, counts.to(torch.float32) * policy.increment)
+        policy.advance(self._resolved_lookups)
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
@@ -211,15 +239,16 @@ class RowCache:
 
     def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
         protect = protected is not None and protected.numel() > 0
+        add_pins = self.backend.add_pins if self._passes is None else self._passes.add_pins
         if protect:
-            self.backend.add_pins(self.pins, protected, 1)
+            add_pins(self.pins, protected, 1)
         try:
             return self.policy.victims(count, self.slot_keys, self.pins)
         except CacheCapacityError as error:
             reason = str(error)
         finally:
             if protect:
-                self.backend.add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
+                add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
         pinned = self.pinned_count()
         window = f" ({pinned} pinned by a lookahead window)" if pinned else ""
         raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows{window} and {reason}")

@@ -42,6 +42,16 @@ class TierStack:
                 f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
                 f"{top.capacity} rows; raise {top.name}_cache or split the batch"
             )
+        resolved = top.resolve(unique, counts)
+        if resolved is not None:  # one native pass: found, hits touched, misses listed
+            slots, hit_slots, missed = resolved
+            if missed.numel():
+                admitted = self._bring_in(unique[missed], counts[missed], hit_slots)
+                slots[missed] = admitted
+                top.touch_admitted(admitted, counts[missed])
+            else:
+                top.touch_admitted(missed, missed)
+            return slots
         slots = top.find(unique)
         hit = slots >= 0
         missed = None
