@@ -24,6 +24,7 @@ _SIGNATURES = {
     ),
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
     "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
+    "cache_add_counts": (None, [_POINTER, _POINTER, _POINTER, _I64, ctypes.c_float]),
     "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
     "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
     "cache_slot_rows": (
@@ -111,6 +112,15 @@ class CachePasses:
         """``pins`` (uint8) at ``slots`` (distinct) += ``delta`` (1 or -1), on one thread."""
         slots = slots.to(torch.int64).contiguous()
         self._functions["cache_pins_add"](pins.data_ptr(), slots.data_ptr(), slots.numel(), delta)
+
+    def add_counts(
+        self, scores: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, increment: float
+    ) -> None:
+        """``scores`` (float32) at ``slots`` (distinct) += ``counts x increment``, as ``resolve`` adds."""
+        slots, counts = slots.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        self._functions["cache_add_counts"](
+            scores.data_ptr(), slots.data_ptr(), counts.data_ptr(), slots.numel(), increment
+        )
 
     def zero_at(self, values: torch.Tensor, slots: torch.Tensor) -> None:
         """``values`` (float32) at ``slots`` = 0, on one thread."""

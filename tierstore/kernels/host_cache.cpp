@@ -93,8 +93,9 @@ extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restri
 // is the key's slot or -1. Hits are touched as LFU counts an access (scores[slot] += counts[i] x
 // increment, in float as the touch kernel's weights are) and their slots listed in hit_slots; the
 // misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses' counts summed.
-// Returns the number of misses. The product is rounded before the sum (no fused multiply-add), as the
-// touch kernel's weights are computed apart.
+// Returns the number of misses.
+// Here the product is rounded before the sum (no fused multiply-add), as the touch kernel's weights
+// are computed apart.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
@@ -125,6 +126,16 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
     lookups[1] = missed_lookups;
     return misses;
 }
+// scores[slots[i]] += counts[i] x increment for slots[0..n) (distinct), on one thread, rounded as
+// cache_resolve rounds it.
+extern "C" void cache_add_counts(float* __restrict__ scores, const i64* __restrict__ slots,
+                                 const i64* __restrict__ counts, i64 n, float increment) {
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
+        scores[slots[i]] += (float)counts[i] * increment;
+    }
+}
+
 #pragma GCC pop_options
 
 // pins[slots[i]] += delta for slots[0..n) (distinct; uint8 counts wrapping as the undo expects), and

@@ -137,8 +137,7 @@ class RowCache:
         """After ``resolve``: the accesses of the missed keys, now at ``slots`` (their ``counts``)
         counted, at the weight the hits had; later accesses weigh more."""
         policy = self.policy
-        if slots.numel():
-            policy.backend.add_scores(policy.score, slots, counts.to(torch.float32) * policy.increment)
+        self._passes.add_counts(policy.score, slots, counts, policy.increment)
         policy.advance(self._resolved_lookups)
 
     def read(

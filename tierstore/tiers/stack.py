@@ -45,12 +45,10 @@ class TierStack:
         resolved = top.resolve(unique, counts)
         if resolved is not None:  # one native pass: found, hits touched, misses listed
             slots, hit_slots, missed = resolved
-            if missed.numel():
-                admitted = self._bring_in(unique[missed], counts[missed], hit_slots)
-                slots[missed] = admitted
-                top.touch_admitted(admitted, counts[missed])
-            else:
-                top.touch_admitted(missed, missed)
+            missed_counts = counts[missed]
+            admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
+            slots[missed] = admitted
+            top.touch_admitted(admitted, missed_counts)
             return slots
         slots = top.find(unique)
         hit = slots >= 0
