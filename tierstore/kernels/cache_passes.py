@@ -1,8 +1,9 @@
 """The host cache tier's own calls (``host_cache.cpp``, in the tuned host build) behind typed
 Python calls: a batch's keys resolved (found, the hits touched, the misses listed) in one pass,
 erase by backward shifting (no tombstones), LFU's ranked scan, the rows of an eviction and an
-admission moved in one call each, and per-slot pins and scores set on one thread. ``tiers.row_cache``, ``tiers.policies`` and
-``tiers.kernel_hash_table`` use them where a tier runs on that build."""
+admission moved in one call each, and per-slot pins and scores set on one thread.
+``tiers.row_cache``, ``tiers.policies`` and ``tiers.kernel_hash_table`` use them where a tier runs
+on that build."""
 
 from __future__ import annotations
 
