@@ -201,15 +201,30 @@ def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch():
         hit = slots >= 0
         slots[~hit] = reference.admit(rows_for(keys[~hit]), slots[hit])[0]
         reference.touch(slots, counts, ~hit)
-        resolved, hit_slots, missed = fast.resolve(keys, counts)
+        resolved, hit_slots, missed, lookups = fast.resolve(keys, counts)
+        assert lookups == int(counts.sum())
         assert torch.equal(hit_slots, resolved[resolved >= 0]) and torch.equal(missed, (~hit).nonzero()[:, 0])
         admitted, _ = fast.admit(rows_for(keys[missed]), hit_slots)
         resolved[missed] = admitted
-        fast.touch_admitted(admitted, counts[missed])
+        fast.touch_admitted(admitted, counts[missed], lookups)
         assert torch.equal(resolved, slots)
         assert torch.equal(fast.policy.score, reference.policy.score)
         assert fast.stats == reference.stats
     assert fast.stats.evictions > 100 and fast.policy.increment < 2.0**20
+
+
+def test_pins_on_the_tuned_host_build_count_as_the_torch_backends():
+    """``add_pins`` (one thread on the tuned build) raises and lowers counts as torch ops do,
+    wrapping as uint8 where the undo expects it."""
+    slots = torch.tensor([5, 0, 63, 17])
+    ours, expected = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    ours[17] = expected[17] = 255
+    rows = KernelRows(parallel_host_kernels(), "openmp")
+    for delta in (1, 1, -1):
+        rows.add_pins(ours, slots, delta)
+        TorchRows().add_pins(expected, slots, delta)
+        assert torch.equal(ours, expected)
+    assert ours[5] == 1 and ours[17] == 0
 
 
 def test_resolve_is_left_to_find_and_touch_without_the_tuned_host_build():

@@ -98,6 +98,10 @@ extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restri
 // are computed apart.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, float increment) {
+    scores[slot] += (float)count * increment;
+}
+
 extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
                              i64 mask, const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
                              float* __restrict__ scores, float increment, i64* __restrict__ slots,
@@ -118,7 +122,7 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
             missed_lookups += counts[i];
             continue;
         }
-        scores[slot] += (float)counts[i] * increment;
+        add_count(scores, slot, counts[i], increment);
         hit_slots[hits++] = slot;
         hit_lookups += counts[i];
     }
@@ -132,7 +136,7 @@ extern "C" void cache_add_counts(float* __restrict__ scores, const i64* __restri
                                  const i64* __restrict__ counts, i64 n, float increment) {
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
-        scores[slots[i]] += (float)counts[i] * increment;
+        add_count(scores, slots[i], counts[i], increment);
     }
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import device_kernels, host_kernels
+from ..kernels.cache_passes import cache_passes_of
 from .hash_index import HashIndex, index_nbytes
 from .kernel_hash_table import KernelHashTable, positions_for
 
@@ -75,6 +76,7 @@ class KernelRows:
     def __init__(self, kernels, name: str) -> None:
         self.kernels = kernels
         self.name = name
+        self._passes = cache_passes_of(kernels)  # the tuned host build: per-slot updates on one thread
 
     def make_index(self, capacity: int, device: torch.device) -> KernelHashTable:
         return KernelHashTable(capacity, self.kernels, device)
@@ -115,6 +117,9 @@ class KernelRows:
         )
 
     def add_pins(self, pins: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        if self._passes is not None:
+            self._passes.add_pins(pins, slots, delta)
+            return
         self.kernels.launch("cache_pin_add", slots.numel(), pins, _int32(slots), slots.numel(), delta)
 
     def victim_scores(

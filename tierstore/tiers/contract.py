@@ -125,13 +125,15 @@ class CacheTier(Protocol):
 
     def resolve(
         self, keys: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """``find`` and ``touch`` of distinct ``keys`` in one pass where the tier has one: ``(slots,
-        hit_slots, missed)`` (the misses' positions), the hits counted; then ``touch_admitted``
-        counts the misses once resident. None: use ``find`` and ``touch``."""
+        hit_slots, missed, lookups)`` (the misses' positions; every lookup counted), the hits
+        touched; then ``touch_admitted`` counts the misses once resident. None: use ``find`` and
+        ``touch``."""
 
-    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        """After ``resolve``: the missed keys' lookups (``counts``), now at ``slots``, recorded."""
+    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor, lookups: int) -> None:
+        """After ``resolve``: the missed keys' lookups (``counts``), now at ``slots``, recorded;
+        ``lookups``: the resolve's."""
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None

@@ -69,7 +69,6 @@ class RowCache:
         self.stats = TierStats()
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
-        self._resolved_lookups = 0  # of the last resolve, for touch_admitted
 
     @property
     def kernels(self):
@@ -116,12 +115,13 @@ class RowCache:
 
     def resolve(
         self, keys: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """A lookup of distinct ``keys`` (each ``counts`` times) in one native pass, where the tier
-        runs the tuned host build with LFU: ``(slots, hit_slots, missed)``, each key's slot (-1:
-        absent), the hits' slots (touched and counted, as ``touch`` would) and the misses'
-        positions in ``keys``; ``touch_admitted`` then counts the misses once they are resident.
-        None where the tier has no such pass (``find`` and ``touch`` serve it)."""
+        runs the tuned host build with LFU: ``(slots, hit_slots, missed, lookups)``, each key's slot
+        (-1: absent), the hits' slots (touched and counted, as ``touch`` would), the misses'
+        positions in ``keys`` and all the lookups counted; ``touch_admitted`` then counts the
+        misses once they are resident. None where the tier has no such pass (``find`` and
+        ``touch`` serve it)."""
         if self._passes is None or type(self.policy) is not LfuWithAgeing:
             return None
         policy = self.policy
@@ -130,15 +130,14 @@ class RowCache:
         )
         self.stats.hits += hits
         self.stats.misses += misses
-        self._resolved_lookups = hits + misses
-        return slots, hit_slots, missed
+        return slots, hit_slots, missed, hits + misses
 
-    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+    def touch_admitted(self, slots: torch.Tensor, counts: torch.Tensor, lookups: int) -> None:
         """After ``resolve``: the accesses of the missed keys, now at ``slots`` (their ``counts``)
-        counted, at the weight the hits had; later accesses weigh more."""
+        counted, at the weight the hits had; later accesses weigh more (``lookups``: the resolve's)."""
         policy = self.policy
         self._passes.add_counts(policy.score, slots, counts, policy.increment)
-        policy.advance(self._resolved_lookups)
+        policy.advance(lookups)
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
@@ -238,16 +237,15 @@ class RowCache:
 
     def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
         protect = protected is not None and protected.numel() > 0
-        add_pins = self.backend.add_pins if self._passes is None else self._passes.add_pins
         if protect:
-            add_pins(self.pins, protected, 1)
+            self.backend.add_pins(self.pins, protected, 1)
         try:
             return self.policy.victims(count, self.slot_keys, self.pins)
         except CacheCapacityError as error:
             reason = str(error)
         finally:
             if protect:
-                add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
+                self.backend.add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
         pinned = self.pinned_count()
         window = f" ({pinned} pinned by a lookahead window)" if pinned else ""
         raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows{window} and {reason}")

@@ -44,11 +44,11 @@ class TierStack:
             )
         resolved = top.resolve(unique, counts)
         if resolved is not None:  # one native pass: found, hits touched, misses listed
-            slots, hit_slots, missed = resolved
+            slots, hit_slots, missed, lookups = resolved
             missed_counts = counts[missed]
             admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
             slots[missed] = admitted
-            top.touch_admitted(admitted, missed_counts)
+            top.touch_admitted(admitted, missed_counts, lookups)
             return slots
         slots = top.find(unique)
         hit = slots >= 0
