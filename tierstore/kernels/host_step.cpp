@@ -19,41 +19,40 @@
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
 // first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding
 // entries); starts[U + 1] (U + 2 with padding: the padding row has no entries) and order[M]: the
-// non-padding entries, row by row, ascending within a row. `table` is scratch of 2 x (mask + 1)
-// values, mask + 1 >= 2n: each position's key beside its row, so a probe touches one cache line.
-// Returns U.
+// non-padding entries, row by row, ascending within a row. `table` is scratch of mask + 1 >= 2n
+// int32 positions, each 0 or a distinct row + 1 (its key is unique[row]): 4 bytes a position keep
+// the table in L2 where pairs of keys and rows would not. n < 2^31. Returns U.
 extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
-                             i64* __restrict__ table, i64 mask, i64* __restrict__ unique,
+                             int* __restrict__ table, i64 mask, i64* __restrict__ unique,
                              i64* __restrict__ counts, i64* __restrict__ entry_rows, i64* __restrict__ starts,
                              i64* __restrict__ order) {
-    for (i64 p = 0; p <= mask; ++p) table[2 * p] = EMPTY_KEY;
+    for (i64 p = 0; p <= mask; ++p) table[p] = 0;
     i64 distinct = 0;
     for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n) __builtin_prefetch(&table[2 * (mix((u64)ids[e + AHEAD]) & (u64)mask)]);
+        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
         const i64 key = ids[e];
         if (has_padding && key == padding) {
             entry_rows[e] = -1;
             continue;
         }
         u64 position = mix((u64)key) & (u64)mask;
-        while (table[2 * position] != key && table[2 * position] != EMPTY_KEY) {
+        while (table[position] != 0 && unique[table[position] - 1] != key) {
             position = (position + 1) & (u64)mask;
         }
-        if (table[2 * position] == EMPTY_KEY) {
-            table[2 * position] = key;
-            table[2 * position + 1] = distinct;
+        if (table[position] == 0) {
+            table[position] = (int)(distinct + 1);
             unique[distinct] = key;
             counts[distinct] = 0;
             ++distinct;
         }
-        const i64 row = table[2 * position + 1];
+        const i64 row = table[position] - 1;
         counts[row] += 1;
         entry_rows[e] = row;
     }
     starts[0] = 0;
     for (i64 r = 0; r < distinct; ++r) starts[r + 1] = starts[r] + counts[r];
-    i64* __restrict__ next = table;  // the table is done with: each row's next place in order
-    for (i64 r = 0; r < distinct; ++r) next[r] = starts[r];
+    int* __restrict__ next = table;  // the table is done with: each row's next place in order
+    for (i64 r = 0; r < distinct; ++r) next[r] = (int)starts[r];
     for (i64 e = 0; e < n; ++e) {
         const i64 row = entry_rows[e];
         if (row < 0) {

@@ -89,11 +89,13 @@ class StepPasses:
         self._scratch = threading.local()  # the dedupe's hash table, per thread, reused
 
     def _hash_table(self, entries: int) -> tuple[torch.Tensor, int]:
-        """``(scratch [positions, 2] int64, mask)`` with positions a power of two >= 2 x entries."""
+        """``(scratch [positions] int32, mask)`` with positions a power of two >= 2 x entries."""
+        if entries >= 1 << 31:
+            raise ValueError(f"a batch holds {entries} ids; split it into batches of fewer than 2^31")
         positions = 1 << max(4, (2 * entries - 1).bit_length())
         table = getattr(self._scratch, "table", None)
         if table is None or table.shape[0] < positions:
-            table = self._scratch.table = torch.empty(positions, 2, dtype=torch.int64)
+            table = self._scratch.table = torch.empty(positions, dtype=torch.int32)
         return table, positions - 1
 
     def distinct(self, ids: torch.Tensor, padding: int | None) -> Distinct:

@@ -237,7 +237,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                 continue
             keys, starts, weights = batch.group_bags(positions)
             group_tables = [tables[i] for i in positions]
-            blocks.append(_group_forward(group, group_tables, keys, starts, weights, lengths[positions]))
+            group_lengths = lengths if len(positions) == len(tables) else lengths[positions]
+            blocks.append(_group_forward(group, group_tables, keys, starts, weights, group_lengths))
             order.extend(positions)
         dims = [table["embedding_dim"] for table in tables]
         if not blocks:

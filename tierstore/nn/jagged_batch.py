@@ -60,7 +60,7 @@ class JaggedBatch:
         self.keys, self.lengths, self.weights = keys, lengths, weights
         self.values = values.cpu().contiguous()
         self.tables = [table_of_feature[key] for key in keys]
-        per_feature = lengths.sum(dim=1)
+        per_feature = torch.from_numpy(lengths.numpy().sum(axis=1))
         self.counts = per_feature.tolist()  # entries of each feature
         self._feature_starts = torch.zeros(len(keys) + 1, dtype=torch.int64)
         torch.cumsum(per_feature, 0, out=self._feature_starts[1:])

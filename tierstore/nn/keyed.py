@@ -162,16 +162,17 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
         lengths = _checked_offsets(offsets, values.numel())
     _check_integers(lengths, "lengths", "bag lengths")
     weights = _call(features, "weights_or_none")
-    lengths = lengths.to(device="cpu", dtype=torch.int64)
-    if bool((lengths < 0).any()):
-        raise ValueError(f"lengths must be non-negative, got {int(lengths.min())}")
+    lengths = lengths.to(device="cpu", dtype=torch.int64).contiguous()
+    as_array = lengths.numpy()  # reduced on one thread: a batch's lengths are too few for a team
+    if as_array.size and int(as_array.min()) < 0:
+        raise ValueError(f"lengths must be non-negative, got {int(as_array.min())}")
     if keys and lengths.numel() % len(keys):
         raise ValueError(
             f"lengths holds {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
             "(one per key and sample)"
         )
-    if int(lengths.sum()) != values.numel():
-        raise ValueError(f"lengths sum to {int(lengths.sum())} but values holds {values.numel()} ids")
+    if int(as_array.sum()) != values.numel():
+        raise ValueError(f"lengths sum to {int(as_array.sum())} but values holds {values.numel()} ids")
     if weights is not None and (
         not isinstance(weights, torch.Tensor)
         or not weights.is_floating_point()
@@ -217,6 +218,6 @@ def _checked_offsets(offsets: Any, count: int) -> torch.Tensor:
             f"({count}), one more entry than bags; got {offsets.tolist()[:8]}"
         )
     lengths = offsets[1:] - offsets[:-1]
-    if bool((lengths < 0).any()):
+    if lengths.numel() and int(lengths.numpy().min()) < 0:
         raise ValueError("offsets must be non-decreasing (bag i spans values[offsets[i]:offsets[i + 1]])")
     return lengths
