@@ -312,8 +312,17 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
     std::vector<const unsigned char*> sources(n);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (main_mask >= 0 && i + AHEAD < n)
-            __builtin_prefetch(&main_keys[mix((u64)keys[i + AHEAD]) & (u64)main_mask]);
+        if (i + AHEAD < n) {  // a key found sits at its hashed position mostly: its value beside it
+            const u64 hashed = mix((u64)keys[i + AHEAD]);
+            if (log_mask >= 0) {
+                __builtin_prefetch(&log_keys[hashed & (u64)log_mask]);
+                __builtin_prefetch(&log_values[hashed & (u64)log_mask]);
+            }
+            if (main_mask >= 0) {
+                __builtin_prefetch(&main_keys[hashed & (u64)main_mask]);
+                __builtin_prefetch(&main_values[hashed & (u64)main_mask]);
+            }
+        }
         const unsigned char* source = nullptr;
         if (log_mask >= 0) {
             const i64 position = probe(log_keys, log_mask, keys[i]);
