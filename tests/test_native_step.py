@@ -182,9 +182,10 @@ def test_rows_do_not_depend_on_the_thread_count(monkeypatch):
     assert all(torch.equal(rows[0], other) for other in rows[1:])
 
 
-def _kjt(seed: int, weighted: bool):
+def _kjt(seed: int, weighted: bool, one_id_features: tuple[int, ...] = (), batch: int = 5):
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, 4, (3, 5))
+    lengths = rng.integers(0, 4, (3, batch))
+    lengths[list(one_id_features)] = 1  # bags of one id (the native layout's transpose)
     values = np.concatenate([rng.integers(0, 40, int(count)) for count in lengths.sum(axis=1)])
     weights = torch.from_numpy(rng.random(values.size).astype(np.float32)) if weighted else None
     return KeyedJaggedTensor(
@@ -196,7 +197,8 @@ def _kjt(seed: int, weighted: bool):
 
 
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weighted):
+@pytest.mark.parametrize(("one_id_features", "batch"), [((), 5), ((0, 2), 70), ((0, 1, 2), 130)])
+def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weighted, one_id_features, batch):
     tables = [
         EmbeddingBagConfig(40, 4, name="ta", feature_names=["a"]),
         EmbeddingBagConfig(40, 8, name="tb", feature_names=["b"]),
@@ -204,7 +206,7 @@ def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weig
     ]
     collection = TieredEmbeddingBagCollection(tables, host_cache=64)
     for seed in range(5):
-        kjt = _kjt(seed, weighted)
+        kjt = _kjt(seed, weighted, one_id_features, batch)
         native = jagged_batch.JaggedBatch(kjt, collection._table_of_feature)
         monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
         reference = jagged_batch.JaggedBatch(kjt, collection._table_of_feature)

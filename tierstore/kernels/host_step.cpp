@@ -220,6 +220,30 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
                                 const i64* __restrict__ numbers, const float* __restrict__ weights,
                                 i64* __restrict__ keys, i64* __restrict__ bag_starts,
                                 float* __restrict__ group_weights, i64* __restrict__ cursors) {
+    bool one_id_bags = true;  // every bag of the group holds one id: the layout is a transpose
+    for (i64 j = 0; j < group_count && one_id_bags; ++j) {
+        const i64* __restrict__ feature_lengths = lengths + group_features[j] * batch;
+        bool ones = true;
+        for (i64 b = 0; b < batch; ++b) ones &= feature_lengths[b] == 1;
+        one_id_bags = ones;
+    }
+    if (one_id_bags) {
+        const i64 block = 64;  // samples at a time: each feature's run of them stays in L1 meanwhile
+        for (i64 first = 0; first < batch; first += block) {
+            const i64 last = first + block < batch ? first + block : batch;
+            for (i64 j = 0; j < group_count; ++j) {
+                const i64 f = group_features[j], number = numbers[f];
+                const i64* __restrict__ source = values + feature_starts[f];
+                for (i64 b = first; b < last; ++b) keys[b * group_count + j] = number | source[b];
+                if (weights) {
+                    const float* __restrict__ source_weights = weights + feature_starts[f];
+                    for (i64 b = first; b < last; ++b) group_weights[b * group_count + j] = source_weights[b];
+                }
+            }
+        }
+        for (i64 bag = 0; bag < batch * group_count; ++bag) bag_starts[bag] = bag;
+        return;
+    }
     for (i64 j = 0; j < group_count; ++j) cursors[j] = feature_starts[group_features[j]];
     i64 position = 0;
     for (i64 b = 0; b < batch; ++b) {
