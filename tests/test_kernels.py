@@ -179,7 +179,8 @@ def test_serial_insert_and_shifting_erase_on_a_full_table_end():
     many = torch.arange(100, 117)
     failed, status = passes.insert(keys, values, many, torch.arange(17, dtype=torch.int32))
     assert (failed, status) == (16, 2) and int((keys >= 0).sum()) == 16  # the 17th finds it full
-    assert passes.erase(keys, values, torch.tensor([103])).tolist() == [3]
+    former, present = passes.erase(keys, values, torch.tensor([103, 999]))
+    assert former.tolist() == [3, -1] and present == 1  # an absent key erases nothing
     found = torch.empty(16, dtype=torch.int32)
     parallel_host_kernels().launch("cache_find", 16, keys, values, 15, many[:16], 16, found)
     assert found.tolist() == [-1 if key == 103 else key - 100 for key in range(100, 116)]

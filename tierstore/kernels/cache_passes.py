@@ -16,8 +16,8 @@ from .step_passes import typed
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "cache_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
-    "index_erase_shifting": (None, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
+    "cache_erase_shifting": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
+    "index_erase_shifting": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER]),
     "cache_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "index_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "cache_resolve": (
@@ -49,12 +49,15 @@ class CachePasses:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
 
-    def erase(self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def erase(
+        self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
         """Remove ``keys`` (distinct) from a table without tombstones (``table_values`` int32 or
-        int64), leaving none; returns the values they held (-1: absent), in the values' dtype."""
+        int64), leaving none; returns the values they held (-1: absent), in the values' dtype, and
+        how many were present."""
         keys = keys.to(torch.int64).contiguous()
         former = torch.empty(keys.numel(), dtype=table_values.dtype)
-        self._functions[_ERASE[table_values.dtype]](
+        present = self._functions[_ERASE[table_values.dtype]](
             table_keys.data_ptr(),
             table_values.data_ptr(),
             table_keys.numel() - 1,
@@ -62,7 +65,7 @@ class CachePasses:
             keys.numel(),
             former.data_ptr(),
         )
-        return former
+        return former, present
 
     def insert(
         self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

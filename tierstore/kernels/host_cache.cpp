@@ -15,14 +15,21 @@
 // Remove keys[0..n) (distinct) from a table that holds no tombstones, moving each removed key's
 // followers back so that every key stays reachable from its home without crossing an empty
 // position (Knuth's algorithm R). out_values[i]: the value keys[i] held, or -1 where absent.
+// Returns how many keys were present.
 template <typename Value>
-static void erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
-                           const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {
+static i64 erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ table_values, i64 mask,
+                          const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {
+    i64 present = 0;
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask]);
+        if (i + AHEAD < n) {  // a key mostly sits at its home: its value beside it
+            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
+            __builtin_prefetch(&table_keys[home]);
+            __builtin_prefetch(&table_values[home]);
+        }
         const i64 found = probe(table_keys, mask, keys[i]);
         out_values[i] = found < 0 ? (Value)-1 : table_values[found];
         if (found < 0) continue;
+        ++present;
         u64 hole = (u64)found;
         // A table below its load limit has an empty position; stopping on coming round to the
         // start keeps a full one from looping for ever.
@@ -39,6 +46,7 @@ static void erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ tab
         }
         table_keys[hole] = EMPTY_KEY;
     }
+    return present;
 }
 
 // Insert keys[i] -> values[i] (distinct, absent) on one thread, each claiming the first empty
@@ -50,7 +58,11 @@ static i64 insert_serial(i64* __restrict__ table_keys, Value* __restrict__ table
                          const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,
                          int* __restrict__ status) {
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask], 1);
+        if (i + AHEAD < n) {  // a key mostly goes to its home: its value is written beside it
+            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
+            __builtin_prefetch(&table_keys[home], 1);
+            __builtin_prefetch(&table_values[home], 1);
+        }
         u64 position = mix((u64)keys[i]) & (u64)mask;
         i64 probes = 0;
         while (table_keys[position] != EMPTY_KEY && table_keys[position] != keys[i] && probes <= mask) {
@@ -79,14 +91,14 @@ extern "C" i64 index_insert_serial(i64* __restrict__ table_keys, i64* __restrict
     return insert_serial(table_keys, table_values, mask, keys, values, n, status);
 }
 
-extern "C" void cache_erase_shifting(i64* __restrict__ table_keys, int* __restrict__ table_values, i64 mask,
-                                     const i64* __restrict__ keys, i64 n, int* __restrict__ out_values) {
-    erase_shifting(table_keys, table_values, mask, keys, n, out_values);
+extern "C" i64 cache_erase_shifting(i64* __restrict__ table_keys, int* __restrict__ table_values, i64 mask,
+                                    const i64* __restrict__ keys, i64 n, int* __restrict__ out_values) {
+    return erase_shifting(table_keys, table_values, mask, keys, n, out_values);
 }
 
-extern "C" void index_erase_shifting(i64* __restrict__ table_keys, i64* __restrict__ table_values, i64 mask,
-                                     const i64* __restrict__ keys, i64 n, i64* __restrict__ out_values) {
-    erase_shifting(table_keys, table_values, mask, keys, n, out_values);
+extern "C" i64 index_erase_shifting(i64* __restrict__ table_keys, i64* __restrict__ table_values, i64 mask,
+                                    const i64* __restrict__ keys, i64 n, i64* __restrict__ out_values) {
+    return erase_shifting(table_keys, table_values, mask, keys, n, out_values);
 }
 
 // A batch's distinct keys[0..n) (each looked up counts[i] times) resolved in a tier's index: slots[i]

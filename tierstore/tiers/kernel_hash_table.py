@@ -130,8 +130,8 @@ class KernelHashTable(BatchedHashTable):
         """Remove ``keys`` (distinct); returns their former values (int64, -1 for absent keys). On the
         tuned host build a table without tombstones stays so (entries shift back, on one thread)."""
         if self._shifting is not None and self.tombstones == 0:
-            former = self._shifting.erase(self.keys, self.values, keys)
-            self.live -= int((former >= 0).sum())
+            former, present = self._shifting.erase(self.keys, self.values, keys)
+            self.live -= present
             return former.to(torch.int64)
         former = self._per_key("erase", keys)
         removed = int((former >= 0).sum())
