@@ -204,32 +204,13 @@ def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch():
         resolved, hit_slots, missed, lookups = fast.resolve(keys, counts)
         assert lookups == int(counts.sum())
         assert torch.equal(hit_slots, resolved[resolved >= 0]) and torch.equal(missed, (~hit).nonzero()[:, 0])
-        admitted, _ = fast.admit(rows_for(keys[missed]), hit_slots, protected_touched=True)  # as TierStack
+        admitted, _ = fast.admit(rows_for(keys[missed]), hit_slots)
         resolved[missed] = admitted
         fast.touch_admitted(admitted, counts[missed], lookups)
         assert torch.equal(resolved, slots)
         assert torch.equal(fast.policy.score, reference.policy.score)
         assert fast.stats == reference.stats
     assert fast.stats.evictions > 100 and fast.policy.increment < 2.0**20
-
-
-def test_victims_from_the_unpinned_pool_are_never_protected_rows():
-    """On the tuned build a batch whose protected rows were touched first takes its victims from
-    LFU's pool without pinning them; a protected row the pool still offers (one whose count did
-    not change its score) sends the choice to the pinned path, so no protected row is evicted."""
-    rows = KernelRows(parallel_host_kernels(), "openmp")
-    cache = RowCache("host", 320, 2, torch.float32, backend=rows)  # a pool of 10
-    slots, _ = cache.admit(rows_for(range(320)))
-    cache.touch(slots, torch.arange(1, 321))  # key k scores k + 1: the lowest keys rank first
-    _, evicted = cache.admit(rows_for([1000]))  # a scan: key 0 goes, keys 1..10 make the pool
-    assert evicted.keys.tolist() == [0] and cache.policy.scans == 1
-    protected = cache.find(torch.tensor([1, 2]))  # in the pool, their scores as ranked
-    _, evicted = cache.admit(rows_for([1001, 1002]), protected, protected_touched=True)
-    assert sorted(evicted.keys.tolist()) == [3, 4]  # the pool offered 1 and 2: the pinned path chose
-    cache.touch(protected, torch.tensor([5, 5]))  # now touched, as resolve touches a batch's hits
-    _, evicted = cache.admit(rows_for([1003]), protected, protected_touched=True)
-    assert evicted.keys.tolist() == [5] and cache.policy.scans == 1  # from the pool, unpinned
-    assert bool((cache.pins == 0).all())
 
 
 def test_pins_on_the_tuned_host_build_count_as_the_torch_backends():

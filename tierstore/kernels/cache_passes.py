@@ -29,7 +29,6 @@ _SIGNATURES = {
     "cache_add_counts": (None, [_POINTER, _POINTER, _POINTER, _I64, ctypes.c_float]),
     "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
     "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
-    "cache_first_shared": (_I64, [_POINTER, _I64, _POINTER, _I64, _POINTER, _I64]),
     "cache_slot_rows": (
         None,
         [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64] + [_POINTER] * 4,
@@ -126,16 +125,6 @@ class CachePasses:
         slots, counts = slots.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
         self._functions["cache_add_counts"](
             scores.data_ptr(), slots.data_ptr(), counts.data_ptr(), slots.numel(), increment
-        )
-
-    def first_shared(self, few: torch.Tensor, many: torch.Tensor) -> int:
-        """The first of ``many`` slots (int64) that is among ``few`` (distinct), or -1: a hash set
-        of the few, probed by the many in order (no pass over every slot of the tier)."""
-        few, many = few.to(torch.int64).contiguous(), many.to(torch.int64).contiguous()
-        positions = 1 << max(4, (2 * few.numel() - 1).bit_length())
-        table = torch.empty(positions, dtype=torch.int64)
-        return self._functions["cache_first_shared"](
-            few.data_ptr(), few.numel(), many.data_ptr(), many.numel(), table.data_ptr(), positions - 1
         )
 
     def zero_at(self, values: torch.Tensor, slots: torch.Tensor) -> None:

@@ -243,22 +243,6 @@ extern "C" i64 cache_pool_take(const i64* __restrict__ pool, const float* __rest
     return -1;
 }
 
-// Whether two sets of slots meet: a[0..na) (distinct, few) put in `table` (scratch of mask + 1 >=
-// 2 na positions), then b[0..nb) looked up there in order. Returns the first b[j] in a, or -1.
-extern "C" i64 cache_first_shared(const i64* __restrict__ a, i64 na, const i64* __restrict__ b, i64 nb,
-                                  i64* __restrict__ table, i64 mask) {
-    for (i64 p = 0; p <= mask; ++p) table[p] = EMPTY_KEY;
-    for (i64 i = 0; i < na; ++i) {
-        u64 position = mix((u64)a[i]) & (u64)mask;
-        while (table[position] != EMPTY_KEY && table[position] != a[i]) position = (position + 1) & (u64)mask;
-        table[position] = a[i];
-    }
-    for (i64 j = 0; j < nb; ++j) {
-        if (probe(table, mask, b[j]) >= 0) return b[j];
-    }
-    return -1;
-}
-
 // The rows at slots[0..n): out_keys[i], out_rows[i] (row_width values), out_dirty[i], out_fresh[i].
 extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const float* __restrict__ rows,
                                 i64 row_width, const unsigned char* __restrict__ dirty,

@@ -152,11 +152,9 @@ class CacheTier(Protocol):
         incoming: Rows,
         protected: torch.Tensor | None = None,
         before_evicting: Callable[[Rows], None] | None = None,
-        protected_touched: bool = False,
     ) -> tuple[torch.Tensor, Rows]:
         """Cache ``incoming`` (keys distinct, absent); returns ``(their slots [N], evicted Rows)``.
-        Victims are the policy's choice outside ``protected`` slots (``protected_touched``: their
-        accesses are counted already, as ``resolve`` counts them); every evicted row is handed
+        Victims are the policy's choice outside ``protected`` slots; every evicted row is handed
         back (dirty or not), never dropped: first to ``before_evicting`` while it is still here,
         which moves it down; if that raises, the tier is left as it was. Raises
         ``CacheCapacityError``, changing nothing, when the rows cannot fit."""

@@ -123,7 +123,7 @@ class LfuWithAgeing(EvictionPolicy):
             self.score[slots] = 0
 
     def victims(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
-        taken = self.from_pool(count, slot_keys, pins)
+        taken = self._from_pool(count, slot_keys, pins)
         if taken is not None:
             return taken
         self.scans += 1
@@ -146,10 +146,9 @@ class LfuWithAgeing(EvictionPolicy):
         ranked = ranked[torch.isfinite(scores[ranked])]
         return ranked[_ascending(scores[ranked])]
 
-    def from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
+    def _from_pool(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor | None:
         """The first ``count`` slots of the pool that hold the row and the score they were ranked
-        with and are not pinned now (those skipped leave the pool, as do those taken), or None if
-        it has too few (the pool unchanged). No scan."""
+        with and are not pinned now (those skipped leave the pool), or None if it has too few."""
         if self._passes is not None:
             pool = (self._pool, self._pool_scores, self._pool_keys)
             chosen, consumed = self._passes.pool_take(pool, self.score, slot_keys, pins, count)

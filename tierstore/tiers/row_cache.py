@@ -205,14 +205,11 @@ class RowCache:
         incoming: Rows,
         protected: torch.Tensor | None = None,
         before_evicting: Callable[[Rows], None] | None = None,
-        protected_touched: bool = False,
     ) -> tuple[torch.Tensor, Rows]:
         count = len(incoming)
         from_free = min(count, self._free_count)
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
-        victims = (
-            self._victims(count - from_free, protected, protected_touched) if count > from_free else None
-        )
+        victims = self._victims(count - from_free, protected) if count > from_free else None
         if victims is not None:
             evicted = self._rows_at(victims)
             if before_evicting is not None:
@@ -238,18 +235,8 @@ class RowCache:
         self.stats.rows_in += count
         return slots, evicted
 
-    def _victims(
-        self, count: int, protected: torch.Tensor | None, protected_touched: bool = False
-    ) -> torch.Tensor:
+    def _victims(self, count: int, protected: torch.Tensor | None) -> torch.Tensor:
         protect = protected is not None and protected.numel() > 0
-        if protect and protected_touched and self._passes is not None and type(self.policy) is LfuWithAgeing:
-            # The pool skips slots touched since it was ranked (the protected ones are), so it is
-            # tried unpinned; the few it offers are checked against the protected slots, in one
-            # pass over them instead of two (pin, unpin). Should one be protected (a score too
-            # large to change), they stay (out of the pool) and the pinned path picks the victims.
-            pooled = self.policy.from_pool(count, self.slot_keys, self.pins)
-            if pooled is not None and self._passes.first_shared(pooled, protected) < 0:
-                return pooled
         if protect:
             self.backend.add_pins(self.pins, protected, 1)
         try:

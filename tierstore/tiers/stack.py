@@ -46,9 +46,7 @@ class TierStack:
         if resolved is not None:  # one native pass: found, hits touched, misses listed
             slots, hit_slots, missed, lookups = resolved
             missed_counts = counts[missed]
-            admitted = (
-                self._bring_in(unique[missed], missed_counts, hit_slots, True) if missed.numel() else missed
-            )
+            admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
             slots[missed] = admitted
             top.touch_admitted(admitted, missed_counts, lookups)
             return slots
@@ -62,21 +60,13 @@ class TierStack:
         top.touch(slots, counts, missed)
         return slots
 
-    def _bring_in(
-        self,
-        keys: torch.Tensor,
-        counts: torch.Tensor,
-        protected: torch.Tensor,
-        protected_touched: bool = False,
-    ) -> torch.Tensor:
+    def _bring_in(self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         """Top-tier slots of ``keys`` (distinct, none in the top tier), taken from the tiers below and
-        admitted without evicting ``protected`` slots (``protected_touched``: as ``admit`` takes it)."""
+        admitted without evicting ``protected`` slots."""
         taken: list[tuple[CacheTier, Rows]] = []
         fetched = self._fetch(keys, counts, 1, taken)
         try:
-            slots, _ = self.top.admit(
-                fetched, protected, lambda victims: self._move_down(victims, 1), protected_touched
-            )
+            slots, _ = self.top.admit(fetched, protected, lambda victims: self._move_down(victims, 1))
         except BaseException:  # e.g. a full disk while staging victims: every row stays where it was
             for cache, rows in taken:
                 cache.admit(rows)  # into the slots taking them freed
