@@ -121,7 +121,11 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
                              i64* __restrict__ lookups) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&table_keys[mix((u64)keys[i + AHEAD]) & (u64)mask]);
+        if (i + AHEAD < n) {  // a key mostly sits at its home: its slot beside it
+            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
+            __builtin_prefetch(&table_keys[home]);
+            __builtin_prefetch(&table_values[home]);
+        }
         const i64 position = probe(table_keys, mask, keys[i]);
         slots[i] = position < 0 ? -1 : (i64)table_values[position];
     }
