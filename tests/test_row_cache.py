@@ -186,6 +186,10 @@ def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capac
     passes = cache_passes_of(parallel_host_kernels())
     for count in (1, 7, capacity // 50, capacity // 3, capacity):
         assert torch.equal(passes.lowest_slots(scores, slot_keys, pins, count), expected[:count])
+        for head in (1, count // 2, count):  # LFU's victims first, in no order; the pool sorted
+            ranked = passes.lowest_slots(scores, slot_keys, pins, count, head)
+            assert torch.equal(ranked[:head].sort().values, expected[:head].sort().values)
+            assert torch.equal(ranked[head:], expected[head:count])
 
 
 def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch():

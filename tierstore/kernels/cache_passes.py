@@ -27,7 +27,7 @@ _SIGNATURES = {
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
     "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
     "cache_add_counts": (None, [_POINTER, _POINTER, _POINTER, _I64, ctypes.c_float]),
-    "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER]),
+    "cache_lowest_slots": (_I64, [_POINTER, _POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
     "cache_pool_take": (_I64, [_POINTER] * 3 + [_I64] + [_POINTER] * 3 + [_I64, _POINTER]),
     "cache_slot_rows": (
         None,
@@ -133,10 +133,12 @@ class CachePasses:
         self._functions["cache_zero_at"](values.data_ptr(), slots.data_ptr(), slots.numel())
 
     def lowest_slots(
-        self, scores: torch.Tensor, slot_keys: torch.Tensor, pins: torch.Tensor, count: int
+        self, scores: torch.Tensor, slot_keys: torch.Tensor, pins: torch.Tensor, count: int, head: int = 0
     ) -> torch.Tensor:
         """int64: up to ``count`` slots holding a row and unpinned, of the lowest ``scores``
-        (float32, finite, non-negative), ascending by (score, slot)."""
+        (float32, finite, non-negative), ascending by (score, slot) but for the first ``head``:
+        the ``head`` lowest, in no particular order (not sorting LFU's victims saves most of a scan
+        that takes many)."""
         out = torch.empty(min(count, scores.numel()), dtype=torch.int64)
         kept = self._functions["cache_lowest_slots"](
             scores.data_ptr(),
@@ -144,6 +146,7 @@ class CachePasses:
             pins.data_ptr(),
             scores.numel(),
             out.numel(),
+            head,
             out.data_ptr(),
         )
         return out[:kept]

@@ -193,10 +193,12 @@ static inline bool evictable(const i64* __restrict__ slot_keys, const unsigned c
 
 // The `count` lowest-scoring slots among those holding a row (slot_keys >= 0) and not pinned
 // (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Returns how
-// many were written. A large tier first samples its scores for a bound that `count` of them are
-// likely under and ranks only the slots at or under it (all slots if too few are): the same slots.
+// many were written. The first `head` of them are the `head` lowest in no particular order (LFU's
+// victims: only the pool after them needs its order). A large tier first samples its scores for a
+// bound that `count` of them are likely under and ranks only the slots at or under it (all slots
+// if too few are): the same slots.
 extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
-                                  const unsigned char* __restrict__ pins, i64 capacity, i64 count,
+                                  const unsigned char* __restrict__ pins, i64 capacity, i64 count, i64 head,
                                   i64* __restrict__ out) {
     std::vector<u64> ranked;
     if (capacity >= 64 * SAMPLE_EVERY && count < capacity / 4) {
@@ -223,7 +225,10 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
     }
     const i64 kept = std::min<i64>(count, (i64)ranked.size());
     if (kept < (i64)ranked.size()) std::nth_element(ranked.begin(), ranked.begin() + kept, ranked.end());
-    std::sort(ranked.begin(), ranked.begin() + kept);
+    const i64 unsorted = std::min<i64>(head, kept);
+    if (unsorted > 0 && unsorted < kept)
+        std::nth_element(ranked.begin(), ranked.begin() + unsorted, ranked.begin() + kept);
+    std::sort(ranked.begin() + (unsorted < kept ? unsorted : 0), ranked.begin() + kept);
     for (i64 i = 0; i < kept; ++i) out[i] = (i64)(ranked[i] & 0xFFFFFFFFULL);
     return kept;
 }

@@ -127,7 +127,7 @@ class LfuWithAgeing(EvictionPolicy):
         if taken is not None:
             return taken
         self.scans += 1
-        ranked = self._ranked(count + self._pool_size, slot_keys, pins)
+        ranked = self._ranked(count + self._pool_size, slot_keys, pins, count)
         if ranked.numel() < count:  # then it holds every evictable slot
             raise CacheCapacityError(
                 f"the current batch needs {count} more than it can evict ({ranked.numel()} evictable); "
@@ -137,10 +137,11 @@ class LfuWithAgeing(EvictionPolicy):
         self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
         return ranked[:count]
 
-    def _ranked(self, wanted: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
-        """Up to ``wanted`` evictable slots of the lowest scores, ascending (a stable sort's order)."""
+    def _ranked(self, wanted: int, slot_keys: torch.Tensor, pins: torch.Tensor, victims: int) -> torch.Tensor:
+        """Up to ``wanted`` evictable slots of the lowest scores, ascending (a stable sort's order);
+        the host build leaves the first ``victims`` (the lowest) in no particular order."""
         if self._passes is not None:
-            return self._passes.lowest_slots(self.score, slot_keys, pins, wanted)
+            return self._passes.lowest_slots(self.score, slot_keys, pins, wanted, victims)
         scores = self.backend.victim_scores(self.score, slot_keys, pins)
         ranked = _lowest(scores, min(wanted, self.capacity))
         ranked = ranked[torch.isfinite(scores[ranked])]
