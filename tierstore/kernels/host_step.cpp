@@ -399,7 +399,11 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
     std::vector<unsigned char*> targets(n);
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&log_keys[mix((u64)keys[i + AHEAD]) & (u64)log_mask]);
+        if (i + AHEAD < n) {  // a key mostly sits at its home: its record beside it
+            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)log_mask;
+            __builtin_prefetch(&log_keys[home]);
+            __builtin_prefetch(&log_values[home]);
+        }
         const i64 position = probe(log_keys, log_mask, keys[i]);
         const i64 record = position < 0 ? -1 : log_values[position];
         if (record >= committed) {
