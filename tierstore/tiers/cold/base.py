@@ -91,9 +91,14 @@ class ColdStore(ABC):
         unspecified (the caller initialises them)."""
         rows, found = self._get(keys)
         self.stats.rows_read += keys.numel()
-        hits = int(found.sum()) if counts is None else int(counts[found].sum())
+        held = found.numpy()  # counted on one thread: a batch's misses are too few for a team
+        if counts is None:
+            hits, lookups = int(held.sum()), keys.numel()
+        else:
+            looked_up = counts.cpu().numpy()
+            hits, lookups = int(looked_up[held].sum()), int(looked_up.sum())
         self.stats.hits += hits
-        self.stats.initialized += (keys.numel() if counts is None else int(counts.sum())) - hits
+        self.stats.initialized += lookups - hits
         return rows, found
 
     def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
