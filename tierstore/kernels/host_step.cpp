@@ -8,6 +8,7 @@
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
 // It also holds the host cache tier's own calls (host_cache.cpp).
 
+#include <cstring>
 #include <vector>
 
 #include "embedding_cache.cu"
@@ -288,6 +289,8 @@ extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i
 // bytes as little-endian 32-bit words (the last one zero-padded) summed modulo 2^32, word j times
 // the odd multiplier (uint32)(mix((j + 1) * golden) | 1), then mixed with its key:
 // mix(sum ^ key * golden). RowChecks holds the multipliers for rows of row_bytes bytes.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "row checks read words little-endian");
+
 struct RowChecks {
     i64 row_bytes;
     std::vector<unsigned int> multipliers;
@@ -299,11 +302,17 @@ struct RowChecks {
 
     u64 of(const unsigned char* __restrict__ row, i64 key) const {
         unsigned int sum = 0;
-        for (size_t j = 0; j < multipliers.size(); ++j) {
-            unsigned int word = 0;
-            for (i64 b = 0; b < 4 && 4 * (i64)j + b < row_bytes; ++b)
-                word |= (unsigned int)row[4 * j + b] << (8 * b);
+        const size_t whole = (size_t)row_bytes / 4;  // words read as they lie: a little-endian load
+        for (size_t j = 0; j < whole; ++j) {
+            unsigned int word;
+            std::memcpy(&word, row + 4 * j, 4);
             sum += word * multipliers[j];
+        }
+        if (whole < multipliers.size()) {  // the last bytes, zero-padded to a word
+            unsigned int word = 0;
+            for (i64 b = 0; 4 * (i64)whole + b < row_bytes; ++b)
+                word |= (unsigned int)row[4 * whole + b] << (8 * b);
+            sum += word * multipliers[whole];
         }
         return mix((u64)sum ^ ((u64)key * GOLDEN));
     }
