@@ -12,6 +12,16 @@
 #include <cstring>
 #include <vector>
 
+// Ask for the memory of `key`'s home position in a table (keys and values are separate arrays: both
+// at once, one memory wait instead of two, since a key mostly sits at its home). Write: for an insert.
+template <int Write = 0, typename Value>
+static inline void prefetch_home(const i64* __restrict__ table_keys, const Value* __restrict__ table_values,
+                                 i64 mask, i64 key) {
+    const u64 home = mix((u64)key) & (u64)mask;
+    __builtin_prefetch(&table_keys[home], Write);
+    __builtin_prefetch(&table_values[home], Write);
+}
+
 // Remove keys[0..n) (distinct) from a table that holds no tombstones, moving each removed key's
 // followers back so that every key stays reachable from its home without crossing an empty
 // position (Knuth's algorithm R). out_values[i]: the value keys[i] held, or -1 where absent.
@@ -21,11 +31,7 @@ static i64 erase_shifting(i64* __restrict__ table_keys, Value* __restrict__ tabl
                           const i64* __restrict__ keys, i64 n, Value* __restrict__ out_values) {
     i64 present = 0;
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // a key mostly sits at its home: its value beside it
-            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
-            __builtin_prefetch(&table_keys[home]);
-            __builtin_prefetch(&table_values[home]);
-        }
+        if (i + AHEAD < n) prefetch_home(table_keys, table_values, mask, keys[i + AHEAD]);
         const i64 found = probe(table_keys, mask, keys[i]);
         out_values[i] = found < 0 ? (Value)-1 : table_values[found];
         if (found < 0) continue;
@@ -58,11 +64,7 @@ static i64 insert_serial(i64* __restrict__ table_keys, Value* __restrict__ table
                          const i64* __restrict__ keys, const Value* __restrict__ values, i64 n,
                          int* __restrict__ status) {
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // a key mostly goes to its home: its value is written beside it
-            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
-            __builtin_prefetch(&table_keys[home], 1);
-            __builtin_prefetch(&table_values[home], 1);
-        }
+        if (i + AHEAD < n) prefetch_home<1>(table_keys, table_values, mask, keys[i + AHEAD]);
         u64 position = mix((u64)keys[i]) & (u64)mask;
         i64 probes = 0;
         while (table_keys[position] != EMPTY_KEY && table_keys[position] != keys[i] && probes <= mask) {
@@ -121,11 +123,7 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
                              i64* __restrict__ lookups) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // a key mostly sits at its home: its slot beside it
-            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)mask;
-            __builtin_prefetch(&table_keys[home]);
-            __builtin_prefetch(&table_values[home]);
-        }
+        if (i + AHEAD < n) prefetch_home(table_keys, table_values, mask, keys[i + AHEAD]);
         const i64 position = probe(table_keys, mask, keys[i]);
         slots[i] = position < 0 ? -1 : (i64)table_values[position];
     }
@@ -228,7 +226,7 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
     const i64 unsorted = std::min<i64>(head, kept);
     if (unsorted > 0 && unsorted < kept)
         std::nth_element(ranked.begin(), ranked.begin() + unsorted, ranked.begin() + kept);
-    std::sort(ranked.begin() + (unsorted < kept ? unsorted : 0), ranked.begin() + kept);
+    std::sort(ranked.begin() + unsorted, ranked.begin() + kept);
     for (i64 i = 0; i < kept; ++i) out[i] = (i64)(ranked[i] & 0xFFFFFFFFULL);
     return kept;
 }

@@ -345,16 +345,9 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
     std::vector<const unsigned char*> sources(n);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // a key found sits at its hashed position mostly: its value beside it
-            const u64 hashed = mix((u64)keys[i + AHEAD]);
-            if (log_mask >= 0) {
-                __builtin_prefetch(&log_keys[hashed & (u64)log_mask]);
-                __builtin_prefetch(&log_values[hashed & (u64)log_mask]);
-            }
-            if (main_mask >= 0) {
-                __builtin_prefetch(&main_keys[hashed & (u64)main_mask]);
-                __builtin_prefetch(&main_values[hashed & (u64)main_mask]);
-            }
+        if (i + AHEAD < n) {
+            if (log_mask >= 0) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
+            if (main_mask >= 0) prefetch_home(main_keys, main_values, main_mask, keys[i + AHEAD]);
         }
         const unsigned char* source = nullptr;
         if (log_mask >= 0) {
@@ -408,11 +401,7 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
     std::vector<unsigned char*> targets(n);
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // a key mostly sits at its home: its record beside it
-            const u64 home = mix((u64)keys[i + AHEAD]) & (u64)log_mask;
-            __builtin_prefetch(&log_keys[home]);
-            __builtin_prefetch(&log_values[home]);
-        }
+        if (i + AHEAD < n) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
         const i64 position = probe(log_keys, log_mask, keys[i]);
         const i64 record = position < 0 ? -1 : log_values[position];
         if (record >= committed) {
