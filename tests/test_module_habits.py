@@ -130,6 +130,49 @@ def test_a_compiled_model_trains_as_the_eager_one(tmp_path, compiler, backend):
     compiled.table.close()
 
 
+def test_tables_load_no_compiler_until_one_is_used_and_stay_opaque_to_it(tmp_path):
+    """``import tierstore`` and training do not load torch._dynamo (about 70 MiB of memory); a
+    model built before the user compiles it still keeps the table out of the graph (only the dense
+    layers' ops reach the compiler's backend) and trains as its eager twin does. In a fresh
+    interpreter: pytest's process may have loaded the compiler already."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        from torch import nn
+        from tierstore import TieredEmbeddingBag
+        class Model(nn.Module):
+            def __init__(self, path):
+                super().__init__()
+                self.table = TieredEmbeddingBag(50, 4, mode="sum", path=path, host_cache=24)
+                self.top = nn.Linear(4, 1)
+            def forward(self, ids, offsets):
+                return self.top(torch.relu(self.table(ids, offsets))).squeeze(1)
+        torch.manual_seed(0)
+        eager, compiled = Model({str(tmp_path / "eager")!r}), Model({str(tmp_path / "compiled")!r})
+        compiled.top.load_state_dict(eager.top.state_dict())
+        ids, offsets = torch.tensor([1, 2, 3, 4, 5, 1]), torch.tensor([0, 2, 5])
+        for model in (eager, compiled):
+            model(ids, offsets).sum().backward()
+        assert "torch._dynamo" not in sys.modules, "training loaded the compiler"
+        graphs = []
+        def backend(graph, inputs):
+            graphs.append(sorted(str(node.target) for node in graph.graph.nodes if node.op.startswith("call")))
+            return graph.forward
+        models = {{"eager": eager, "compiled": torch.compile(compiled, backend=backend)}}
+        for _ in range(3):
+            for model in models.values():
+                model(ids, offsets).sum().backward()
+        assert graphs and all(len(ops) == 3 for ops in graphs), graphs  # relu, linear, squeeze
+        everything = torch.arange(50)
+        assert torch.equal(compiled.table.store.get(everything), eager.table.store.get(everything))
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
 # -- pickling, torch.save, deepcopy ----------------------------------------------------------------
 
 

@@ -14,7 +14,9 @@ the model, and do not expect ``optimizer.step()`` to touch the embeddings.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +39,30 @@ from . import native_step, pooled_lookup
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
 _MISSING = ("init", "zero", "error")
-# The store lookup is opaque to torch.compile: the forward runs eagerly (a graph break), the dense
-# layers around it compile, and the update hook runs in backward as in eager mode.
-_OPAQUE_TO_COMPILER = torch.compiler.disable(
-    recursive=True, reason="a tiered table reads its rows from a store outside the graph"
-)
+
+
+def opaque_to_compiler(method):
+    """``method`` opaque to torch.compile: it runs eagerly (a graph break), the dense layers around
+    it compile, and the update hook runs in backward as in eager mode. ``torch.compiler.disable``
+    imports torch._dynamo (about 70 MiB of memory): it is applied once a compiler is loaded, so a
+    process that never compiles never loads it."""
+    reason = "a tiered table reads its rows from a store outside the graph"
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(method, recursive=True, reason=reason)
+    disabled = None
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:  # no compiler loaded: nothing is tracing this call
+                return method(*args, **kwargs)
+            disabled = torch.compiler.disable(method, recursive=True, reason=reason)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 _STATE_FORMAT = "tierstore-table/1"
 
 
@@ -470,7 +491,7 @@ class TieredEmbeddingBag(_TieredTable):
             return None
         return native_step.step_passes(self.store)
 
-    @_OPAQUE_TO_COMPILER
+    @opaque_to_compiler
     def forward(
         self,
         input: torch.Tensor,
@@ -587,7 +608,7 @@ class TieredEmbedding(_TieredTable):
             **settings,
         )
 
-    @_OPAQUE_TO_COMPILER
+    @opaque_to_compiler
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._refuse_tracing()
         input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
