@@ -164,16 +164,29 @@ def test_random_bytes_in_mmap_rows_are_a_format_error(tmp_path):
     assert "rows.bin is damaged: 1 stored row(s) fail their checksum" in outcome, outcome
 
 
-@pytest.mark.parametrize("damage", ["a key overwritten", "the row count lowered"])
-def test_damaged_mmap_keys_or_count_are_refused_at_open(tmp_path, damage):
+def test_a_lowered_mmap_row_count_is_refused_at_open(tmp_path):
     make_store(tmp_path / "s", "mmap")
-    if damage == "a key overwritten":
-        with open(tmp_path / "s" / "keys.bin", "r+b") as file:
-            file.seek(8 * 700)
-            file.write((999_999).to_bytes(8, "little"))
-    else:
-        state_file = tmp_path / "s" / "state.json"
-        state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "rows": 2000}))
+    state_file = tmp_path / "s" / "state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "rows": 2000}))
+    for read_only in (True, False):
+        with pytest.raises(StoreFormatError, match="keys.bin does not match"):
+            TieredStore(tmp_path / "s", read_only=read_only)
+
+
+def test_a_damaged_mmap_key_file_is_found_by_verify_and_refused_when_the_index_is_rebuilt(tmp_path):
+    """Opening trusts the key index (``index.bin``) without reading ``keys.bin``: a key overwritten
+    there misleads no lookup (every row reads right), ``structure_problems`` (``tierstore verify``)
+    finds it, and so does rebuilding the index from it."""
+    make_store(tmp_path / "s", "mmap")
+    with open(tmp_path / "s" / "keys.bin", "r+b") as file:
+        file.seek(8 * 700)
+        file.write((999_999).to_bytes(8, "little"))
+    assert read_in_subprocess(tmp_path / "s") == "correct"
+    with TieredStore(tmp_path / "s", read_only=True, host_cache=64) as store:
+        problems = store.structure_problems()
+    assert len(problems) == 2 and "keys.bin does not match" in problems[0], problems
+    assert "1 of its 3000 ids are not found at their row" in problems[1], problems
+    (tmp_path / "s" / "index.bin").unlink()
     for read_only in (True, False):
         with pytest.raises(StoreFormatError, match="keys.bin does not match"):
             TieredStore(tmp_path / "s", read_only=read_only)

@@ -333,7 +333,7 @@ extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned cha
 // out[i] and sets found[i]; returns how many copied rows fail their check (0 without checks), the
 // first of them in *first_bad.
 extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __restrict__ main_keys,
-                              const i64* __restrict__ main_values, i64 main_mask,
+                              const i64* __restrict__ main_values, i64 main_mask, i64 main_count,
                               const unsigned char* __restrict__ main_rows, const i64* __restrict__ log_keys,
                               const i64* __restrict__ log_values, i64 log_mask,
                               const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
@@ -356,7 +356,8 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
         }
         if (!source && main_mask >= 0) {
             const i64 position = probe(main_keys, main_mask, keys[i]);
-            if (position >= 0) source = main_rows + main_values[position] * stored_bytes;
+            if (position >= 0 && main_values[position] < main_count)  // past it: not committed
+                source = main_rows + main_values[position] * stored_bytes;
         }
         sources[i] = source;
         found[i] = source != nullptr;

@@ -39,7 +39,7 @@ _SIGNATURES = {
     "step_row_hashes": (None, [_POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
     "step_cold_rows": (
         _I64,
-        [_POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
+        [_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
         + [_I64, _I64, _I64, _POINTER, _POINTER, _POINTER],
     ),
     "step_cold_stage": (
@@ -285,16 +285,17 @@ class StepPasses:
     def cold_rows(
         self, keys: torch.Tensor, main: tuple, log: tuple | None, row_bytes: int, check_bytes: int
     ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """The mmap cold store's read of ``keys`` (int64 [N]): ``main`` and ``log`` are ``(index keys,
-        index values (int64 row numbers), stored rows uint8 [R, stored bytes])`` (``log`` None: no
-        log). Returns ``(row bytes uint8 [N, row_bytes], found bool [N], rows failing their check,
-        the first of them)``; rows of keys not found are unspecified."""
+        """The mmap cold store's read of ``keys`` (int64 [N]): ``main`` is ``(index keys, index values
+        (int64 row numbers), stored rows uint8 [R, stored bytes], committed row count)`` (rows at or
+        past the count are not read), ``log`` the same but for the count (None: no log). Returns
+        ``(row bytes uint8 [N, row_bytes], found bool [N], rows failing their check, the first of
+        them)``; rows of keys not found are unspecified."""
         keys = keys.contiguous()
         count = keys.numel()
         out = torch.empty(count, row_bytes, dtype=torch.uint8)
         found = torch.empty(count, dtype=torch.bool)
         first_bad = torch.empty(1, dtype=torch.int64)
-        main_keys, main_values, main_rows = main
+        main_keys, main_values, main_rows, main_count = main
         log_keys, log_values, log_rows = log if log is not None else (None, None, None)
         bad = self._functions["step_cold_rows"](
             keys.data_ptr(),
@@ -302,6 +303,7 @@ class StepPasses:
             main_keys.data_ptr(),
             main_values.data_ptr(),
             main_keys.numel() - 1,
+            main_count,
             main_rows.ctypes.data,
             pointer(log_keys),
             pointer(log_values),

@@ -44,6 +44,11 @@ class KernelHashTable(BatchedHashTable):
         device: torch.device | str = "cpu",
         value_dtype: torch.dtype = torch.int32,
     ) -> None:
+        self._setup(kernels, device, value_dtype)
+        self._allocate(positions_for(capacity))
+
+    def _setup(self, kernels, device: torch.device | str, value_dtype: torch.dtype) -> None:
+        """Everything but the arrays."""
         if value_dtype not in _KERNEL_PREFIX:
             raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
@@ -54,7 +59,6 @@ class KernelHashTable(BatchedHashTable):
             operation: f"{_KERNEL_PREFIX[value_dtype]}_{operation}"
             for operation in ("find", "insert", "erase")
         }
-        self._allocate(positions_for(capacity))
 
     def _allocate(self, size: int) -> None:
         self.keys = torch.full((size,), EMPTY, dtype=torch.int64, device=self.device)

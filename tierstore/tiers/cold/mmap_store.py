@@ -1,9 +1,12 @@
-"""Memory-mapped cold store: rows in a flat file, found through an in-memory hash index.
+"""Memory-mapped cold store: rows in a flat file, found through a hash index in a mapped file.
 
 Files in the store directory:
 
 - ``rows.bin``: stored row ``i`` (its bytes and check, ``codec.RowCodec``) at byte
   ``i * stored_bytes``; ``keys.bin``: int64 id of row ``i``.
+- ``index.bin``: id -> row number (``disk_index.DiskIndex``), memory-mapped: derived from
+  ``keys.bin``, kept in step with each commit, and rebuilt from it where it does not match the
+  committed state (a store written without it, a damaged one). Opening reads neither.
 - ``state.json``: ``{"rows": n, "row_bytes": b, "keys_crc32": c, "flushes": f}``, the committed
   row count (rows past it are ignored), the row size the files hold, the CRC32 of the committed
   ids, checked at open (a damaged key file, or a count edited by hand, is ``StoreFormatError``),
@@ -40,6 +43,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import mmap
 import os
 import zlib
 from collections.abc import Iterator
@@ -49,12 +53,14 @@ import numpy as np
 import torch
 
 from ...errors import StoreFormatError
+from ...kernels.cache_passes import cache_passes_of
 from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .base import ColdStore
 from .codec import rows_from_bytes
+from .disk_index import INDEX_FILE, DiskIndex
 
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
@@ -94,10 +100,23 @@ class ReadersLock:
 
 
 class GrowableArray:
-    """A file-backed ``np.memmap`` of ``[capacity, width]`` items that doubles when it must grow."""
+    """A file-backed ``np.memmap`` of ``[capacity, width]`` items that doubles when it must grow.
 
-    def __init__(self, path: Path, width: int, dtype: np.dtype, read_only: bool, create: bool = True) -> None:
+    ``random``: items are read in no order (rows found through an index), so the map asks the kernel
+    for no read-ahead (``MADV_RANDOM``): a missed row then costs one page from the disk, not the
+    cluster of its neighbours the default read-ahead fetches (and that page cache holds for nothing)."""
+
+    def __init__(
+        self,
+        path: Path,
+        width: int,
+        dtype: np.dtype,
+        read_only: bool,
+        create: bool = True,
+        random: bool = False,
+    ) -> None:
         self.path, self.width, self.dtype, self.read_only = path, width, np.dtype(dtype), read_only
+        self.random = random
         if not path.exists():
             if read_only or not create:
                 raise StoreFormatError(
@@ -122,6 +141,13 @@ class GrowableArray:
             if self.capacity
             else np.empty((0, self.width), dtype=self.dtype)
         )
+        if self.random:
+            self.advise(mmap.MADV_RANDOM)
+
+    def advise(self, advice: int) -> None:
+        """``madvise`` the whole map (``mmap.MADV_*``); nothing where the platform has no such call."""
+        if isinstance(self.array, np.memmap) and hasattr(self.array._mmap, "madvise"):
+            self.array._mmap.madvise(advice)
 
     def reserve(self, count: int) -> None:
         """Make room for items ``0..count``: the file's size doubles as needed (sparse, never
@@ -221,14 +247,21 @@ class MmapColdStore(ColdStore):
         create = self._create
         self._readers = ReadersLock(self.directory, reader=read_only)
         stored_bytes = self.codec.stored_bytes
-        self._rows = GrowableArray(self.directory / ROWS_FILE, stored_bytes, np.uint8, read_only, create)
+        self._rows = GrowableArray(
+            self.directory / ROWS_FILE, stored_bytes, np.uint8, read_only, create, random=True
+        )
         self._keys = GrowableArray(self.directory / KEYS_FILE, 1, np.int64, read_only, create)
-        self._wal_rows = GrowableArray(self.directory / WAL_ROWS_FILE, stored_bytes, np.uint8, read_only)
+        self._wal_rows = GrowableArray(
+            self.directory / WAL_ROWS_FILE, stored_bytes, np.uint8, read_only, random=True
+        )
         self._wal_keys = GrowableArray(self.directory / WAL_KEYS_FILE, 1, np.int64, read_only)
         self._count = self._read_state()
         self._appended = False  # rows written by bulk_load since the last flush
-        self._index = self._make_index(self._count)
-        self._load_index()
+        self._holding_readers_out = False  # readers wait while a bulk load changes the index in place
+        self._repair_pending = (
+            False  # index.bin holds keys of uncommitted rows (erased once no reader is open)
+        )
+        self._index = self._open_index()
         self._wal_index = self._make_index(1024)
         self._wal_count = self._wal_committed = 0
         self._log_crcs = (0, 0)  # CRC32s of the committed log's keys and rows
@@ -278,17 +311,91 @@ class MmapColdStore(ColdStore):
                 )
         return count
 
-    def _load_index(self) -> None:
-        keys = torch.from_numpy(np.array(self._keys.array[: self._count, 0]))
-        if self._keys_crc is not None and zlib.crc32(keys.numpy()) != self._keys_crc:
+    def _open_index(self) -> HashIndex | KernelHashTable:
+        """``index.bin`` where it matches the committed state (or only lacks the erasure of keys
+        of rows a killed process was adding); else rebuilt from ``keys.bin``. In RAM where the
+        kernels' tuned host build is missing, or for a reader whose ``index.bin`` does not match."""
+        kernels = self._index_kernels
+        if kernels is None or cache_passes_of(kernels) is None:
+            return self._index_from_keys(self._make_index(self._count))
+        path = self.directory / INDEX_FILE
+        try:
+            index = DiskIndex(path, kernels, self.read_only) if path.exists() else None
+        except (ValueError, OSError):
+            index = None  # damaged: rebuilt below
+        count, crc = self._count, self._keys_crc
+        if index is not None and index.header("pending") is not None and not self.read_only:
+            if index.completed(count, crc):
+                index.commit(count, crc)
+            elif index.matches_before_pending(count, crc):
+                self._repair_pending = True
+                self._repair_index(index)
+        if index is not None and (index.matches(count, crc) or index.matches_before_pending(count, crc)):
+            return index
+        if self.read_only:
+            return self._index_from_keys(self._make_index(count))
+        partial = path.with_name(INDEX_FILE + ".new")
+        self._index_from_keys(DiskIndex.create(partial, kernels, count, count, crc))
+        os.replace(partial, path)
+        fsync_directory(self.directory)
+        index = DiskIndex(path, kernels, read_only=False)
+        index.commit(count, crc)
+        return index
+
+    def _index_from_keys(self, index):
+        """``index`` with every committed id of ``keys.bin`` (whose CRC32 is checked) at its row."""
+        crc = 0
+        for start in range(0, self._count, APPLY_CHUNK_ROWS * 16):
+            stop = min(start + APPLY_CHUNK_ROWS * 16, self._count)
+            keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
+            crc = zlib.crc32(keys.numpy(), crc)
+            if bool((keys < 0).any()):
+                raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative ids")
+            try:
+                index.insert(keys, torch.arange(start, stop))
+            except ValueError:
+                raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: repeated ids") from None
+        if self._keys_crc is not None and crc != self._keys_crc:
             raise StoreFormatError(
                 f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
                 f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
                 f"from a backup"
             )
-        if keys.numel() and (bool((keys < 0).any()) or torch.unique(keys).numel() != keys.numel()):
-            raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative or repeated ids")
-        self._index.insert(keys, torch.arange(self._count))
+        return index
+
+    def _repair_index(self, index: DiskIndex) -> None:
+        """Erase from ``index.bin`` the keys of rows a killed process was adding, once no reader is
+        open (a reader ignores them meanwhile: they are past its committed count)."""
+        if not self._repair_pending or not self._readers.try_exclusive():
+            return
+        try:
+            pending = index.header("pending")
+            index.repair(torch.from_numpy(np.array(self._keys.array[self._count : pending, 0])))
+            self._repair_pending = False
+        finally:
+            if not self._holding_readers_out:
+                self._readers.release()
+
+    def _hold_readers_out(self) -> bool:
+        """Take the readers' lock until the next flush (a bulk load inserts into ``index.bin`` in
+        place); False where a reader is open."""
+        if self._holding_readers_out or not isinstance(self._index, DiskIndex):
+            return True
+        if not self._readers.try_exclusive():
+            return False
+        self._holding_readers_out = True
+        self._repair_index(self._index)
+        return True
+
+    def _let_readers_in(self) -> None:
+        if self._holding_readers_out:
+            self._holding_readers_out = False
+            self._readers.release()
+
+    def _rows_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row of each key (int64), -1 where it is in no committed (or, for the writer, bulk-loaded) row."""
+        found = self._index.find(keys)
+        return torch.where(found < self._count, found, -1)
 
     def _recover(self) -> None:
         commit_path = self.directory / WAL_COMMIT_FILE
@@ -330,7 +437,7 @@ class MmapColdStore(ColdStore):
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         passes = host_passes() if isinstance(self._index, KernelHashTable) else None
         if passes is not None:  # one native pass: both indexes, the copies and the checks
-            main = (self._index.keys, self._index.values, self._rows.array)
+            main = (self._index.keys, self._index.values, self._rows.array, self._count)
             log = None
             if self._wal_count:
                 log = (self._wal_index.keys, self._wal_index.values, self._wal_rows.array)
@@ -340,7 +447,7 @@ class MmapColdStore(ColdStore):
                 raise codec.damaged(self.directory / ROWS_FILE, bad, int(keys[first]))
             return raw.view(self.dtype), found
         stored = torch.empty(keys.numel(), self.codec.stored_bytes, dtype=torch.uint8)
-        position = self._index.find(keys)
+        position = self._rows_of(keys)
         found = position >= 0
         if self._count:  # one gather for all keys; absent keys read row 0, then left out
             torch.index_select(self._main_rows(), 0, position.clamp(min=0), out=stored)
@@ -359,12 +466,19 @@ class MmapColdStore(ColdStore):
         return rows, found
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
-        found = self._index.find(keys) >= 0  # the indexes alone: no row is read
+        found = self._rows_of(keys) >= 0  # the indexes alone: no row is read
         if self._wal_count:
             found |= self._wal_index.find(keys) >= 0
         return found
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._rows.advise(mmap.MADV_SEQUENTIAL)  # a scan in file order: read ahead while it lasts
+        try:
+            yield from self._iter_rows(batch_size)
+        finally:
+            self._rows.advise(mmap.MADV_RANDOM)
+
+    def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, self._count, batch_size):
             stop = min(start + batch_size, self._count)
             keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
@@ -383,7 +497,7 @@ class MmapColdStore(ColdStore):
     def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys in the log but not in ``rows.bin``, and their last record numbers."""
         keys, records = self._log_latest()
-        new = self._index.find(keys) < 0
+        new = self._rows_of(keys) < 0
         return keys[new], records[new]
 
     def _log_latest(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,7 +540,9 @@ class MmapColdStore(ColdStore):
         self._wal_count += count
 
     def can_bulk_load(self) -> bool:
-        return not self.read_only and not self._wal_count
+        """Not read-only, an empty log, and (``index.bin`` being changed in place) no reader open:
+        readers then wait until the flush that commits the load."""
+        return not self.read_only and not self._wal_count and self._hold_readers_out()
 
     def bulk_load(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows of ``keys`` (distinct) the store does not hold straight into ``rows.bin`` and
@@ -436,7 +552,7 @@ class MmapColdStore(ColdStore):
         self._check_writable()
         if self._wal_count:
             raise RuntimeError("bulk_load needs an empty write-ahead log; flush first")
-        if keys.numel() and bool((self._index.find(keys) >= 0).any()):
+        if keys.numel() and bool((self._rows_of(keys) >= 0).any()):
             raise ValueError("bulk_load: some keys are in the store already; use put to overwrite rows")
         start, count = self._count, keys.numel()
         self._rows.reserve(start + count)
@@ -444,6 +560,10 @@ class MmapColdStore(ColdStore):
         self._rows.write(start, self.codec.encode(keys.numpy(), rows))
         self._keys.write(start, keys.numpy()[:, None])
         self._keys_crc = self._extend_keys_crc(keys.numpy())
+        if not self._hold_readers_out():
+            raise RuntimeError("bulk_load needs no reader open (can_bulk_load says so); use put")
+        if isinstance(self._index, DiskIndex):
+            self._index.begin(start + count, self._keys_crc)
         self._index.insert(keys, torch.arange(start, start + count))
         self._count += count
         self._appended = True
@@ -460,8 +580,11 @@ class MmapColdStore(ColdStore):
         if appended:
             self._rows.sync()
             self._keys.sync()
+            self._sync_index()
             self._write_state(self._count, flushes)
+            self._commit_index()
             self._appended = False
+            self._let_readers_in()
         if self._wal_count > self._wal_committed:
             self._wal_keys.sync()
             self._wal_rows.sync()
@@ -488,14 +611,17 @@ class MmapColdStore(ColdStore):
             self.deferred_applies += 1
             return
         try:
+            if self._repair_pending:
+                self._repair_index(self._index)
             self._apply_wal()
         finally:
-            self._readers.release()
+            if not self._holding_readers_out:
+                self._readers.release()
 
     def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new)."""
         keys, records = self._log_latest()
-        return keys, records, self._index.find(keys)
+        return keys, records, self._rows_of(keys)
 
     def _reserve_for_log(self) -> None:
         """Allocate the room in ``rows.bin``/``keys.bin`` that applying the log will take."""
@@ -517,10 +643,23 @@ class MmapColdStore(ColdStore):
         self._rows.sync()
         self._keys.sync()
         self._keys_crc = self._extend_keys_crc(keys[new].numpy())
+        if isinstance(self._index, DiskIndex):
+            self._index.begin(self._count + new_count, self._keys_crc)
         self._index.insert(keys[new], position[new])
         self._count += new_count
+        self._sync_index()
         self._write_state(self._count)
+        self._commit_index()
         self._reset_wal()
+
+    def _sync_index(self) -> None:
+        if isinstance(self._index, DiskIndex):
+            self._index.sync()
+
+    def _commit_index(self) -> None:
+        """``index.bin`` matches the state just committed."""
+        if isinstance(self._index, DiskIndex):
+            self._index.commit(self._count, self._keys_crc)
 
     def _reset_wal(self) -> None:
         commit_path = self.directory / WAL_COMMIT_FILE
@@ -551,17 +690,44 @@ class MmapColdStore(ColdStore):
             state["keys_crc32"] = self._keys_crc
         write_json_atomic(self.directory / STATE_FILE, state)
 
+    def structure_problems(self) -> list[str]:
+        """``keys.bin`` against the CRC32 ``state.json`` records, and every committed id found at its
+        row through the index (``index.bin``, which opening trusts without reading it)."""
+        crc, misplaced = 0, 0
+        for start in range(0, self._count, APPLY_CHUNK_ROWS * 16):
+            stop = min(start + APPLY_CHUNK_ROWS * 16, self._count)
+            keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
+            crc = zlib.crc32(keys.numpy(), crc)
+            misplaced += int((self._rows_of(keys) != torch.arange(start, stop)).sum())
+        problems = []
+        if self._keys_crc is not None and crc != self._keys_crc:
+            problems.append(
+                f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
+                f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
+                f"from a backup"
+            )
+        extra = len(self._index) - self._count if self._repair_pending is False else 0
+        if misplaced or extra > 0:
+            problems.append(
+                f"the key index ({self.directory / INDEX_FILE}) does not match {KEYS_FILE}: {misplaced} "
+                f"of its {self._count} ids are not found at their row and {max(extra, 0)} are extra; "
+                f"delete {INDEX_FILE} (the next writable open rebuilds it from {KEYS_FILE})"
+            )
+        return problems
+
     def last_flush_time(self) -> float | None:
         state = self.directory / STATE_FILE
         return state.stat().st_mtime if state.exists() else None
 
     def report(self) -> dict:
-        """The base counters; ``index_bytes``: the memory of the key indexes (of ``rows.bin`` and of
-        the log), which this backend keeps in RAM (it grows with the table); ``deferred_applies``:
-        flushes whose log stayed unapplied because a reader was open."""
+        """The base counters; ``index_bytes``: the RAM of the key indexes (the log's, and the rows'
+        where it is not ``index.bin``); ``index_file_bytes``: the size of ``index.bin`` (page cache
+        when read, which the kernel reclaims); ``deferred_applies``: flushes whose log stayed
+        unapplied because a reader was open."""
         return {
             **super().report(),
             "index_bytes": self._index.nbytes + self._wal_index.nbytes,
+            "index_file_bytes": self._index.file_bytes if isinstance(self._index, DiskIndex) else 0,
             "deferred_applies": self.deferred_applies,
         }
 
@@ -572,6 +738,8 @@ class MmapColdStore(ColdStore):
     def _close_files(self) -> None:
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
             array.array = None
+        self._index = None
+        self._holding_readers_out = False
         self._readers.close()
 
     def close(self) -> None:

@@ -1,0 +1,168 @@
+"""The mmap cold store's key index lives in ``index.bin``, memory-mapped: opening reads neither it
+nor ``keys.bin``, its memory is page cache rather than anonymous memory (checked under a cgroup
+memory limit), and a process killed while adding rows leaves an index that is repaired (the
+store holding its last completed flush, every row where it was)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import TieredStore
+from tierstore.tiers.cold import mmap_store
+from tierstore.tiers.cold.disk_index import INDEX_FILE
+
+DIM = 4
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def rows_of(ids):
+    return ids.to(torch.float32)[:, None] * torch.arange(1, DIM + 1, dtype=torch.float32)
+
+
+def make_store(path, count, backend="mmap"):
+    ids = torch.arange(count) * 7 + 3
+    with TieredStore(path, dim=DIM, backend=backend, host_cache=1024) as store:
+        store.load(ids, rows_of(ids))
+    return ids
+
+
+def test_reopening_uses_the_index_file_without_reading_the_key_file(tmp_path, monkeypatch):
+    ids = make_store(tmp_path / "s", 5000)
+    assert (tmp_path / "s" / INDEX_FILE).exists()
+
+    def refuse(self, index):
+        raise AssertionError("opening read keys.bin to build an index")
+
+    monkeypatch.setattr(mmap_store.MmapColdStore, "_index_from_keys", refuse)
+    for read_only in (True, False):
+        with TieredStore(tmp_path / "s", read_only=read_only, host_cache=1024) as store:
+            assert torch.equal(store.get(ids), rows_of(ids))
+            assert len(store) == 5000 and store.structure_problems() == []
+            cold = store.stats()["cold"]
+            assert cold["index_bytes"] < 1 << 16 and cold["index_file_bytes"] >= 16 * 5000
+
+
+def test_a_missing_or_damaged_index_file_is_rebuilt_from_the_key_file(tmp_path):
+    ids = make_store(tmp_path / "s", 3000)
+    index = tmp_path / "s" / INDEX_FILE
+    for damage in ("missing", "truncated", "garbage header"):
+        if damage == "missing":
+            index.unlink()
+        elif damage == "truncated":
+            os.truncate(index, 4096 + 100)
+        else:
+            with open(index, "r+b") as file:
+                file.write(os.urandom(64))
+        with TieredStore(tmp_path / "s", read_only=True, host_cache=1024) as store:  # in RAM for a reader
+            assert torch.equal(store.get(ids), rows_of(ids))
+        with TieredStore(tmp_path / "s", host_cache=1024) as store:  # the writer rebuilds the file
+            assert torch.equal(store.get(ids), rows_of(ids)) and store.structure_problems() == []
+        assert index.exists()
+
+
+KILLED_WHILE_ADDING = """
+import os, sys, torch
+from tierstore import TieredStore
+from tierstore.tiers.cold import mmap_store
+path, how = sys.argv[1], sys.argv[2]
+ids = torch.arange(3000, 3600) * 7 + 3
+rows = ids.to(torch.float32)[:, None] * torch.arange(1, 5, dtype=torch.float32)
+store = TieredStore(path, host_cache=1024)
+written = mmap_store.MmapColdStore._write_state
+def die_when_rows_are_added(self, count, flushes=None):
+    if count > 3000:  # the index has their keys already: killed before the count is committed
+        os._exit(9)
+    written(self, count, flushes)
+mmap_store.MmapColdStore._write_state = die_when_rows_are_added
+if how == "bulk":  # bulk load: the rows were never flushed
+    store.stack.cold.bulk_load(ids, rows)
+    store.stack.cold.flush()
+else:  # through the log: its flush commits (the log), then applying it dies
+    store.put(ids, rows)
+    store.flush()
+"""
+
+
+@pytest.mark.parametrize("how", ["bulk", "log"])
+def test_a_process_killed_while_adding_rows_leaves_an_index_that_is_repaired(tmp_path, how):
+    ids = make_store(tmp_path / "s", 3000)
+    run = subprocess.run([sys.executable, "-c", KILLED_WHILE_ADDING, str(tmp_path / "s"), how], timeout=300)
+    assert run.returncode == 9
+    added = torch.arange(3000, 3600) * 7 + 3
+    with TieredStore(tmp_path / "s", read_only=True, host_cache=1024) as reader:  # before any repair
+        assert len(reader) == (3000 if how == "bulk" else 3600)
+        assert torch.equal(reader.get(ids), rows_of(ids))
+    with TieredStore(tmp_path / "s", host_cache=1024) as store:
+        assert store.structure_problems() == []
+        assert torch.equal(store.get(ids), rows_of(ids))
+        if how == "bulk":  # the last flush did not hold them: they are new rows, and may be loaded again
+            assert len(store) == 3000 and not bool(store.contains(added).any())
+            store.load(added, rows_of(added))
+        assert torch.equal(store.get(added), rows_of(added)) and len(store) == 3600
+    with TieredStore(tmp_path / "s", read_only=True, host_cache=1024) as store:
+        assert store.structure_problems() == [] and len(store) == 3600
+
+
+OPEN_UNDER_A_LIMIT = """
+import sys, torch
+from tierstore import TieredStore
+with TieredStore(sys.argv[1], read_only=True, host_cache=1024) as store:
+    ids = torch.arange(0, int(sys.argv[2]), 9973) * 7 + 3
+    assert torch.equal(store.get(ids)[:, 0], ids.to(torch.float32))
+print("ok")
+"""
+
+
+def cgroup_problem():
+    if not (CGROUP / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {CGROUP}"
+    if not os.access(CGROUP, os.W_OK):
+        return f"{CGROUP} is not writable (not root)"
+    return None
+
+
+@pytest.mark.skipif(cgroup_problem() is not None, reason=str(cgroup_problem()))
+def test_a_store_whose_index_is_larger_than_the_memory_limit_opens_and_reads_under_it(tmp_path):
+    """4M ids: an index in RAM would take about 180 MiB of anonymous memory; the process runs in a
+    cgroup whose limit (page cache included) leaves it well under that beside torch's own memory."""
+    count = 4_000_000
+    ids = torch.arange(count) * 7 + 3
+    with TieredStore(tmp_path / "s", dim=DIM, host_cache=1024) as store:
+        for part in ids.split(1 << 20):
+            store.load(part, rows_of(part))
+    baseline = _peak_in_cgroup(tmp_path, "import torch, tierstore", 1 << 40)
+    limit = baseline + (64 << 20)
+    script = textwrap.dedent(OPEN_UNDER_A_LIMIT)
+    peak = _peak_in_cgroup(tmp_path, script, limit, str(tmp_path / "s"), str(count))
+    assert peak <= limit
+
+
+def _peak_in_cgroup(tmp_path, script, limit, *arguments) -> int:
+    """Peak memory (page cache included) of ``python -c script`` run in a new cgroup of ``limit``
+    bytes; fails if it does not finish."""
+    group = CGROUP / f"tierstore-test-{os.getpid()}-{len(list(tmp_path.iterdir()))}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if (group / "memory.memsw.limit_in_bytes").exists():
+            (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
+
+        def enter():
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        run = subprocess.run(
+            [sys.executable, "-c", script, *arguments],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        return int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        group.rmdir()
