@@ -175,8 +175,9 @@ class CacheTier(Protocol):
     def clear(self) -> None:
         """Drop every cached row, counting nothing (a read-only store's rows, all clean)."""
 
-    def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
-        """Slots and Rows of every dirty row."""
+    def dirty_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, Rows]]:
+        """Slots and Rows of every dirty row, ``batch_size`` rows at a time (a flush's memory stays
+        bounded whatever the tier's size)."""
 
     def mark_clean(self, slots: torch.Tensor) -> None:
         """The rows at ``slots`` reached the cold store: neither dirty nor fresh now."""

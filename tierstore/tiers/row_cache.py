@@ -252,9 +252,9 @@ class RowCache:
 
     # -- flush and enumeration -----------------------------------------------------------------
 
-    def dirty_rows(self) -> tuple[torch.Tensor, Rows]:
-        slots = self.dirty.nonzero().squeeze(1)
-        return slots, self._rows_at(slots)
+    def dirty_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, Rows]]:
+        for slots in self.dirty.nonzero().squeeze(1).split(batch_size):
+            yield slots, self._rows_at(slots)
 
     def mark_clean(self, slots: torch.Tensor) -> None:
         self.dirty[slots] = False

@@ -20,6 +20,8 @@ from ..metadata import StoreMetadata
 from .cold import ColdStore
 from .contract import CacheTier, Rows
 
+FLUSH_BATCH_ROWS = 1 << 14  # dirty rows copied out and staged at once by a flush
+
 
 class TierStack:
     """``caches`` (top first, at least one) over ``cold``, for rows laid out as ``metadata`` says."""
@@ -203,12 +205,15 @@ class TierStack:
             self.cold.put(rows.keys.cpu(), rows.rows.cpu())
 
     def flush(self) -> None:
-        """Stage every dirty cached row in the cold store and commit it atomically."""
-        dirty = [cache.dirty_rows() for cache in self.caches]
-        for _, rows in dirty:
-            self._stage_in_cold(rows)
+        """Stage every dirty cached row in the cold store (``FLUSH_BATCH_ROWS`` at a time) and commit
+        it atomically; only then are the rows clean."""
+        staged = []
+        for cache in self.caches:
+            for slots, rows in cache.dirty_rows(FLUSH_BATCH_ROWS):
+                self._stage_in_cold(rows)
+                staged.append((cache, slots))
         self.cold.flush()
-        for cache, (slots, _) in zip(self.caches, dirty):
+        for cache, slots in staged:
             cache.mark_clean(slots)
 
     def refresh(self) -> None:
