@@ -166,3 +166,40 @@ def _peak_in_cgroup(tmp_path, script, limit, *arguments) -> int:
         return int((group / "memory.max_usage_in_bytes").read_text())
     finally:
         group.rmdir()
+
+
+def test_a_read_that_asks_for_its_pages_first_reads_the_same_rows(tmp_path):
+    ids = make_store(tmp_path / "s", 20_000)
+    with TieredStore(tmp_path / "s", read_only=True, host_cache=1024) as store:
+        cold = store.stack.cold
+        wanted = torch.cat([ids[::7], torch.tensor([5, 10**9])])  # two absent ids
+        cold._reads.advising = True
+        advised = cold.get(wanted, torch.zeros_like(wanted))
+        cold._reads.advising = False
+        plain = cold.get(wanted, torch.zeros_like(wanted))
+    assert torch.equal(advised[1], plain[1]) and int(plain[1].sum()) == ids[::7].numel()
+    assert torch.equal(advised[0][plain[1]], plain[0][plain[1]])
+    assert torch.equal(plain[0][plain[1]], rows_of(ids[::7]))
+
+
+def test_reads_ask_for_their_pages_while_plain_reads_fault_and_recheck_now_and_then(monkeypatch):
+    faults = iter([0, 500, 500, 500, 500, 510])  # majflt before and after each plain read
+
+    class Usage:
+        def __init__(self, value):
+            self.ru_majflt = value
+
+    advice = mmap_store.ReadAdvice()
+    monkeypatch.setattr(mmap_store.resource, "getrusage", lambda who: Usage(next(faults)))
+    assert not advice.advise(1000)
+    advice.done(1000, False)  # 500 faults for 1,000 rows: the rows are on disk
+    assert advice.advising
+    for _ in range(advice.RECHECK_EVERY - 1):
+        assert advice.advise(1000)
+        advice.done(1000, True)
+    assert not advice.advise(1000)  # a plain read now and then, to see whether they still are
+    advice.done(1000, False)  # 0 more faults (500 -> 500): in memory now
+    assert not advice.advising
+    assert not advice.advise(1000)
+    advice.done(1000, False)  # 500 -> 510: 10 faults for 1,000 rows, under one in 16
+    assert not advice.advising

@@ -8,6 +8,9 @@
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
 // It also holds the host cache tier's own calls (host_cache.cpp).
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <vector>
 
@@ -326,20 +329,40 @@ extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned cha
     for (i64 i = 0; i < n; ++i) hashes[i] = checks.of(raw + i * stride, keys[i]);
 }
 
+// Ask the kernel to start reading the pages of [address, address + bytes) of a mapped file.
+static inline void will_need(const void* address, i64 bytes) {
+    static const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t start = (uintptr_t)address & ~(page - 1);
+    const uintptr_t end = (uintptr_t)address + (uintptr_t)bytes;
+    madvise((void*)start, end - start, MADV_WILLNEED);
+}
+
 // The mmap cold store's batched read (tierstore/tiers/cold/mmap_store.py): each keys[i]'s stored
 // row from the log's rows (its index: log_keys/log_values/log_mask; log_mask < 0: no log) if the log
 // holds it, else from the main rows (main_keys/main_values/main_mask), each stored row being
 // stored_bytes apart: the row's row_bytes, then check_bytes of its check. Copies the row's bytes to
 // out[i] and sets found[i]; returns how many copied rows fail their check (0 without checks), the
-// first of them in *first_bad.
+// first of them in *first_bad. Main rows at or past main_count are not committed: not read.
+// advise: the main index and rows are mapped files whose pages are likely on disk, so each pass
+// first asks the kernel for the pages it is about to read (MADV_WILLNEED starts their reads and
+// returns): the disk serves the batch's reads many at a time instead of one page fault after
+// another. A system call a page: only worth it when the pages are not in memory.
 extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __restrict__ main_keys,
-                              const i64* __restrict__ main_values, i64 main_mask, i64 main_count,
+                              const i64* __restrict__ main_values, i64 main_mask, i64 main_count, int advise,
                               const unsigned char* __restrict__ main_rows, const i64* __restrict__ log_keys,
                               const i64* __restrict__ log_values, i64 log_mask,
                               const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
                               i64 check_bytes, unsigned char* __restrict__ out,
                               unsigned char* __restrict__ found, i64* __restrict__ first_bad) {
     const RowChecks checks(row_bytes);
+    if (advise && main_mask >= 0) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+        for (i64 i = 0; i < n; ++i) {
+            const u64 home = mix((u64)keys[i]) & (u64)main_mask;
+            will_need(&main_keys[home], sizeof(i64));
+            will_need(&main_values[home], sizeof(i64));
+        }
+    }
     // Two passes, each asking for the memory of item i + AHEAD while it works on item i: the
     // indexes' positions (random in tables far larger than the caches), then the rows themselves.
     std::vector<const unsigned char*> sources(n);
@@ -361,6 +384,11 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
         }
         sources[i] = source;
         found[i] = source != nullptr;
+    }
+    if (advise) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+        for (i64 i = 0; i < n; ++i)
+            if (sources[i]) will_need(sources[i], stored_bytes);
     }
     i64 bad = 0, first = n;
 #pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)

@@ -39,7 +39,7 @@ _SIGNATURES = {
     "step_row_hashes": (None, [_POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
     "step_cold_rows": (
         _I64,
-        [_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
+        [_POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _INT, _POINTER, _POINTER, _POINTER, _I64, _POINTER]
         + [_I64, _I64, _I64, _POINTER, _POINTER, _POINTER],
     ),
     "step_cold_stage": (
@@ -283,13 +283,20 @@ class StepPasses:
         return hashes
 
     def cold_rows(
-        self, keys: torch.Tensor, main: tuple, log: tuple | None, row_bytes: int, check_bytes: int
+        self,
+        keys: torch.Tensor,
+        main: tuple,
+        log: tuple | None,
+        row_bytes: int,
+        check_bytes: int,
+        advise: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The mmap cold store's read of ``keys`` (int64 [N]): ``main`` is ``(index keys, index values
         (int64 row numbers), stored rows uint8 [R, stored bytes], committed row count)`` (rows at or
         past the count are not read), ``log`` the same but for the count (None: no log). Returns
         ``(row bytes uint8 [N, row_bytes], found bool [N], rows failing their check, the first of
-        them)``; rows of keys not found are unspecified."""
+        them)``; rows of keys not found are unspecified. ``advise``: the main index's and rows' pages
+        are asked for first, all at once (``MADV_WILLNEED``: for files mostly on disk)."""
         keys = keys.contiguous()
         count = keys.numel()
         out = torch.empty(count, row_bytes, dtype=torch.uint8)
@@ -304,6 +311,7 @@ class StepPasses:
             main_values.data_ptr(),
             main_keys.numel() - 1,
             main_count,
+            advise,
             main_rows.ctypes.data,
             pointer(log_keys),
             pointer(log_values),
