@@ -225,27 +225,33 @@ class GrowableArray:
 class ReadAdvice:
     """Whether a batched read should ask for its pages first (``MADV_WILLNEED``: many disk reads at
     once rather than one page fault after another), judged from the major page faults of the
-    reads: asked for while plain reads fault on one row in ``FAULTS_PER_ROW`` or more; an advised
-    read (whose pages then fault only minor) is followed by a plain one every ``RECHECK_EVERY``."""
+    reads: asked for while plain reads fault on one row in ``FAULTS_PER_ROW`` or more (the faults of
+    one plain read in ``MEASURE_EVERY`` are counted); an advised read (whose pages then fault only
+    minor) is followed by a plain one every ``RECHECK_EVERY``."""
 
     FAULTS_PER_ROW = 1 / 16
     RECHECK_EVERY = 32
+    MEASURE_EVERY = 8  # plain reads: the faults of one in this many are counted (two system calls)
 
     def __init__(self) -> None:
         self.advising = False
         self._advised = 0
-        self._faults_before = 0
+        self._plain = 0
+        self._faults_before = None  # the count before a measured read
 
     def advise(self, rows: int) -> bool:
         """Whether the read of ``rows`` rows about to run should ask for its pages first."""
         advise = self.advising and self._advised % self.RECHECK_EVERY != self.RECHECK_EVERY - 1
-        if not advise:
-            self._faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        measured = not advise and (self.advising or self._plain % self.MEASURE_EVERY == 0)
+        self._faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt if measured else None
         return advise
 
     def done(self, rows: int, advised: bool) -> None:
         if advised:
             self._advised += 1
+            return
+        self._plain += 1
+        if self._faults_before is None:
             return
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - self._faults_before
         self.advising = rows > 0 and faults >= rows * self.FAULTS_PER_ROW
