@@ -169,9 +169,6 @@ class DiskIndex(KernelHashTable):
         fsync_directory(self.path.parent)
         self._map()
 
-    def _rebuild(self, size: int) -> None:
-        self._rehash(size)
-
     def sync(self) -> None:
         self._set("live", self.live)
         self._whole.flush()

@@ -9,8 +9,9 @@ Files in the store directory:
   committed state (a store written without it, a damaged one). Opening reads neither.
 - ``state.json``: ``{"rows": n, "row_bytes": b, "keys_crc32": c, "flushes": f}``, the committed
   row count (rows past it are ignored), the row size the files hold, the CRC32 of the committed
-  ids, checked at open (a damaged key file, or a count edited by hand, is ``StoreFormatError``),
-  and the flushes completed. Each row read is checked against its id.
+  ids (``index.bin`` records the count and CRC32 it matches, so a count edited by hand is refused
+  at open; ``keys.bin`` is checked against its CRC32 whenever the index is rebuilt from it, and
+  by ``structure_problems``), and the flushes completed. Each row read is checked against its id.
 - ``wal.keys.bin`` / ``wal.rows.bin``: an append-only write-ahead log of rows written since
   ``rows.bin`` was last brought up to date (a key's last record wins; records past the count are
   stale).
@@ -295,9 +296,8 @@ class MmapColdStore(ColdStore):
         self._count = self._read_state()
         self._appended = False  # rows written by bulk_load since the last flush
         self._holding_readers_out = False  # readers wait while a bulk load changes the index in place
-        self._repair_pending = (
-            False  # index.bin holds keys of uncommitted rows (erased once no reader is open)
-        )
+        # index.bin holds keys of uncommitted rows, erased once no reader is open:
+        self._repair_pending = False
         self._index = self._open_index()
         self._reads = ReadAdvice()
         self._wal_index = self._make_index(1024)
@@ -383,23 +383,37 @@ class MmapColdStore(ColdStore):
     def _index_from_keys(self, index):
         """``index`` with every committed id of ``keys.bin`` (whose CRC32 is checked) at its row."""
         crc = 0
-        for start in range(0, self._count, APPLY_CHUNK_ROWS * 16):
-            stop = min(start + APPLY_CHUNK_ROWS * 16, self._count)
-            keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
+        for start, keys in self._committed_keys():
             crc = zlib.crc32(keys.numpy(), crc)
             if bool((keys < 0).any()):
                 raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative ids")
             try:
-                index.insert(keys, torch.arange(start, stop))
+                index.insert(keys, torch.arange(start, start + keys.numel()))
             except ValueError:
                 raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: repeated ids") from None
-        if self._keys_crc is not None and crc != self._keys_crc:
-            raise StoreFormatError(
-                f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
-                f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
-                f"from a backup"
-            )
+        problem = self._keys_crc_problem(crc)
+        if problem is not None:
+            raise StoreFormatError(problem)
         return index
+
+    def _committed_keys(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first row, its ids int64 [n])`` over ``keys.bin``'s committed ids, a chunk at a time."""
+        chunk = APPLY_CHUNK_ROWS * 16
+        for start in range(0, self._count, chunk):
+            yield (
+                start,
+                torch.from_numpy(np.array(self._keys.array[start : min(start + chunk, self._count), 0])),
+            )
+
+    def _keys_crc_problem(self, crc: int) -> str | None:
+        """What is wrong if ``crc``, the CRC32 of ``keys.bin``'s committed ids, is not the recorded one."""
+        if self._keys_crc is None or crc == self._keys_crc:
+            return None
+        return (
+            f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
+            f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
+            f"from a backup"
+        )
 
     def _repair_index(self, index: DiskIndex) -> None:
         """Erase from ``index.bin`` the keys of rows a killed process was adding, once no reader is
@@ -596,14 +610,14 @@ class MmapColdStore(ColdStore):
             raise RuntimeError("bulk_load needs an empty write-ahead log; flush first")
         if keys.numel() and bool((self._rows_of(keys) >= 0).any()):
             raise ValueError("bulk_load: some keys are in the store already; use put to overwrite rows")
+        if not self._hold_readers_out():
+            raise RuntimeError("bulk_load needs no reader open (can_bulk_load says so); use put")
         start, count = self._count, keys.numel()
         self._rows.reserve(start + count)
         self._keys.reserve(start + count)
         self._rows.write(start, self.codec.encode(keys.numpy(), rows))
         self._keys.write(start, keys.numpy()[:, None])
         self._keys_crc = self._extend_keys_crc(keys.numpy())
-        if not self._hold_readers_out():
-            raise RuntimeError("bulk_load needs no reader open (can_bulk_load says so); use put")
         if isinstance(self._index, DiskIndex):
             self._index.begin(start + count, self._keys_crc)
         self._index.insert(keys, torch.arange(start, start + count))
@@ -722,7 +736,7 @@ class MmapColdStore(ColdStore):
 
     def _write_state(self, count: int, flushes: int | None = None) -> None:
         """The committed row count, the row size the files were written with, the CRC32 of the
-        committed ids (both checked at open) and the flush count (default ``self.flushes``)."""
+        committed ids and the flush count (default ``self.flushes``)."""
         state = {
             "rows": count,
             "row_bytes": self.row_bytes,
@@ -736,23 +750,15 @@ class MmapColdStore(ColdStore):
         """``keys.bin`` against the CRC32 ``state.json`` records, and every committed id found at its
         row through the index (``index.bin``, which opening trusts without reading it)."""
         crc, misplaced = 0, 0
-        for start in range(0, self._count, APPLY_CHUNK_ROWS * 16):
-            stop = min(start + APPLY_CHUNK_ROWS * 16, self._count)
-            keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
+        for start, keys in self._committed_keys():
             crc = zlib.crc32(keys.numpy(), crc)
-            misplaced += int((self._rows_of(keys) != torch.arange(start, stop)).sum())
-        problems = []
-        if self._keys_crc is not None and crc != self._keys_crc:
-            problems.append(
-                f"{self.directory / KEYS_FILE} does not match {self.directory / STATE_FILE} (CRC32 of its "
-                f"{self._count} committed ids): one of them is damaged or was edited; restore the store "
-                f"from a backup"
-            )
-        extra = len(self._index) - self._count if self._repair_pending is False else 0
-        if misplaced or extra > 0:
+            misplaced += int((self._rows_of(keys) != torch.arange(start, start + keys.numel())).sum())
+        problems = [problem for problem in [self._keys_crc_problem(crc)] if problem is not None]
+        extra = 0 if self._repair_pending else max(len(self._index) - self._count, 0)
+        if misplaced or extra:
             problems.append(
                 f"the key index ({self.directory / INDEX_FILE}) does not match {KEYS_FILE}: {misplaced} "
-                f"of its {self._count} ids are not found at their row and {max(extra, 0)} are extra; "
+                f"of its {self._count} ids are not found at their row and {extra} are extra; "
                 f"delete {INDEX_FILE} (the next writable open rebuilds it from {KEYS_FILE})"
             )
         return problems
