@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 import torch
 from host_kernels import parallel_host_kernels, shared_host_kernels
@@ -41,3 +43,17 @@ def host(request):
     """Both host builds of the kernels: one thread running the GPU's loops, and the host
     tier's OpenMP kernels."""
     return shared_host_kernels() if request.param == "one-thread-gpu-loops" else parallel_host_kernels()
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 2 MiB tmpfs (needs the right to mount; skipped, saying so, without it)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs here: {result.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)

@@ -124,20 +124,6 @@ def test_lmdb_parallel_read_returns_the_rows_in_the_callers_order(tmp_path):
     serial.close()
 
 
-@pytest.fixture
-def tiny_filesystem(tmp_path):
-    """A 2 MiB tmpfs (needs the right to mount; skipped, saying so, without it)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tiny tmpfs here: {result.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
-
-
 def test_full_disk_fails_a_put_with_oserror_and_the_store_keeps_its_last_flush(tiny_filesystem):
     """Staged rows are written with pwrite, so a full disk is an ENOSPC error, not a SIGBUS."""
     store = open_cold_store(

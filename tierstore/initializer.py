@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .kernels.step_passes import host_passes
+from .kernels.step_passes import InitialRows, host_passes
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -39,6 +39,11 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 def _seed_hash(seed: int) -> int:
     """``splitmix64(seed)`` as a uint64 (the stream every id's values start from)."""
     return int(splitmix64(torch.tensor(seed))) & ((1 << 64) - 1)
+
+
+def native_initial_rows(dim: int, seed: int) -> InitialRows:
+    """``initial_rows``' arguments as the host build's native admission takes them."""
+    return InitialRows(dim, _seed_hash(seed), 1.0 / math.sqrt(dim) if dim else 0.0)
 
 
 def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) -> torch.Tensor:

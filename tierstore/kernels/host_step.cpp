@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <vector>
 
@@ -273,19 +274,21 @@ __device__ __forceinline__ u64 splitmix64(u64 x) { return mix(x + GOLDEN); }
 // rows[i] = ids[i]'s initial row, bit for bit tierstore/initializer.py's initial_rows: weights
 // uniform in [-bound, bound) from 53 hashed bits of (id, seed, column), computed in double and
 // rounded once to float; optimizer state zero. seed_hash: splitmix64(seed).
+static inline void initial_row(i64 id, i64 dim, i64 row_width, u64 seed_hash, double bound,
+                               float* __restrict__ row) {
+    const u64 stream = splitmix64((u64)id * 0x5851F42D4C957F2DULL + seed_hash);
+    for (i64 c = 0; c < dim; ++c) {
+        const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
+        const double unit = (double)(bits >> 11) * 0x1.0p-53;
+        row[c] = (float)((2.0 * unit - 1.0) * bound);
+    }
+    for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
+}
+
 extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i64 row_width, u64 seed_hash,
                                   double bound, float* __restrict__ rows) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i) {
-        const u64 stream = splitmix64((u64)ids[i] * 0x5851F42D4C957F2DULL + seed_hash);
-        float* __restrict__ row = rows + i * row_width;
-        for (i64 c = 0; c < dim; ++c) {
-            const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
-            const double unit = (double)(bits >> 11) * 0x1.0p-53;
-            row[c] = (float)((2.0 * unit - 1.0) * bound);
-        }
-        for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
-    }
+    for (i64 i = 0; i < n; ++i) initial_row(ids[i], dim, row_width, seed_hash, bound, rows + i * row_width);
 }
 
 // The cold stores' row checks (tierstore/tiers/cold/codec.py's row_hashes, bit for bit): a row's
@@ -337,16 +340,87 @@ static inline void will_need(const void* address, i64 bytes) {
     madvise((void*)start, end - start, MADV_WILLNEED);
 }
 
-// The mmap cold store's batched read (tierstore/tiers/cold/mmap_store.py): each keys[i]'s stored
-// row from the log's rows (its index: log_keys/log_values/log_mask; log_mask < 0: no log) if the log
-// holds it, else from the main rows (main_keys/main_values/main_mask), each stored row being
-// stored_bytes apart: the row's row_bytes, then check_bytes of its check. Copies the row's bytes to
-// out[i] and sets found[i]; returns how many copied rows fail their check (0 without checks), the
-// first of them in *first_bad. Main rows at or past main_count are not committed: not read.
-// advise: the main index and rows are mapped files whose pages are likely on disk, so each pass
-// first asks the kernel for the pages it is about to read (MADV_WILLNEED starts their reads and
-// returns): the disk serves the batch's reads many at a time instead of one page fault after
-// another. A system call a page: only worth it when the pages are not in memory.
+// Where the mmap cold store (tierstore/tiers/cold/mmap_store.py) keeps its rows: the main rows and
+// their index (main_keys/main_values/main_mask; main rows at or past main_count are not committed),
+// and the write-ahead log's (log_keys/log_values/log_mask < 0: no log; log_count records, those from
+// `committed` on staged since the last flush), each stored row stored_bytes apart: the row's
+// row_bytes, then check_bytes of its check.
+struct ColdFiles {
+    const i64* main_keys;
+    const i64* main_values;
+    i64 main_mask;
+    i64 main_count;
+    const unsigned char* main_rows;
+    i64* log_keys;
+    i64* log_values;
+    i64 log_mask;
+    unsigned char* log_rows;
+    i64 log_count;
+    i64 committed;
+    i64 stored_bytes;
+    i64 row_bytes;
+    i64 check_bytes;
+};
+
+// sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
+// row; null where the store holds none. advise: the main index and rows are mapped files whose pages
+// are likely on disk, so each pass first asks the kernel for the pages it is about to read
+// (MADV_WILLNEED starts their reads and returns): the disk serves the batch's reads many at a time
+// instead of one page fault after another. A system call a page: only worth it when the pages are
+// not in memory.
+static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFiles& cold, int advise,
+                               const unsigned char** __restrict__ sources) {
+    if (advise && cold.main_mask >= 0) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+        for (i64 i = 0; i < n; ++i) {
+            const u64 home = mix((u64)keys[i]) & (u64)cold.main_mask;
+            will_need(&cold.main_keys[home], sizeof(i64));
+            will_need(&cold.main_values[home], sizeof(i64));
+        }
+    }
+    // Asking for the memory of item i + AHEAD while working on item i: the indexes' positions are
+    // random in tables far larger than the caches.
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) {
+            if (cold.log_mask >= 0)
+                prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, keys[i + AHEAD]);
+            if (cold.main_mask >= 0)
+                prefetch_home(cold.main_keys, cold.main_values, cold.main_mask, keys[i + AHEAD]);
+        }
+        const unsigned char* source = nullptr;
+        if (cold.log_mask >= 0) {
+            const i64 position = probe(cold.log_keys, cold.log_mask, keys[i]);
+            if (position >= 0) source = cold.log_rows + cold.log_values[position] * cold.stored_bytes;
+        }
+        if (!source && cold.main_mask >= 0) {
+            const i64 position = probe(cold.main_keys, cold.main_mask, keys[i]);
+            if (position >= 0 && cold.main_values[position] < cold.main_count)  // past it: not committed
+                source = cold.main_rows + cold.main_values[position] * cold.stored_bytes;
+        }
+        sources[i] = source;
+    }
+    if (advise) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+        for (i64 i = 0; i < n; ++i)
+            if (sources[i]) will_need(sources[i], cold.stored_bytes);
+    }
+}
+
+// Whether the stored row at `source` (of id `key`) carries the check of its bytes.
+static inline bool check_holds(const unsigned char* __restrict__ source, i64 key, const ColdFiles& cold,
+                               const RowChecks& checks) {
+    if (!cold.check_bytes) return true;
+    const u64 check = checks.of(source, key);
+    bool matches = true;
+    for (i64 b = 0; b < cold.check_bytes; ++b)
+        matches &= source[cold.row_bytes + b] == ((check >> (8 * b)) & 0xFF);
+    return matches;
+}
+
+// The mmap cold store's batched read: copies each keys[i]'s stored row (row_bytes) to out[i] and
+// sets found[i] (rows of keys not found are left as they are); returns how many copied rows fail
+// their check (0 without checks), the first of them in *first_bad. log_mask < 0: no log.
 extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __restrict__ main_keys,
                               const i64* __restrict__ main_values, i64 main_mask, i64 main_count, int advise,
                               const unsigned char* __restrict__ main_rows, const i64* __restrict__ log_keys,
@@ -354,58 +428,34 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
                               const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
                               i64 check_bytes, unsigned char* __restrict__ out,
                               unsigned char* __restrict__ found, i64* __restrict__ first_bad) {
+    const ColdFiles cold{main_keys,
+                         main_values,
+                         main_mask,
+                         main_count,
+                         main_rows,
+                         const_cast<i64*>(log_keys),
+                         const_cast<i64*>(log_values),
+                         log_mask,
+                         const_cast<unsigned char*>(log_rows),
+                         0,
+                         0,
+                         stored_bytes,
+                         row_bytes,
+                         check_bytes};
     const RowChecks checks(row_bytes);
-    if (advise && main_mask >= 0) {
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-        for (i64 i = 0; i < n; ++i) {
-            const u64 home = mix((u64)keys[i]) & (u64)main_mask;
-            will_need(&main_keys[home], sizeof(i64));
-            will_need(&main_values[home], sizeof(i64));
-        }
-    }
-    // Two passes, each asking for the memory of item i + AHEAD while it works on item i: the
-    // indexes' positions (random in tables far larger than the caches), then the rows themselves.
     std::vector<const unsigned char*> sources(n);
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {
-            if (log_mask >= 0) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
-            if (main_mask >= 0) prefetch_home(main_keys, main_values, main_mask, keys[i + AHEAD]);
-        }
-        const unsigned char* source = nullptr;
-        if (log_mask >= 0) {
-            const i64 position = probe(log_keys, log_mask, keys[i]);
-            if (position >= 0) source = log_rows + log_values[position] * stored_bytes;
-        }
-        if (!source && main_mask >= 0) {
-            const i64 position = probe(main_keys, main_mask, keys[i]);
-            if (position >= 0 && main_values[position] < main_count)  // past it: not committed
-                source = main_rows + main_values[position] * stored_bytes;
-        }
-        sources[i] = source;
-        found[i] = source != nullptr;
-    }
-    if (advise) {
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-        for (i64 i = 0; i < n; ++i)
-            if (sources[i]) will_need(sources[i], stored_bytes);
-    }
+    locate_stored_rows(keys, n, cold, advise, sources.data());
     i64 bad = 0, first = n;
 #pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n && sources[i + AHEAD]) __builtin_prefetch(sources[i + AHEAD]);
         const unsigned char* source = sources[i];
+        found[i] = source != nullptr;
         if (!source) continue;
-        for (i64 b = 0; b < row_bytes; ++b) out[i * row_bytes + b] = source[b];
-        if (check_bytes) {
-            const u64 check = checks.of(source, keys[i]);
-            bool matches = true;
-            for (i64 b = 0; b < check_bytes; ++b)
-                matches &= source[row_bytes + b] == ((check >> (8 * b)) & 0xFF);
-            if (!matches) {
-                bad += 1;
-                first = i < first ? i : first;
-            }
+        std::memcpy(out + i * row_bytes, source, row_bytes);
+        if (!check_holds(source, keys[i], cold, checks)) {
+            bad += 1;
+            first = i < first ? i : first;
         }
     }
     *first_bad = first;
@@ -454,4 +504,179 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
         }
     }
     return packed;
+}
+
+// A host cache tier's arrays (tierstore/tiers/row_cache.py): its index (int32 slots), each slot's
+// key, row (row_width floats), dirty and fresh flags and LFU score.
+struct HostTier {
+    i64* index_keys;
+    int* index_values;
+    i64 index_mask;
+    i64* slot_keys;
+    float* rows;
+    i64 row_width;
+    unsigned char* dirty;
+    unsigned char* fresh;
+    float* scores;
+};
+
+// How a row the cold store does not hold starts (step_initial_rows' arguments).
+struct InitialRows {
+    i64 dim;
+    u64 seed_hash;
+    double bound;
+};
+
+// Write bytes[0..size) at `offset` of the file `fd`; 0, or the errno of the failed write.
+static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
+    while (size > 0) {
+        const ssize_t written = pwrite(fd, bytes, (size_t)size, (off_t)offset);
+        if (written < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        bytes += written, size -= written, offset += written;
+    }
+    return 0;
+}
+
+// A host tier's misses made resident straight from the mmap cold store in one call
+// (tierstore/tiers/direct_admission.py): keys[0..n) (distinct, none in the tier, each looked up
+// counts[i] times) go to slots[0..n), of which the last `victims` hold rows the tier evicts.
+// 1. Each key's stored row is located and its check verified. Rows failing it: their number is
+//    returned, the first in out[4], and nothing has changed.
+// 2. The victims' dirty rows are staged in the log as step_cold_stage stages them: over their record
+//    where it is staged since the last flush, else appended as records log_count on, written with
+//    pwrite (log_rows_fd, log_keys_fd; the caller has allocated their blocks and room in the log's
+//    index). A failed write returns -errno, nothing else changed (bytes past log_count count for
+//    nothing).
+// 3. The victims' keys leave the tier's index; slot slots[i] takes keys[i], its stored row (or its
+//    initial row where the store holds none: then dirty and fresh) and a score of counts[i] x
+//    increment, as an admission's reset and LFU's count leave it; the keys enter the tier's index.
+// out[0]: lookups of keys the store holds; out[1]: victims written back; out[2]: records appended;
+// out[3]: keys new to the log's index.
+extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                               float increment, const i64* __restrict__ slots, i64 victims,
+                               const HostTier* tier_arrays, const ColdFiles* cold_files, int advise,
+                               int log_rows_fd, int log_keys_fd, const InitialRows* initial,
+                               i64* __restrict__ out) {
+    const HostTier& tier = *tier_arrays;
+    const ColdFiles& cold = *cold_files;
+    const RowChecks checks(cold.row_bytes);
+    std::vector<const unsigned char*> sources(n);
+    locate_stored_rows(keys, n, cold, advise, sources.data());
+    i64 bad = 0, first = n, held_lookups = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad, held_lookups) \
+    reduction(min : first) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n && sources[i + AHEAD]) __builtin_prefetch(sources[i + AHEAD]);
+        if (!sources[i]) continue;
+        held_lookups += counts[i];
+        if (!check_holds(sources[i], keys[i], cold, checks)) {
+            bad += 1;
+            first = i < first ? i : first;
+        }
+    }
+    if (bad) {
+        out[4] = first;
+        return bad;
+    }
+
+    // 2. The victims' dirty rows: where each goes (the log's index), packing the appended ones.
+    struct Staged {
+        unsigned char* target;  // null: appended
+        const float* row;
+        i64 key;
+        i64 position;  // the key's position in the log's index (-1: new to the log)
+    };
+    const i64* victim_slots = slots + (n - victims);
+    std::vector<i64> victim_keys(victims), appended_keys;
+    std::vector<Staged> staged;
+    for (i64 j = 0; j < victims; ++j) {  // asking for the memory of item j + AHEAD, as everywhere
+        if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
+        victim_keys[j] = tier.slot_keys[victim_slots[j]];
+    }
+    for (i64 j = 0; j < victims; ++j) {
+        if (j + AHEAD < victims) {
+            prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
+            __builtin_prefetch(&tier.rows[victim_slots[j + AHEAD] * tier.row_width]);
+        }
+        const i64 slot = victim_slots[j], key = victim_keys[j];
+        if (!tier.dirty[slot]) continue;
+        const i64 position = probe(cold.log_keys, cold.log_mask, key);
+        const i64 record = position < 0 ? -1 : cold.log_values[position];
+        unsigned char* target =
+            record >= cold.committed ? cold.log_rows + record * cold.stored_bytes : nullptr;
+        staged.push_back({target, tier.rows + slot * tier.row_width, key, position});
+        if (!target) appended_keys.push_back(key);
+    }
+    auto store = [&](unsigned char* target, const float* row, i64 key) {
+        std::memcpy(target, row, cold.row_bytes);
+        if (!cold.check_bytes) return;
+        const u64 check = checks.of((const unsigned char*)row, key);
+        for (i64 b = 0; b < cold.check_bytes; ++b)
+            target[cold.row_bytes + b] = (unsigned char)(check >> (8 * b));
+    };
+    const i64 appended = (i64)appended_keys.size();
+    if (appended) {
+        std::vector<unsigned char> packed(appended * cold.stored_bytes);
+        i64 j = 0;
+        for (size_t k = 0; k < staged.size(); ++k) {
+            if (k + AHEAD < staged.size()) __builtin_prefetch(staged[k + AHEAD].row);
+            if (!staged[k].target) store(&packed[(j++) * cold.stored_bytes], staged[k].row, staged[k].key);
+        }
+        int error = write_all(log_rows_fd, packed.data(), appended * cold.stored_bytes,
+                              cold.log_count * cold.stored_bytes);
+        if (!error)
+            error = write_all(log_keys_fd, (const unsigned char*)appended_keys.data(),
+                              appended * (i64)sizeof(i64), cold.log_count * (i64)sizeof(i64));
+        if (error) return -error;
+    }
+    // Nothing fails from here on: the rewrites in place, then the log's index.
+    i64 record = cold.log_count, new_to_log = 0;
+    for (size_t k = 0; k < staged.size(); ++k) {
+        if (k + AHEAD < staged.size() && staged[k + AHEAD].target) {
+            __builtin_prefetch(staged[k + AHEAD].target, 1);
+            __builtin_prefetch(staged[k + AHEAD].row);
+        }
+        const Staged& item = staged[k];
+        if (item.target) {
+            store(item.target, item.row, item.key);
+        } else if (item.position >= 0) {  // its committed record is superseded
+            cold.log_values[item.position] = record++;
+        } else {
+            int status = 0;
+            insert_serial(cold.log_keys, cold.log_values, cold.log_mask, &item.key, &record, 1, &status);
+            ++record, ++new_to_log;
+        }
+    }
+
+    // 3. The slots change hands.
+    std::vector<int> former(victims);
+    erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), victims,
+                   former.data());
+    const i64 row_bytes = tier.row_width * (i64)sizeof(float);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) __builtin_prefetch(&tier.rows[slots[i + AHEAD] * tier.row_width], 1);
+        const i64 slot = slots[i];
+        float* row = tier.rows + slot * tier.row_width;
+        if (sources[i])
+            std::memcpy(row, sources[i], row_bytes);
+        else
+            initial_row(keys[i], initial->dim, tier.row_width, initial->seed_hash, initial->bound, row);
+        tier.slot_keys[slot] = keys[i];
+        tier.dirty[slot] = tier.fresh[slot] = sources[i] == nullptr;
+        tier.scores[slot] = 0.0f;
+        add_count(tier.scores, slot, counts[i], increment);
+    }
+    std::vector<int> slot_values(n);
+    for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
+    int status = 0;
+    insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n, &status);
+    out[0] = held_lookups;
+    out[1] = (i64)staged.size();
+    out[2] = appended;
+    out[3] = new_to_log;
+    return 0;
 }

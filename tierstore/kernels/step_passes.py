@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import functools
 import math
+import os
 import threading
 
 import numpy as np
@@ -47,7 +48,66 @@ _SIGNATURES = {
         [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _I64] + [_POINTER] * 4,
     ),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
+    "step_admit_cold": (
+        _I64,
+        [_POINTER, _POINTER, _I64, ctypes.c_float, _POINTER, _I64, _POINTER, _POINTER, _INT, _INT, _INT]
+        + [_POINTER, _POINTER],
+    ),
 }
+
+
+class HostTierArrays(ctypes.Structure):
+    """host_step.cpp's ``HostTier``: a host cache tier's arrays (``RowCache.native_arrays``)."""
+
+    _fields_ = [
+        ("index_keys", _POINTER),
+        ("index_values", _POINTER),
+        ("index_mask", _I64),
+        ("slot_keys", _POINTER),
+        ("rows", _POINTER),
+        ("row_width", _I64),
+        ("dirty", _POINTER),
+        ("fresh", _POINTER),
+        ("scores", _POINTER),
+    ]
+
+
+class ColdFiles(ctypes.Structure):
+    """host_step.cpp's ``ColdFiles``: where the mmap cold store keeps its rows (``MmapColdStore.files``)."""
+
+    _fields_ = [
+        ("main_keys", _POINTER),
+        ("main_values", _POINTER),
+        ("main_mask", _I64),
+        ("main_count", _I64),
+        ("main_rows", _POINTER),
+        ("log_keys", _POINTER),
+        ("log_values", _POINTER),
+        ("log_mask", _I64),
+        ("log_rows", _POINTER),
+        ("log_count", _I64),
+        ("committed", _I64),
+        ("stored_bytes", _I64),
+        ("row_bytes", _I64),
+        ("check_bytes", _I64),
+    ]
+
+
+class InitialRows(ctypes.Structure):
+    """host_step.cpp's ``InitialRows``: ``initial_rows``' arguments."""
+
+    _fields_ = [("dim", _I64), ("seed_hash", ctypes.c_uint64), ("bound", ctypes.c_double)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ColdAdmission:
+    """What ``StepPasses.admit_cold`` did: lookups of keys the cold store holds, victims' rows
+    written back (staged in the log), records appended to the log, keys new to the log's index."""
+
+    held_lookups: int
+    written_back: int
+    appended: int
+    new_to_log: int
 
 
 def typed(function, result, arguments: list):
@@ -325,6 +385,48 @@ class StepPasses:
             first_bad.data_ptr(),
         )
         return out, found, bad, int(first_bad)
+
+    def admit_cold(
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        increment: float,
+        slots: torch.Tensor,
+        victims: int,
+        tier: HostTierArrays,
+        cold: ColdFiles,
+        advise: bool,
+        log_files: tuple[int, int],
+        initial: InitialRows,
+    ) -> tuple[ColdAdmission | None, int, int]:
+        """``step_admit_cold``: the misses ``keys`` (int64 [N], distinct, each looked up ``counts``
+        times) made resident at ``slots`` (int64 [N], the last ``victims`` evicting their rows),
+        read from the cold store, the victims' dirty rows staged in its log (appended records
+        written to ``log_files``: the file descriptors of its rows and its keys). Returns ``(what
+        it did, 0, -1)``, or ``(None, rows failing their check, the first of them)``: then nothing
+        has changed. Raises ``OSError`` where a write failed (nothing has changed either)."""
+        out = torch.zeros(5, dtype=torch.int64)
+        result = self._functions["step_admit_cold"](
+            keys.data_ptr(),
+            counts.data_ptr(),
+            keys.numel(),
+            increment,
+            slots.data_ptr(),
+            victims,
+            ctypes.byref(tier),
+            ctypes.byref(cold),
+            advise,
+            log_files[0],
+            log_files[1],
+            ctypes.byref(initial),
+            out.data_ptr(),
+        )
+        if result < 0:
+            raise OSError(-result, os.strerror(-result))
+        held, written, appended, new, first_bad = out.tolist()
+        if result > 0:
+            return None, result, first_bad
+        return ColdAdmission(held, written, appended, new), 0, -1
 
     def cold_stage(
         self, keys: torch.Tensor, rows: torch.Tensor, log: tuple, committed: int, check_bytes: int

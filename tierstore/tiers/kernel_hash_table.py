@@ -95,14 +95,18 @@ class KernelHashTable(BatchedHashTable):
         """Add ``keys`` (distinct, absent) with ``values``; rebuilds or grows the table first when needed."""
         if keys.numel() == 0:
             return
-        if self.live + keys.numel() > MAX_LOAD * self.keys.numel():
-            self._rebuild(positions_for(2 * (self.live + keys.numel())))
-        elif self.live + self.tombstones + keys.numel() > MAX_LOAD_WITH_TOMBSTONES * self.keys.numel():
-            self._rebuild(self.keys.numel())
+        self.make_room(keys.numel())
         self._place(
             keys.to(self.device, torch.int64).contiguous(),
             values.to(self.device, self.value_dtype).contiguous(),
         )
+
+    def make_room(self, count: int) -> None:
+        """Rebuild or grow the table now if ``count`` more keys would pass its load limits."""
+        if self.live + count > MAX_LOAD * self.keys.numel():
+            self._rebuild(positions_for(2 * (self.live + count)))
+        elif self.live + self.tombstones + count > MAX_LOAD_WITH_TOMBSTONES * self.keys.numel():
+            self._rebuild(self.keys.numel())
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self._shifting is not None:  # the tuned host build: on one thread

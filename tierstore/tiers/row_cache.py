@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
+from ..kernels.step_passes import HostTierArrays
 from .backends import TorchRows
 from .contract import Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing
@@ -138,6 +139,39 @@ class RowCache:
         policy = self.policy
         self._passes.add_counts(policy.score, slots, counts, policy.increment)
         policy.advance(lookups)
+
+    def native_arrays(self) -> HostTierArrays | None:
+        if self._passes is None or type(self.policy) is not LfuWithAgeing or self.index.tombstones:
+            return None
+        index = self.index
+        return HostTierArrays(
+            index.keys.data_ptr(),
+            index.values.data_ptr(),
+            index.keys.numel() - 1,
+            self.slot_keys.data_ptr(),
+            self.rows.data_ptr(),
+            self.rows.shape[1],
+            self.dirty.data_ptr(),
+            self.fresh.data_ptr(),
+            self.policy.score.data_ptr(),
+        )
+
+    def claim_slots(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
+        from_free = min(count, self._free_count)
+        free = self._free[self._free_count - from_free : self._free_count]
+        if count == from_free:
+            return free.clone(), 0
+        victims = self._victims(count - from_free, protected)
+        return torch.cat([free, victims]), victims.numel()
+
+    def count_admitted(self, count: int, victims: int, written_back: int, lookups: int) -> None:
+        self._free_count -= count - victims
+        self.index.live += count - victims
+        self.vacated += victims
+        self.stats.evictions += victims
+        self.stats.writebacks += written_back
+        self.stats.rows_in += count
+        self.policy.advance(lookups)
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None

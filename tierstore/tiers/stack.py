@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import CacheCapacityError
-from ..initializer import initial_rows
+from ..initializer import initial_rows, native_initial_rows
 from ..metadata import StoreMetadata
 from .cold import ColdStore
 from .contract import CacheTier, Rows
@@ -48,6 +48,9 @@ class TierStack:
         if resolved is not None:  # one native pass: found, hits touched, misses listed
             slots, hit_slots, missed, lookups = resolved
             missed_counts = counts[missed]
+            if missed.numel() and len(self.caches) == 1 and self.cold.admits_into(top):
+                slots[missed] = self._admit_from_cold(unique[missed], missed_counts, hit_slots, lookups)
+                return slots
             admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
             slots[missed] = admitted
             top.touch_admitted(admitted, missed_counts, lookups)
@@ -73,6 +76,18 @@ class TierStack:
             for cache, rows in taken:
                 cache.admit(rows)  # into the slots taking them freed
             raise
+        return slots
+
+    def _admit_from_cold(
+        self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor, lookups: int
+    ) -> torch.Tensor:
+        """``_bring_in`` and ``touch_admitted`` of a single cache tier's misses in one native call
+        of the cold store (``ColdStore.admit_into``): the same rows, slots, scores and counters."""
+        top, metadata = self.top, self.metadata
+        slots, victims = top.claim_slots(keys.numel(), protected)
+        initial = native_initial_rows(metadata.dim, metadata.seed)
+        written_back = self.cold.admit_into(top, keys, counts, slots, victims, initial)
+        top.count_admitted(keys.numel(), victims, written_back, lookups)
         return slots
 
     def pin_held(self, unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

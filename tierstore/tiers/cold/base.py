@@ -109,6 +109,21 @@ class ColdStore(ABC):
         self._put(keys, rows)
         self.stats.rows_written += keys.numel()
 
+    def admits_into(self, tier) -> bool:
+        """Whether ``admit_into`` serves ``tier`` (a cache tier whose ``native_arrays`` it takes)."""
+        return False
+
+    def admit_into(
+        self, tier, keys: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, victims: int, initial
+    ) -> int:
+        """One native call (where ``admits_into(tier)``): the rows of ``keys`` (int64 [N], distinct,
+        each looked up ``counts`` times, none cached) read (or initialised as ``initial``, a
+        ``kernels.step_passes.InitialRows``: then dirty and fresh) straight into ``tier``'s
+        ``slots`` (``claim_slots``'), whose last ``victims`` rows are evicted, the dirty ones
+        staged here as ``put`` stages them, all counted as ``get``/``put`` count. Returns how many
+        victims were written back. A damaged row or a failed write raises, changing nothing."""
+        raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")
+
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [N]: which ``keys`` (distinct) the store holds. Counts nothing."""
         return self._get(keys)[1]

@@ -56,7 +56,7 @@ import torch
 
 from ...errors import StoreFormatError
 from ...kernels.cache_passes import cache_passes_of
-from ...kernels.step_passes import host_passes
+from ...kernels.step_passes import ColdFiles, host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
@@ -127,6 +127,7 @@ class GrowableArray:
                 )
             path.touch()
         self._allocated = 0  # items known to have their blocks on disk (checked again when reserved)
+        self._fd = -1  # a descriptor kept open for writes, opened by the first
         self._map()
 
     def _map(self) -> None:
@@ -213,10 +214,22 @@ class GrowableArray:
             return
         data = memoryview(np.ascontiguousarray(items, dtype=self.dtype)).cast("B")
         offset = start * self.width * self.dtype.itemsize
-        with open(self.path, "r+b", buffering=0) as file:
-            while len(data):
-                written = os.pwrite(file.fileno(), data, offset)
-                data, offset = data[written:], offset + written
+        while len(data):
+            written = os.pwrite(self.fileno(), data, offset)
+            data, offset = data[written:], offset + written
+
+    def fileno(self) -> int:
+        """A descriptor of the file open for writing (``pwrite`` at reserved items), kept until ``close``."""
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        return self._fd
+
+    def close(self) -> None:
+        """Drop the map and the descriptor."""
+        self.array = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def bytes_of(self, start: int, stop: int) -> memoryview:
         """The bytes of items ``start..stop``."""
@@ -595,6 +608,69 @@ class MmapColdStore(ColdStore):
         self._wal_index.insert(keys, torch.arange(start, start + count))
         self._wal_count += count
 
+    def admits_into(self, tier) -> bool:
+        return (
+            not self.read_only
+            and self.dtype == torch.float32
+            and isinstance(self._index, KernelHashTable)
+            and isinstance(self._wal_index, KernelHashTable)
+            and host_passes() is not None
+            and tier.native_arrays() is not None
+        )
+
+    def admit_into(
+        self, tier, keys: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, victims: int, initial
+    ) -> int:
+        tier_arrays = tier.native_arrays()
+        if tier_arrays.row_width * 4 != self.row_bytes:
+            raise ValueError(
+                f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
+            )
+        start = self._wal_count
+        self._wal_rows.reserve(start + victims)  # before any write: a full disk changes nothing
+        self._wal_keys.reserve(start + victims)
+        self._wal_index.make_room(victims)
+        codec, index, log = self.codec, self._index, self._wal_index
+        files = ColdFiles(
+            index.keys.data_ptr(),
+            index.values.data_ptr(),
+            index.keys.numel() - 1,
+            self._count,
+            self._rows.array.ctypes.data if self._rows.capacity else None,
+            log.keys.data_ptr(),
+            log.values.data_ptr(),
+            log.keys.numel() - 1,
+            self._wal_rows.array.ctypes.data if self._wal_rows.capacity else None,
+            start,
+            self._wal_committed,
+            codec.stored_bytes,
+            codec.row_bytes,
+            codec.check_bytes,
+        )
+        advise = self._reads.advise(keys.numel())
+        done, bad, first = host_passes().admit_cold(
+            keys,
+            counts,
+            tier.policy.increment,
+            slots,
+            victims,
+            tier_arrays,
+            files,
+            advise,
+            (self._wal_rows.fileno(), self._wal_keys.fileno()),
+            initial,
+        )
+        self._reads.done(keys.numel(), advise)
+        if bad:
+            raise codec.damaged(self.directory / ROWS_FILE, bad, int(keys[first]))
+        self.stats.rows_read += keys.numel()
+        self.stats.hits += done.held_lookups
+        self.stats.initialized += int(counts.sum()) - done.held_lookups
+        self.stats.rows_written += done.written_back
+        self._wal_count += done.appended
+        log.live += done.new_to_log
+        return done.written_back
+
     def can_bulk_load(self) -> bool:
         """Not read-only, an empty log, and (``index.bin`` being changed in place) no reader open:
         readers then wait until the flush that commits the load."""
@@ -785,7 +861,7 @@ class MmapColdStore(ColdStore):
 
     def _close_files(self) -> None:
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
-            array.array = None
+            array.close()
         self._index = None
         self._holding_readers_out = False
         self._readers.close()

@@ -1,0 +1,165 @@
+"""A host tier's misses admitted straight from the mmap cold store in one native call
+(``ColdStore.admit_into``, ``step_admit_cold``) against the path it replaces (``TierStack._bring_in``:
+the tier's ``admit``, the cold store's ``get`` and ``put``): the same rows, slots, counters and files,
+bit for bit; and the failure modes of the call (a damaged row, a full disk) change nothing."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tierstore import TieredEmbeddingBag, TieredStore, optim
+from tierstore.errors import StoreFormatError
+from tierstore.tiers.cold import mmap_store
+
+DIM = 6
+
+
+def _train(path, direct: bool, optimizer, steps: int = 40, flush_every: int = 7):
+    """A small host tier over the mmap store trained on skewed batches with a flush every few steps,
+    a reader open for some of them: rows are evicted dirty and clean, staged anew, staged again
+    since the flush (rewritten in place) and superseding committed records of the log. Returns the
+    outputs and the table."""
+    table = TieredEmbeddingBag(None, DIM, path=path, backend="mmap", optimizer=optimizer, host_cache=64)
+    cold = table.store.stack.cold
+    admitted = []
+    if direct:
+        admit_into = cold.admit_into
+        cold.admit_into = lambda *a: admitted.append(a[1].numel()) or admit_into(*a)
+    else:
+        cold.admits_into = lambda tier: False
+    generator = torch.Generator().manual_seed(5)
+    outputs, reader = [], None
+    for step in range(steps):
+        if step == 10:  # an open reader keeps flushes from applying the log: staged rows then
+            reader = TieredStore(path, read_only=True)  # supersede committed records
+        if step == 30:
+            reader.close()
+        ids = (torch.rand(60, generator=generator) ** 3 * 150).to(torch.int64)  # a skewed 150 ids
+        offsets = torch.arange(0, 60, 4)
+        out = table(ids, offsets)
+        (out * torch.randn(out.shape, generator=generator)).sum().backward()
+        outputs.append(out.detach())
+        if step % flush_every == flush_every - 1:
+            table.store.flush()
+    assert cold.deferred_applies >= 2
+    if direct:
+        assert sum(admitted) > 200, "the direct admission was not the path taken"
+    return outputs, table
+
+
+def _counters(table) -> dict:
+    report = table.store.stats()
+    return {tier: {k: v for k, v in report[tier].items() if isinstance(v, int)} for tier in ("host", "cold")}
+
+
+@pytest.mark.parametrize("optimizer", [optim.SGD(lr=0.1), optim.Adagrad(lr=0.1)], ids=["sgd", "adagrad"])
+def test_the_direct_admission_leaves_what_the_tiers_own_path_leaves(tmp_path, optimizer):
+    direct_outputs, direct = _train(tmp_path / "direct", True, optimizer)
+    reference_outputs, reference = _train(tmp_path / "reference", False, optimizer)
+    for got, expected in zip(direct_outputs, reference_outputs):
+        assert torch.equal(got, expected)
+    top, reference_top = direct.store.stack.top, reference.store.stack.top
+    for name in ("slot_keys", "rows", "dirty", "fresh", "pins"):
+        assert torch.equal(getattr(top, name), getattr(reference_top, name)), name
+    assert torch.equal(top.policy.score, reference_top.policy.score)
+    assert torch.equal(top.index.keys, reference_top.index.keys)
+    assert _counters(direct) == _counters(reference)
+    cold, reference_cold = direct.store.stack.cold, reference.store.stack.cold
+    assert cold._wal_count == reference_cold._wal_count > 0
+    for name in ("_wal_rows", "_wal_keys"):
+        count = cold._wal_count
+        assert (getattr(cold, name).array[:count] == getattr(reference_cold, name).array[:count]).all(), name
+    ids = torch.arange(160)
+    rows = direct.store.get(ids, with_state=True)
+    assert torch.equal(rows, reference.store.get(ids, with_state=True))
+    direct.close()
+    reference.close()
+    with TieredStore(tmp_path / "direct", read_only=True) as reopened:
+        assert torch.equal(reopened.get(ids, with_state=True), rows)
+
+
+def test_a_damaged_row_refuses_the_admission_and_changes_nothing(tmp_path):
+    table = TieredEmbeddingBag(None, DIM, path=tmp_path / "s", backend="mmap", host_cache=8)
+    table(torch.arange(8), torch.arange(0, 8, 2)).sum().backward()  # rows 0..7: dirty, cached
+    table.store.flush()
+    table(torch.arange(8, 16), torch.arange(0, 8, 2)).sum().backward()  # 0..7 written back, evicted
+    table.store.flush()
+    cold = table.store.stack.cold
+    stored = cold._rows.array[int(cold._index.find(torch.tensor([3]))[0])]
+    stored[0] ^= 0xFF  # row 3's first byte: its check no longer holds
+    top = table.store.stack.top
+    before = {name: getattr(top, name).clone() for name in ("slot_keys", "rows", "dirty", "pins")}
+    log_count, counters = cold._wal_count, _counters(table)
+    with pytest.raises(StoreFormatError, match=r"1 stored row\(s\) fail their checksum \(first id: 3\)"):
+        table(torch.tensor([1, 3, 5, 9]), torch.tensor([0]))
+    for name, value in before.items():
+        assert torch.equal(getattr(top, name), value), name
+    assert cold._wal_count == log_count
+    assert _counters(table)["cold"] == counters["cold"]
+    out = table(torch.tensor([1, 5, 9]), torch.tensor([0]))  # the sound rows still come in
+    assert out.shape == (1, DIM)
+    table.close()
+
+
+FILL_UNTIL_FULL = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from tierstore import TieredEmbeddingBag
+    ballast = os.path.join(os.path.dirname(sys.argv[1]), "ballast")
+    with open(ballast, "wb") as file:  # freed after the error: reading the rows back stages victims
+        file.write(b"x" * 256 * 1024)
+    table = TieredEmbeddingBag(None, 64, path=sys.argv[1], backend="mmap", host_cache=300)
+    cold = table.store.stack.cold
+    admitted = []
+    admit_into = cold.admit_into
+    cold.admit_into = lambda *a: admitted.append(1) or admit_into(*a)
+    error, done = None, 0
+    for step in range(100000):  # new ids every step: every victim is dirty and staged in the log
+        ids = torch.arange(step * 200, (step + 1) * 200)
+        try:
+            table(ids, torch.arange(0, 200, 10)).sum().backward()
+        except OSError as raised:
+            error = raised
+            break
+        done += 1
+    os.unlink(ballast)
+    rows = table.store.get(torch.arange(done * 200), with_state=True)
+    torch.save(rows, sys.argv[2])
+    print(json.dumps({"errno": getattr(error, "errno", None), "steps": done, "direct": len(admitted)}))
+    """
+)
+
+
+def test_a_full_disk_fails_the_admission_with_enospc_and_no_row_is_lost(tiny_filesystem, tmp_path):
+    """Staging a step's victims fills the disk: the step raises OSError(ENOSPC) before changing any
+    row (no SIGBUS), and the table holds exactly the rows of the steps that completed: those of a
+    table trained on a roomy disk for as many steps."""
+    result = subprocess.run(
+        [sys.executable, "-c", FILL_UNTIL_FULL, str(tiny_filesystem / "s"), str(tmp_path / "rows.pt")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr  # no signal
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["errno"] == 28 and report["steps"] >= 3 and report["direct"] > report["steps"], report
+    reference = TieredEmbeddingBag(None, 64, path=tmp_path / "reference", backend="mmap", host_cache=300)
+    for step in range(report["steps"]):
+        reference(torch.arange(step * 200, (step + 1) * 200), torch.arange(0, 200, 10)).sum().backward()
+    expected = reference.store.get(torch.arange(report["steps"] * 200), with_state=True)
+    assert torch.equal(torch.load(tmp_path / "rows.pt"), expected)
+    reference.close()
+
+
+def test_the_mmap_store_admits_only_into_a_tier_it_can_serve(tmp_path):
+    table = TieredEmbeddingBag(None, DIM, path=tmp_path / "s", backend="mmap", host_cache=8)
+    cold, top = table.store.stack.cold, table.store.stack.top
+    assert cold.admits_into(top)
+    assert not cold.admits_into(type("NoArrays", (), {"native_arrays": lambda self: None})())
+    table.close()
+    with TieredStore(tmp_path / "s", read_only=True, host_cache=8) as reader:
+        assert not reader.stack.cold.admits_into(reader.stack.top)
+    assert mmap_store.MmapColdStore.admits_into is not None
