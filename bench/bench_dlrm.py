@@ -69,6 +69,7 @@ from tierstore.lookahead import default_background
 from tierstore.nn.collection import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch
 from tierstore.tiers import RowCache
+from tierstore.tiers.cold.mmap_store import MmapColdStore
 from tierstore.tiers.stack import TierStack
 from tierstore.workloads import ZipfIds
 
@@ -297,8 +298,9 @@ STAGES = [
     ("check the batch, lay out its keys (native)", 1, JaggedBatch, "__init__"),
     ("distinct ids (native hashing)", 1, StepPasses, "distinct"),
     ("make the rows resident in the host tier", 1, TierStack, "make_resident"),
-    ("fetch misses from the cold store", 2, TierStack, "_fetch"),
-    ("admit misses, evict victims", 2, RowCache, "admit"),
+    ("find them, count the hits (native)", 2, RowCache, "resolve"),
+    ("pick the victims (LFU)", 2, RowCache, "claim_slots"),
+    ("misses read in, victims staged (native)", 2, MmapColdStore, "admit_into"),
     ("pooled lookup (native, rows read in place)", 1, StepPasses, "pooled"),
     ("gradient sum + fused optimizer (native)", 0, StepPasses, "backward"),
 ]

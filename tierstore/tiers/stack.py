@@ -48,7 +48,7 @@ class TierStack:
         if resolved is not None:  # one native pass: found, hits touched, misses listed
             slots, hit_slots, missed, lookups = resolved
             missed_counts = counts[missed]
-            if missed.numel() and len(self.caches) == 1 and self.cold.admits_into(top):
+            if missed.numel() and self._admits_directly():
                 slots[missed] = self._admit_from_cold(unique[missed], missed_counts, hit_slots, lookups)
                 return slots
             admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
@@ -77,6 +77,10 @@ class TierStack:
                 cache.admit(rows)  # into the slots taking them freed
             raise
         return slots
+
+    def _admits_directly(self) -> bool:
+        """Whether a single cache tier's misses come straight from the cold store (``_admit_from_cold``)."""
+        return len(self.caches) == 1 and self.cold.admits_into(self.top)
 
     def _admit_from_cold(
         self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor, lookups: int
@@ -107,7 +111,12 @@ class TierStack:
                     f"pinning {keys.numel() + moving.numel()} rows needs more than the {top.name} cache's "
                     f"{top.capacity}; pin fewer"
                 )
-            slots = torch.cat([slots, self._bring_in(moving, torch.zeros_like(moving), slots)])
+            counts = torch.zeros_like(moving)  # moved ahead of the batch, which counts the lookups
+            if self._admits_directly():
+                moved = self._admit_from_cold(moving, counts, slots, 0)
+            else:
+                moved = self._bring_in(moving, counts, slots)
+            slots = torch.cat([slots, moved])
             keys = torch.cat([keys, moving])
         top.pin(slots)
         return keys, slots, moving.numel()
