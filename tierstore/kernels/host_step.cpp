@@ -4,7 +4,10 @@
 //   distinct row, and the entries grouped by row (a counting sort: ascending entries in a row);
 // - step_pooled_forward: every bag's pooled sum or mean, read straight from the host tier's rows;
 // - step_backward: each distinct row's gradient summed from its entries and the fused optimizer
-//   applied to the row in place, in one pass (or the sums written out, to be applied elsewhere).
+//   applied to the row in place, in one pass (or the sums written out, to be applied elsewhere);
+// - step_cold_rows / step_cold_stage: the mmap cold store's batched read and log staging;
+// - step_admit_cold: a host tier's misses read from the mmap cold store into their slots, the
+//   victims' dirty rows staged in its log, in one call.
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
 // It also holds the host cache tier's own calls (host_cache.cpp).
 

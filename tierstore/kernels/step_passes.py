@@ -1,7 +1,9 @@
 """The host build's training-step passes (``host_step.cpp``) behind typed Python calls: a batch's
 distinct ids by hashing, the pooled forward read straight from a tier's rows, the gradient sum per
-row fused with the optimizer, a collection's key layout and id check, and the initial rows.
-``nn.native_step`` builds a training lookup from them; ``initializer`` uses ``initial_rows``.
+row fused with the optimizer, a collection's key layout and id check, the initial rows, the mmap
+cold store's reads and log writes, and a host tier's misses admitted from that store in one call.
+``nn.native_step`` builds a training lookup from them; ``initializer`` uses ``initial_rows``, the
+mmap store the rest.
 """
 
 from __future__ import annotations

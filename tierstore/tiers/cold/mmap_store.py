@@ -36,6 +36,10 @@ in LMDB): refresh or reopen readers now and then. Readers never crash: no file a
 mapped ever shrinks (files grow sparse, and the blocks of rows about to be written are allocated
 first with ``posix_fallocate``; an applied log's blocks are punched out, its files keeping their
 size).
+
+A host tier alone over this store takes its misses through ``admit_into``: one native call
+(``step_admit_cold``) reads them into the tier's slots and stages the victims' dirty rows in the
+log as ``put`` stages them, with the same reservations first (a full disk changes nothing).
 """
 
 from __future__ import annotations
