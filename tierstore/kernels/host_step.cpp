@@ -410,6 +410,14 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
     }
 }
 
+// Ask for every cache line of [address, address + bytes): rows wider than a line (dim 64 and
+// more) would otherwise wait on each line after the first.
+template <int Write = 0>
+static inline void prefetch_lines(const void* address, i64 bytes) {
+    const char* start = (const char*)address;
+    for (i64 offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, Write);
+}
+
 // Whether the stored row at `source` (of id `key`) carries the check of its bytes.
 static inline bool check_holds(const unsigned char* __restrict__ source, i64 key, const ColdFiles& cold,
                                const RowChecks& checks) {
@@ -451,7 +459,7 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
     i64 bad = 0, first = n;
 #pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n && sources[i + AHEAD]) __builtin_prefetch(sources[i + AHEAD]);
+        if (i + AHEAD < n && sources[i + AHEAD]) prefetch_lines(sources[i + AHEAD], cold.stored_bytes);
         const unsigned char* source = sources[i];
         found[i] = source != nullptr;
         if (!source) continue;
@@ -572,7 +580,7 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
 #pragma omp parallel for schedule(static) reduction(+ : bad, held_lookups) \
     reduction(min : first) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n && sources[i + AHEAD]) __builtin_prefetch(sources[i + AHEAD]);
+        if (i + AHEAD < n && sources[i + AHEAD]) prefetch_lines(sources[i + AHEAD], cold.stored_bytes);
         if (!sources[i]) continue;
         held_lookups += counts[i];
         if (!check_holds(sources[i], keys[i], cold, checks)) {
@@ -585,16 +593,17 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
         return bad;
     }
 
-    // 2. The victims' dirty rows: where each goes (the log's index), packing the appended ones.
+    // 2. The victims' dirty rows: where each goes (the log's index): over its record where that was
+    // staged since the last flush, else appended (packed, in order, then written).
     struct Staged {
-        unsigned char* target;  // null: appended
+        unsigned char* target;  // the record rewritten in place; null: appended
         const float* row;
         i64 key;
         i64 position;  // the key's position in the log's index (-1: new to the log)
     };
     const i64* victim_slots = slots + (n - victims);
     std::vector<i64> victim_keys(victims), appended_keys;
-    std::vector<Staged> staged;
+    std::vector<Staged> rewritten, appended_rows;
     for (i64 j = 0; j < victims; ++j) {  // asking for the memory of item j + AHEAD, as everywhere
         if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
         victim_keys[j] = tier.slot_keys[victim_slots[j]];
@@ -602,17 +611,22 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     for (i64 j = 0; j < victims; ++j) {
         if (j + AHEAD < victims) {
             prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
-            __builtin_prefetch(&tier.rows[victim_slots[j + AHEAD] * tier.row_width]);
+            __builtin_prefetch(&tier.dirty[victim_slots[j + AHEAD]]);
         }
         const i64 slot = victim_slots[j], key = victim_keys[j];
         if (!tier.dirty[slot]) continue;
         const i64 position = probe(cold.log_keys, cold.log_mask, key);
         const i64 record = position < 0 ? -1 : cold.log_values[position];
-        unsigned char* target =
-            record >= cold.committed ? cold.log_rows + record * cold.stored_bytes : nullptr;
-        staged.push_back({target, tier.rows + slot * tier.row_width, key, position});
-        if (!target) appended_keys.push_back(key);
+        const float* row = tier.rows + slot * tier.row_width;
+        if (record >= cold.committed) {
+            rewritten.push_back({cold.log_rows + record * cold.stored_bytes, row, key, position});
+        } else {
+            appended_rows.push_back({nullptr, row, key, position});
+            appended_keys.push_back(key);
+        }
     }
+    // The stored form of a row at `target`: its bytes, then its check (of the row, not the target,
+    // whose memory may still be on its way).
     auto store = [&](unsigned char* target, const float* row, i64 key) {
         std::memcpy(target, row, cold.row_bytes);
         if (!cold.check_bytes) return;
@@ -620,13 +634,13 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
         for (i64 b = 0; b < cold.check_bytes; ++b)
             target[cold.row_bytes + b] = (unsigned char)(check >> (8 * b));
     };
-    const i64 appended = (i64)appended_keys.size();
+    const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
     if (appended) {
         std::vector<unsigned char> packed(appended * cold.stored_bytes);
-        i64 j = 0;
-        for (size_t k = 0; k < staged.size(); ++k) {
-            if (k + AHEAD < staged.size()) __builtin_prefetch(staged[k + AHEAD].row);
-            if (!staged[k].target) store(&packed[(j++) * cold.stored_bytes], staged[k].row, staged[k].key);
+#pragma omp parallel for schedule(static) if (appended >= PARALLEL_FROM)
+        for (i64 j = 0; j < appended; ++j) {
+            if (j + AHEAD < appended) prefetch_lines(appended_rows[j + AHEAD].row, cold.row_bytes);
+            store(&packed[j * cold.stored_bytes], appended_rows[j].row, appended_rows[j].key);
         }
         int error = write_all(log_rows_fd, packed.data(), appended * cold.stored_bytes,
                               cold.log_count * cold.stored_bytes);
@@ -636,21 +650,24 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
         if (error) return -error;
     }
     // Nothing fails from here on: the rewrites in place, then the log's index.
-    i64 record = cold.log_count, new_to_log = 0;
-    for (size_t k = 0; k < staged.size(); ++k) {
-        if (k + AHEAD < staged.size() && staged[k + AHEAD].target) {
-            __builtin_prefetch(staged[k + AHEAD].target, 1);
-            __builtin_prefetch(staged[k + AHEAD].row);
+#pragma omp parallel for schedule(static) if (rewrites >= PARALLEL_FROM)
+    for (i64 j = 0; j < rewrites; ++j) {
+        if (j + AHEAD < rewrites) {
+            prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
+            __builtin_prefetch(rewritten[j + AHEAD].target, 1);
         }
-        const Staged& item = staged[k];
-        if (item.target) {
-            store(item.target, item.row, item.key);
-        } else if (item.position >= 0) {  // its committed record is superseded
-            cold.log_values[item.position] = record++;
+        store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
+    }
+    i64 new_to_log = 0;
+    for (i64 j = 0; j < appended; ++j) {
+        const i64 record = cold.log_count + j;
+        if (appended_rows[j].position >= 0) {  // its committed record is superseded
+            cold.log_values[appended_rows[j].position] = record;
         } else {
             int status = 0;
-            insert_serial(cold.log_keys, cold.log_values, cold.log_mask, &item.key, &record, 1, &status);
-            ++record, ++new_to_log;
+            insert_serial(cold.log_keys, cold.log_values, cold.log_mask, &appended_keys[j], &record, 1,
+                          &status);
+            ++new_to_log;
         }
     }
 
@@ -661,7 +678,7 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     const i64 row_bytes = tier.row_width * (i64)sizeof(float);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&tier.rows[slots[i + AHEAD] * tier.row_width], 1);
+        if (i + AHEAD < n) prefetch_lines<1>(&tier.rows[slots[i + AHEAD] * tier.row_width], row_bytes);
         const i64 slot = slots[i];
         float* row = tier.rows + slot * tier.row_width;
         if (sources[i])
@@ -678,7 +695,7 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     int status = 0;
     insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n, &status);
     out[0] = held_lookups;
-    out[1] = (i64)staged.size();
+    out[1] = appended + rewrites;
     out[2] = appended;
     out[3] = new_to_log;
     return 0;
