@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import crash_trainer
 import crash_writer
 import pytest
+import torch
 
 from tierstore import TieredStore
 
@@ -28,28 +30,33 @@ def expected_state(last_round: int) -> dict:
     return state
 
 
-def run_writer_and_kill(path: Path, backend: str, config: str, rng: random.Random) -> int:
-    """Start the writer and SIGKILL it at a random point of a random round: after it reports 1 to 3
+def run_writer_and_kill(
+    path: Path, backend: str, config: str, rng: random.Random, script=crash_writer
+) -> int:
+    """Start the writer (``script``: ``crash_writer``, or ``crash_trainer``, which takes the path alone)
+    and SIGKILL it at a random point of a random round: after it reports 1 to 3
     completed rounds, a random share (0 to 1.2) of the last round's own duration later. The schedule
     follows the writer's progress, not the clock, so a slow or busy machine kills in as many
     different rounds as a fast one. Returns the last round it reported."""
     writer = subprocess.Popen(
-        [sys.executable, crash_writer.__file__, str(path), backend, config],
+        [sys.executable, script.__file__, str(path)] + ([backend, config] if script is crash_writer else []),
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert writer.stdout.readline().strip() == "ready"
-    started = time.monotonic()
+    started, reported = time.monotonic(), []
     for _ in range(rng.randint(1, 3)):
-        assert writer.stdout.readline().strip(), "the writer stopped before it was killed"
+        line = writer.stdout.readline().strip()
+        assert line, "the writer stopped before it was killed"
+        reported.append(int(line))
         finished = time.monotonic()
         round_seconds, started = finished - started, finished
     time.sleep(rng.uniform(0.0, 1.2) * round_seconds)
     writer.send_signal(signal.SIGKILL)
-    reported = [int(line) for line in writer.stdout.read().split()]
+    reported += [int(line) for line in writer.stdout.read().split()]
     writer.wait()
-    return reported[-1] if reported else -1
+    return reported[-1]
 
 
 @pytest.mark.slow
@@ -76,3 +83,27 @@ def test_invariant3_reopen_after_sigkill_holds_exactly_the_last_completed_flush(
             assert stored == state
             last_reported = durable
     assert len(rounds_seen) == TRIALS, "every trial completes a round, so each reopens at a newer one"
+
+
+@pytest.mark.slow
+def test_a_training_process_killed_reopens_at_the_rows_of_a_completed_flush(tmp_path):
+    """Training evicts dirty rows into the mmap store's log through the native admission at every
+    step; killed at random moments, the store reopens with exactly the rows of one completed flush
+    (replayed in-process round by round): the last reported one, or the next if the kill came
+    between its flush and its report."""
+    rng = random.Random(99)
+    replay = crash_trainer.open_table(tmp_path / "replay")
+    replayed = [replay.store.get(torch.arange(crash_trainer.IDS), with_state=True, grow=False)]
+    ids = torch.arange(crash_trainer.IDS)
+    for trial in range(max(TRIALS // 2, 2)):
+        path = tmp_path / f"trial{trial}"
+        reported = run_writer_and_kill(path, "mmap", "", rng, script=crash_trainer)
+        while len(replayed) < reported + 3:  # rows after 0, 1, 2, ... completed rounds
+            crash_trainer.train_round(replay, len(replayed) - 1)
+            replayed.append(replay.store.get(ids, with_state=True, grow=False))
+        with TieredStore(path, read_only=True, host_cache=4096) as store:
+            rows = store.get(ids, with_state=True, grow=False)
+        assert any(torch.equal(rows, replayed[rounds]) for rounds in (reported + 1, reported + 2)), (
+            f"trial {trial}: the reopened rows are those of no completed flush at or after round {reported}"
+        )
+    replay.close()
