@@ -15,6 +15,9 @@ a fixed random upstream gradient per step) by:
 - ``in_ram``: ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` with the whole table in RAM and
   no limit: the ceiling.
 
+``--flush-every N`` makes the tiered tables flush (and the memmap sync its map) every N steps,
+inside the timed loop: training as it runs when it checkpoints.
+
 Each method runs in a child process (placed in the cgroup before it imports anything, after the
 page cache is dropped, so the rows come from disk). The limit is a cgroup v1 memory limit
 (``memory.limit_in_bytes``, page cache included); without one (no cgroup v1 memory controller, or
@@ -66,6 +69,12 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
     parser.add_argument("--warm-up", type=int, default=5)
+    parser.add_argument(
+        "--flush-every",
+        type=int,
+        default=0,
+        help="steps between flushes (tiered tables flush, the memmap syncs its map; 0: none)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument(
         "--dir", type=Path, default=None, help="where the tables go (default: a temporary directory)"
@@ -154,7 +163,8 @@ def _measure(args, method: str, limit: int | None, host_cache: str, work: Path) 
     group = _make_cgroup(limit) if limit is not None else None
     command = [sys.executable, __file__, "--child", method, "--host-cache", host_cache, "--dir", str(work)]
     command += [
-        f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("rows", "dim", "steps", "warm_up")
+        f"--{name.replace('_', '-')}={getattr(args, name)}"
+        for name in ("rows", "dim", "steps", "warm_up", "flush_every")
     ]
     command += [f"--batch-size={args.batch_size}", f"--bag={args.bag}"]
 
@@ -193,7 +203,7 @@ def _child(args) -> None:
     batches = np.load(work / "batches.npy", mmap_mode="r")
     offsets = torch.arange(0, args.batch_size * args.bag, args.bag)
     gradients = torch.Generator().manual_seed(SEED)
-    step, finish = _method(method, args, work)
+    step, finish, flush = _method(method, args, work)
     timed = None
     for number in range(len(batches)):
         if number == args.warm_up:
@@ -201,6 +211,8 @@ def _child(args) -> None:
         ids = torch.from_numpy(np.array(batches[number]))
         grad = torch.randn(args.batch_size, args.dim, generator=gradients)
         step(ids, offsets, grad)
+        if args.flush_every and (number + 1) % args.flush_every == 0:
+            flush()
     result = {key: after - timed[key] for key, after in _counters().items()}
     result["steps_per_second"] = args.steps / result.pop("seconds")
     distinct = np.unique(batches)
@@ -212,7 +224,7 @@ def _child(args) -> None:
 
 
 def _method(method: str, args, work: Path):
-    """``(step(ids, offsets, upstream grad), finish(ids) -> (their rows, extra figures))``."""
+    """``(step(ids, offsets, upstream grad), finish(ids) -> (their rows, extra figures), flush())``."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -237,7 +249,7 @@ def _method(method: str, args, work: Path):
             host = table.store.stats()["host"]
             return table.store.get(ids), {"hit_rate": host["hits"] / max(1, host["hits"] + host["misses"])}
 
-        return step, finish
+        return step, finish, table.flush
     if method == "memmap":
         weights = np.load(work / "table.npy", mmap_mode="r+")
 
@@ -252,7 +264,7 @@ def _method(method: str, args, work: Path):
             weights.flush()
             return torch.from_numpy(weights[ids.numpy()]), {}
 
-        return step, finish
+        return step, finish, weights.flush
     from tierstore import initial_weights
 
     table = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
@@ -270,7 +282,7 @@ def _method(method: str, args, work: Path):
     def finish(ids):
         return table.weight.detach()[ids].clone(), {}
 
-    return step, finish
+    return step, finish, lambda: None
 
 
 def _counters() -> dict:
@@ -311,7 +323,8 @@ def _report(args, results: dict, limit: int | None, host_cache: str) -> None:
     for method, result in results.items():
         _print_row(method, result, header=False)
     configuration = {
-        key: getattr(args, key) for key in ("rows", "dim", "batch_size", "bag", "alpha", "steps", "warm_up")
+        key: getattr(args, key)
+        for key in ("rows", "dim", "batch_size", "bag", "alpha", "steps", "warm_up", "flush_every")
     }
     configuration.update(limit_bytes=limit, host_cache=host_cache)
     args.json.parent.mkdir(parents=True, exist_ok=True)

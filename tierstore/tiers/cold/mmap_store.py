@@ -721,10 +721,12 @@ class MmapColdStore(ColdStore):
             self._commit_index()
             self._appended = False
             self._let_readers_in()
+        log = None  # the log's keys, looked up once for the reservation and the apply
         if self._wal_count > self._wal_committed:
             self._wal_keys.sync()
             self._wal_rows.sync()
-            self._reserve_for_log()  # before the commit point: a full disk fails the flush, changing nothing
+            log = self._log_keys()
+            self._reserve_for_log(log)  # before the commit: a full disk fails the flush, changing nothing
             crcs = self._wal_checksums(self._wal_committed, self._wal_count, self._log_crcs)
             self._commit_log(self._wal_count, crcs, flushes)  # the flush is durable here
             self._wal_committed, self._log_crcs = self._wal_count, crcs
@@ -734,22 +736,23 @@ class MmapColdStore(ColdStore):
             self._write_state(self._count, flushes)
         self.flushes = flushes
         if self._wal_committed:
-            self._try_apply()
+            self._try_apply(log)
 
     def _commit_log(self, records: int, crcs: tuple[int, int], flushes: int) -> None:
         """Commit the log's first ``records`` (with their CRC32s) and the flush count, atomically."""
         commit = {"records": records, "keys_crc32": crcs[0], "rows_crc32": crcs[1], "flushes": flushes}
         write_json_atomic(self.directory / WAL_COMMIT_FILE, commit)
 
-    def _try_apply(self) -> None:
-        """Apply the committed log unless a reader is open (then it waits for a later flush)."""
+    def _try_apply(self, log: tuple | None = None) -> None:
+        """Apply the committed log (``log``: its ``_log_keys``, None: looked up) unless a reader is
+        open (then it waits for a later flush)."""
         if not self._readers.try_exclusive():
             self.deferred_applies += 1
             return
         try:
             if self._repair_pending:
                 self._repair_index(self._index)
-            self._apply_wal()
+            self._apply_wal(log)
         finally:
             if not self._holding_readers_out:
                 self._readers.release()
@@ -759,15 +762,16 @@ class MmapColdStore(ColdStore):
         keys, records = self._log_latest()
         return keys, records, self._rows_of(keys)
 
-    def _reserve_for_log(self) -> None:
-        """Allocate the room in ``rows.bin``/``keys.bin`` that applying the log will take."""
-        new_count = int((self._log_keys()[2] < 0).sum())
+    def _reserve_for_log(self, log: tuple) -> None:
+        """Allocate the room in ``rows.bin``/``keys.bin`` that applying ``log`` (``_log_keys``) will take."""
+        new_count = int((log[2] < 0).sum())
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
 
-    def _apply_wal(self) -> None:
-        """Copy the committed log into ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
-        keys, records, position = self._log_keys()
+    def _apply_wal(self, log: tuple | None = None) -> None:
+        """Copy the committed log (``log``: its ``_log_keys``, None: looked up) into
+        ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
+        keys, records, position = self._log_keys() if log is None else log
         new = position < 0
         new_count = int(new.sum())
         position[new] = torch.arange(self._count, self._count + new_count)
