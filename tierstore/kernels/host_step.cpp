@@ -700,3 +700,33 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     out[3] = new_to_log;
     return 0;
 }
+
+// Ask the kernel for the pages a batch is about to touch in mapped files whose pages are likely on
+// disk (MADV_WILLNEED starts their reads and returns: the disk serves them many at a time).
+// step_will_need_homes: each keys[i]'s home position in a table (both arrays);
+// step_will_need_rows: rows rows[0..n) (ascending) of row_bytes each from base, their pages merged
+// into runs (one call a run).
+extern "C" void step_will_need_homes(const i64* __restrict__ keys, i64 n, const i64* __restrict__ table_keys,
+                                     const i64* __restrict__ table_values, i64 mask) {
+    for (i64 i = 0; i < n; ++i) {
+        const u64 home = mix((u64)keys[i]) & (u64)mask;
+        will_need(&table_keys[home], sizeof(i64));
+        will_need(&table_values[home], sizeof(i64));
+    }
+}
+
+extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, const i64* __restrict__ rows,
+                                    i64 n) {
+    static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+    i64 run_start = -1, run_end = -1;  // byte offsets of the pages of the run being merged
+    for (i64 i = 0; i < n; ++i) {
+        const i64 first = rows[i] * row_bytes / page * page, end = rows[i] * row_bytes + row_bytes;
+        if (run_start >= 0 && first <= run_end) {
+            run_end = end > run_end ? end : run_end;
+            continue;
+        }
+        if (run_start >= 0) will_need(base + run_start, run_end - run_start);
+        run_start = first, run_end = end;
+    }
+    if (run_start >= 0) will_need(base + run_start, run_end - run_start);
+}

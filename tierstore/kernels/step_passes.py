@@ -50,6 +50,8 @@ _SIGNATURES = {
         [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _I64] + [_POINTER] * 4,
     ),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
+    "step_will_need_homes": (None, [_POINTER, _I64, _POINTER, _POINTER, _I64]),
+    "step_will_need_rows": (None, [_POINTER, _I64, _POINTER, _I64]),
     "step_admit_cold": (
         _I64,
         [_POINTER, _POINTER, _I64, ctypes.c_float, _POINTER, _I64, _POINTER, _POINTER, _INT, _INT, _INT]
@@ -429,6 +431,27 @@ class StepPasses:
         if result > 0:
             return None, result, first_bad
         return ColdAdmission(held, written, appended, new), 0, -1
+
+    def will_need_homes(
+        self, keys: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor
+    ) -> None:
+        """Ask for the pages of each of ``keys``' (int64) home position in a mapped table, all at once."""
+        keys = keys.contiguous()
+        self._functions["step_will_need_homes"](
+            keys.data_ptr(),
+            keys.numel(),
+            table_keys.data_ptr(),
+            table_values.data_ptr(),
+            table_keys.numel() - 1,
+        )
+
+    def will_need_rows(self, array: np.ndarray, rows: torch.Tensor) -> None:
+        """Ask for the pages of ``rows`` (int64, ascending) of a mapped ``[R, row bytes]`` uint8
+        array, all at once (runs of pages merged)."""
+        rows = rows.contiguous()
+        self._functions["step_will_need_rows"](
+            array.ctypes.data, array.shape[1], rows.data_ptr(), rows.numel()
+        )
 
     def cold_stage(
         self, keys: torch.Tensor, rows: torch.Tensor, log: tuple, committed: int, check_bytes: int

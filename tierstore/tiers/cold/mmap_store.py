@@ -72,6 +72,7 @@ ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 READERS_FILE = "readers.lock"
 APPLY_CHUNK_ROWS = 65536  # log records copied into rows.bin at once
+ADVISED_CHUNK_ROWS = 8192  # ... when their pages are asked for first: what the page cache holds at once
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
@@ -758,9 +759,25 @@ class MmapColdStore(ColdStore):
                 self._readers.release()
 
     def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new)."""
+        """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new).
+        Where the reads find their pages on disk (``ReadAdvice``), the index pages of each chunk of
+        keys are asked for first, all at once."""
         keys, records = self._log_latest()
-        return keys, records, self._rows_of(keys)
+        passes = self._advising_passes()
+        if passes is None:
+            return keys, records, self._rows_of(keys)
+        rows = []
+        for part in keys.split(ADVISED_CHUNK_ROWS):
+            passes.will_need_homes(part, self._index.keys, self._index.values)
+            rows.append(self._rows_of(part))
+        return keys, records, torch.cat(rows) if rows else keys
+
+    def _advising_passes(self):
+        """The native passes where batched reads ask for their pages first (mapped index, pages on
+        disk), else None."""
+        if not (self._reads.advising and isinstance(self._index, DiskIndex)):
+            return None
+        return host_passes()
 
     def _reserve_for_log(self, log: tuple) -> None:
         """Allocate the room in ``rows.bin``/``keys.bin`` that applying ``log`` (``_log_keys``) will take."""
@@ -777,8 +794,15 @@ class MmapColdStore(ColdStore):
         position[new] = torch.arange(self._count, self._count + new_count)
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
-        for part in torch.arange(records.numel()).split(APPLY_CHUNK_ROWS):  # bounded copies
-            self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
+        passes = self._advising_passes()
+        if passes is None:
+            for part in torch.arange(records.numel()).split(APPLY_CHUNK_ROWS):  # bounded copies
+                self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
+        else:  # in the rows' order, each chunk's pages of both files asked for first
+            for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS):
+                passes.will_need_rows(self._rows.array, position[part])
+                passes.will_need_rows(self._wal_rows.array, torch.sort(records[part]).values)
+                self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
         self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
         self._rows.sync()
         self._keys.sync()
