@@ -343,6 +343,37 @@ static inline void will_need(const void* address, i64 bytes) {
     madvise((void*)start, end - start, MADV_WILLNEED);
 }
 
+// Ask the kernel for the pages a batch is about to touch in mapped files whose pages are likely on
+// disk (MADV_WILLNEED starts their reads and returns: the disk serves them many at a time).
+// step_will_need_homes: each keys[i]'s home position in a table (both arrays);
+// step_will_need_rows: rows rows[0..n) (ascending) of row_bytes each from base, their pages merged
+// into runs (one call a run).
+extern "C" void step_will_need_homes(const i64* __restrict__ keys, i64 n, const i64* __restrict__ table_keys,
+                                     const i64* __restrict__ table_values, i64 mask) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        const u64 home = mix((u64)keys[i]) & (u64)mask;
+        will_need(&table_keys[home], sizeof(i64));
+        will_need(&table_values[home], sizeof(i64));
+    }
+}
+
+extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, const i64* __restrict__ rows,
+                                    i64 n) {
+    static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+    i64 run_start = -1, run_end = -1;  // byte offsets of the pages of the run being merged
+    for (i64 i = 0; i < n; ++i) {
+        const i64 first = rows[i] * row_bytes / page * page, end = rows[i] * row_bytes + row_bytes;
+        if (run_start >= 0 && first <= run_end) {
+            run_end = end > run_end ? end : run_end;
+            continue;
+        }
+        if (run_start >= 0) will_need(base + run_start, run_end - run_start);
+        run_start = first, run_end = end;
+    }
+    if (run_start >= 0) will_need(base + run_start, run_end - run_start);
+}
+
 // Where the mmap cold store (tierstore/tiers/cold/mmap_store.py) keeps its rows: the main rows and
 // their index (main_keys/main_values/main_mask; main rows at or past main_count are not committed),
 // and the write-ahead log's (log_keys/log_values/log_mask < 0: no log; log_count records, those from
@@ -373,14 +404,8 @@ struct ColdFiles {
 // not in memory.
 static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFiles& cold, int advise,
                                const unsigned char** __restrict__ sources) {
-    if (advise && cold.main_mask >= 0) {
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-        for (i64 i = 0; i < n; ++i) {
-            const u64 home = mix((u64)keys[i]) & (u64)cold.main_mask;
-            will_need(&cold.main_keys[home], sizeof(i64));
-            will_need(&cold.main_values[home], sizeof(i64));
-        }
-    }
+    if (advise && cold.main_mask >= 0)
+        step_will_need_homes(keys, n, cold.main_keys, cold.main_values, cold.main_mask);
     // Asking for the memory of item i + AHEAD while working on item i: the indexes' positions are
     // random in tables far larger than the caches.
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
@@ -427,6 +452,16 @@ static inline bool check_holds(const unsigned char* __restrict__ source, i64 key
     for (i64 b = 0; b < cold.check_bytes; ++b)
         matches &= source[cold.row_bytes + b] == ((check >> (8 * b)) & 0xFF);
     return matches;
+}
+
+// The stored form of `row` (row_bytes) of id `key` at `target`: its bytes, then check_bytes of its
+// check, computed from `row` (the target's memory may still be on its way).
+static inline void store_row(unsigned char* __restrict__ target, const unsigned char* __restrict__ row,
+                             i64 key, i64 row_bytes, i64 check_bytes, const RowChecks& checks) {
+    std::memcpy(target, row, row_bytes);
+    if (!check_bytes) return;
+    const u64 check = checks.of(row, key);
+    for (i64 b = 0; b < check_bytes; ++b) target[row_bytes + b] = (unsigned char)(check >> (8 * b));
 }
 
 // The mmap cold store's batched read: copies each keys[i]'s stored row (row_bytes) to out[i] and
@@ -506,13 +541,7 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) __builtin_prefetch(targets[i + AHEAD], 1);
-        unsigned char* target = targets[i];
-        const unsigned char* row = rows + i * row_bytes;
-        std::memcpy(target, row, row_bytes);
-        if (check_bytes) {
-            const u64 check = checks.of(row, keys[i]);
-            for (i64 b = 0; b < check_bytes; ++b) target[row_bytes + b] = (unsigned char)(check >> (8 * b));
-        }
+        store_row(targets[i], rows + i * row_bytes, keys[i], row_bytes, check_bytes, checks);
     }
     return packed;
 }
@@ -552,7 +581,7 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 }
 
 // A host tier's misses made resident straight from the mmap cold store in one call
-// (tierstore/tiers/direct_admission.py): keys[0..n) (distinct, none in the tier, each looked up
+// (tierstore/tiers/cold/mmap_store.py's admit_into): keys[0..n) (distinct, none in the tier, each looked up
 // counts[i] times) go to slots[0..n), of which the last `victims` hold rows the tier evicts.
 // 1. Each key's stored row is located and its check verified. Rows failing it: their number is
 //    returned, the first in out[4], and nothing has changed.
@@ -625,14 +654,8 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
             appended_keys.push_back(key);
         }
     }
-    // The stored form of a row at `target`: its bytes, then its check (of the row, not the target,
-    // whose memory may still be on its way).
     auto store = [&](unsigned char* target, const float* row, i64 key) {
-        std::memcpy(target, row, cold.row_bytes);
-        if (!cold.check_bytes) return;
-        const u64 check = checks.of((const unsigned char*)row, key);
-        for (i64 b = 0; b < cold.check_bytes; ++b)
-            target[cold.row_bytes + b] = (unsigned char)(check >> (8 * b));
+        store_row(target, (const unsigned char*)row, key, cold.row_bytes, cold.check_bytes, checks);
     };
     const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
     if (appended) {
@@ -699,34 +722,4 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     out[2] = appended;
     out[3] = new_to_log;
     return 0;
-}
-
-// Ask the kernel for the pages a batch is about to touch in mapped files whose pages are likely on
-// disk (MADV_WILLNEED starts their reads and returns: the disk serves them many at a time).
-// step_will_need_homes: each keys[i]'s home position in a table (both arrays);
-// step_will_need_rows: rows rows[0..n) (ascending) of row_bytes each from base, their pages merged
-// into runs (one call a run).
-extern "C" void step_will_need_homes(const i64* __restrict__ keys, i64 n, const i64* __restrict__ table_keys,
-                                     const i64* __restrict__ table_values, i64 mask) {
-    for (i64 i = 0; i < n; ++i) {
-        const u64 home = mix((u64)keys[i]) & (u64)mask;
-        will_need(&table_keys[home], sizeof(i64));
-        will_need(&table_values[home], sizeof(i64));
-    }
-}
-
-extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, const i64* __restrict__ rows,
-                                    i64 n) {
-    static const i64 page = (i64)sysconf(_SC_PAGESIZE);
-    i64 run_start = -1, run_end = -1;  // byte offsets of the pages of the run being merged
-    for (i64 i = 0; i < n; ++i) {
-        const i64 first = rows[i] * row_bytes / page * page, end = rows[i] * row_bytes + row_bytes;
-        if (run_start >= 0 && first <= run_end) {
-            run_end = end > run_end ? end : run_end;
-            continue;
-        }
-        if (run_start >= 0) will_need(base + run_start, run_end - run_start);
-        run_start = first, run_end = end;
-    }
-    if (run_start >= 0) will_need(base + run_start, run_end - run_start);
 }

@@ -77,7 +77,7 @@ class HostTierArrays(ctypes.Structure):
 
 
 class ColdFiles(ctypes.Structure):
-    """host_step.cpp's ``ColdFiles``: where the mmap cold store keeps its rows (``MmapColdStore.files``)."""
+    """host_step.cpp's ``ColdFiles``: where the mmap cold store keeps its rows (its ``admit_into``)."""
 
     _fields_ = [
         ("main_keys", _POINTER),

@@ -241,21 +241,17 @@ class RowCache:
         before_evicting: Callable[[Rows], None] | None = None,
     ) -> tuple[torch.Tensor, Rows]:
         count = len(incoming)
-        from_free = min(count, self._free_count)
+        slots, victims = self.claim_slots(count, protected)
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
-        victims = self._victims(count - from_free, protected) if count > from_free else None
-        if victims is not None:
-            evicted = self._rows_at(victims)
+        if victims:
+            evicted = self._rows_at(slots[count - victims :])
             if before_evicting is not None:
                 before_evicting(evicted)  # may raise: nothing here has changed yet
-        slots = self._free[self._free_count - from_free : self._free_count].clone()
-        self._free_count -= from_free
-        if victims is not None:
             self.index.remove(evicted.keys)
-            self.vacated += victims.numel()
-            slots = torch.cat([slots, victims])
-            self.stats.evictions += victims.numel()
+            self.vacated += victims
+            self.stats.evictions += victims
             self.stats.writebacks += int(evicted.dirty.sum())
+        self._free_count -= count - victims
         keys = incoming.keys.to(self.device)
         self.index.insert(keys, slots)
         if self._passes is not None:
