@@ -187,7 +187,43 @@ static inline bool evictable(const i64* __restrict__ slot_keys, const unsigned c
     return slot_keys[slot] >= 0 && !pins[slot];
 }
 
-#define SAMPLE_EVERY 64  // slots: one in this many is sampled to bound the scores worth ranking
+#define SAMPLE_EVERY 64               // slots: one in this many is sampled to bound the scores worth ranking
+#define KEEP_SCRATCH_ITEMS (1 << 17)  // a scan's scratch kept per thread: 1 MiB at most
+
+// The `need` smallest of items[0..n) (distinct; 0 < need <= n) into out[0..need), in no order; out
+// has room for need + 1, items is overwritten. A radix select without data-dependent branches: each
+// round counts the items by 8 bits under their range's highest differing bit, keeps those in lower
+// buckets and goes on with the bucket holding the need-th (the branches of a quickselect's
+// comparisons mispredict on half of them; on fresh scores every step that costs it several times more).
+static void select_lowest(u64* __restrict__ items, i64 n, i64 need, u64* __restrict__ out) {
+    i64 taken = 0;
+    while (need < n) {
+        u64 low = items[0], high = items[0];
+        for (i64 i = 1; i < n; ++i) {
+            low = std::min(low, items[i]);
+            high = std::max(high, items[i]);
+        }
+        const int top = 63 - __builtin_clzll(high - low);  // high > low: the items are distinct
+        const int shift = top >= 7 ? top - 7 : 0;          // (high - low) >> shift < 256
+        i64 histogram[256] = {0};
+        for (i64 i = 0; i < n; ++i) ++histogram[(items[i] - low) >> shift];
+        i64 below = 0;
+        u64 bucket = 0;
+        while (below + histogram[bucket] < need) below += histogram[bucket++];
+        i64 kept = 0;
+        for (i64 i = 0; i < n; ++i) {
+            const u64 item = items[i];
+            const u64 of = (item - low) >> shift;
+            out[taken] = item;  // out has room for one more
+            taken += of < bucket;
+            items[kept] = item;
+            kept += of == bucket;
+        }
+        n = kept;
+        need -= below;
+    }
+    std::memcpy(out + taken, items, need * sizeof(u64));
+}
 
 // The `count` lowest-scoring slots among those holding a row (slot_keys >= 0) and not pinned
 // (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Returns how
@@ -198,36 +234,61 @@ static inline bool evictable(const i64* __restrict__ slot_keys, const unsigned c
 extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
                                   const unsigned char* __restrict__ pins, i64 capacity, i64 count, i64 head,
                                   i64* __restrict__ out) {
-    std::vector<u64> ranked;
+    thread_local std::vector<u64> kept_items, kept_chosen;  // the next scan's, up to KEEP_SCRATCH_ITEMS
+    std::vector<u64>& items = kept_items;
+    std::vector<u64>& chosen = kept_chosen;
+    items.resize(capacity + 1);
+    u64* const candidates = items.data();  // ranked slots (ranked_slot)
+    i64 n = 0;
     if (capacity >= 64 * SAMPLE_EVERY && count < capacity / 4) {
-        std::vector<u64> sample;
-        for (i64 s = 0; s < capacity; s += SAMPLE_EVERY)
-            if (evictable(slot_keys, pins, s)) sample.push_back(ranked_slot(scores, s));
+        i64 sampled = 0;
+        for (i64 s = 0; s < capacity; s += SAMPLE_EVERY) {
+            candidates[sampled] = ranked_slot(scores, s);
+            sampled += evictable(slot_keys, pins, s);
+        }
         const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 64;  // a margin over the share
-        if (wanted < (i64)sample.size()) {
-            std::nth_element(sample.begin(), sample.begin() + wanted, sample.end());
-            const u64 bound = sample[wanted] | 0xFFFFFFFFULL;  // every slot of that score or lower
-            ranked.reserve(2 * count);
-            for (i64 s = 0; s < capacity; ++s) {
-                if (!evictable(slot_keys, pins, s)) continue;
+        if (wanted < sampled) {
+            chosen.resize(wanted + 2);
+            select_lowest(candidates, sampled, wanted + 1, chosen.data());
+            const u64 bound = *std::max_element(chosen.begin(), chosen.begin() + wanted + 1) | 0xFFFFFFFFULL;
+            for (i64 s = 0; s < capacity; ++s) {  // every slot of that score or lower
                 const u64 item = ranked_slot(scores, s);
-                if (item <= bound) ranked.push_back(item);
+                candidates[n] = item;
+                n += evictable(slot_keys, pins, s) & (item <= bound);
             }
-            if ((i64)ranked.size() < count) ranked.clear();  // the sample misled: rank every slot
+            if (n < count) n = 0;  // the sample misled: rank every slot
         }
     }
-    if (ranked.empty()) {
-        ranked.reserve(capacity);
-        for (i64 s = 0; s < capacity; ++s)
-            if (evictable(slot_keys, pins, s)) ranked.push_back(ranked_slot(scores, s));
+    if (n == 0) {
+        for (i64 s = 0; s < capacity; ++s) {
+            candidates[n] = ranked_slot(scores, s);
+            n += evictable(slot_keys, pins, s);
+        }
     }
-    const i64 kept = std::min<i64>(count, (i64)ranked.size());
-    if (kept < (i64)ranked.size()) std::nth_element(ranked.begin(), ranked.begin() + kept, ranked.end());
+    const i64 kept = std::min<i64>(count, n);
+    if (kept == 0) return 0;
+    chosen.resize(2 * (kept + 1));
+    u64* const lowest = chosen.data();  // the kept lowest, then a copy of them
+    u64* const ranked = candidates;     // the head lowest, then the rest ascending
+    select_lowest(candidates, n, kept, lowest);
     const i64 unsorted = std::min<i64>(head, kept);
-    if (unsorted > 0 && unsorted < kept)
-        std::nth_element(ranked.begin(), ranked.begin() + unsorted, ranked.begin() + kept);
-    std::sort(ranked.begin() + unsorted, ranked.begin() + kept);
+    if (unsorted == 0 || unsorted == kept) {
+        std::memcpy(ranked, lowest, kept * sizeof(u64));
+    } else {
+        u64* const copy = lowest + kept + 1;
+        std::memcpy(copy, lowest, kept * sizeof(u64));
+        select_lowest(copy, kept, unsorted, ranked);
+        const u64 bound = *std::max_element(ranked, ranked + unsorted);
+        i64 after = unsorted;
+        for (i64 i = 0; i < kept; ++i) {
+            ranked[after] = lowest[i];
+            after += lowest[i] > bound;
+        }
+    }
+    std::sort(ranked + unsorted, ranked + kept);
     for (i64 i = 0; i < kept; ++i) out[i] = (i64)(ranked[i] & 0xFFFFFFFFULL);
+    if (items.capacity() > KEEP_SCRATCH_ITEMS) std::vector<u64>().swap(items);
+    if (chosen.capacity() > KEEP_SCRATCH_ITEMS) std::vector<u64>().swap(chosen);
     return kept;
 }
 
