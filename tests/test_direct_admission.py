@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierstore import TieredEmbeddingBag, TieredStore, optim
-from tierstore.errors import StoreFormatError
+from tierstore.errors import CacheCapacityError, StoreFormatError
 from tierstore.tiers.cold import mmap_store
 
 DIM = 6
@@ -27,8 +27,8 @@ def _train(path, direct: bool, optimizer, steps: int = 40, flush_every: int = 7)
     cold = table.store.stack.cold
     admitted = []
     if direct:
-        admit_into = cold.admit_into
-        cold.admit_into = lambda *a: admitted.append(a[1].numel()) or admit_into(*a)
+        make_resident_in = cold.make_resident_in
+        cold.make_resident_in = lambda *a: admitted.append(a[1].numel()) or make_resident_in(*a)
     else:
         cold.admits_into = lambda tier: False
     generator = torch.Generator().manual_seed(5)
@@ -82,6 +82,76 @@ def test_the_direct_admission_leaves_what_the_tiers_own_path_leaves(tmp_path, op
         assert torch.equal(reopened.get(ids, with_state=True), rows)
 
 
+def _tier_state(table) -> dict:
+    top = table.store.stack.top
+    state = {name: getattr(top, name).clone() for name in ("slot_keys", "rows", "dirty", "fresh", "pins")}
+    state["score"] = top.policy.score.clone()
+    state["pool"] = top.policy._pool.clone()
+    state["host"] = _counters(table)["host"]
+    return state
+
+
+def _assert_same_tiers(direct, reference) -> None:
+    got, expected = _tier_state(direct), _tier_state(reference)
+    for name, value in expected.items():
+        same = value == got[name] if isinstance(value, dict) else torch.equal(got[name], value)
+        assert same, name
+
+
+def test_pinned_rows_and_a_refused_batch_leave_what_the_tiers_own_path_leaves(tmp_path):
+    """Rows a lookahead window pins (moved up through the same native call, the resident ones kept)
+    are never victims, and a batch needing more slots than are evictable is refused with the tier's
+    error: the tier (slots, rows, flags, pins, scores, LFU's pool, counters) as the tiers' own path
+    leaves it, before and after the refusal."""
+    tables, calls = [], []
+    for name, direct in (("direct", True), ("reference", False)):
+        table = TieredEmbeddingBag(None, DIM, path=tmp_path / name, backend="mmap", host_cache=16)
+        cold = table.store.stack.cold
+        if direct:
+            make_resident_in = cold.make_resident_in
+            cold.make_resident_in = lambda *a, call=make_resident_in: calls.append(a[3]) or call(*a)
+        else:
+            cold.admits_into = lambda tier: False
+        tables.append(table)
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.rand(12, generator=generator) ** 2 * 40).to(torch.int64) for _ in range(12)]
+    for table in tables:
+        for ids in batches:
+            table(ids, torch.arange(0, 12, 4)).sum().backward()
+        table.store.flush()
+    _assert_same_tiers(*tables)
+    top = tables[0].store.stack.top
+    held = top.slot_keys >= 0
+    coldest = top.slot_keys[held][top.policy.score[held].argsort()[:4]]  # the next victims, if unpinned
+    absent = torch.tensor(
+        [key for key in torch.cat(batches).unique().tolist() if key not in top.slot_keys][:6]
+    )
+    pinned = torch.cat([coldest, absent])
+    pins = [table.store.pin_rows(pinned) for table in tables]
+    assert pins[0][2] == pins[1][2] == 6  # moved up, the resident ones kept
+    assert calls[-1] is not None and calls[-1].numel() == 4  # through the native call, protecting them
+    _assert_same_tiers(*tables)
+    assert set(pinned.tolist()) <= set(top.slot_keys.tolist())
+    errors = []
+    for table in tables:  # 10 pinned in 16 slots: 8 new ids do not fit
+        with pytest.raises(CacheCapacityError, match=r"10 pinned by a lookahead window") as raised:
+            table(torch.arange(100, 108), torch.tensor([0]))
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    _assert_same_tiers(*tables)
+    outputs = [table(torch.arange(200, 205), torch.tensor([0, 2])) for table in tables]
+    assert torch.equal(outputs[0], outputs[1])
+    _assert_same_tiers(*tables)
+    resident = top.slot_keys.tolist()
+    assert set(pinned.tolist()) <= set(resident) and set(range(200, 205)) <= set(resident)
+    for table, (keys, slots, _) in zip(tables, pins):
+        table.store.unpin_rows(keys, slots)
+        table(torch.arange(300, 312), torch.tensor([0, 6])).sum().backward()
+    _assert_same_tiers(*tables)
+    for table in tables:
+        table.close()
+
+
 def test_a_damaged_row_refuses_the_admission_and_changes_nothing(tmp_path):
     table = TieredEmbeddingBag(None, DIM, path=tmp_path / "s", backend="mmap", host_cache=8)
     table(torch.arange(8), torch.arange(0, 8, 2)).sum().backward()  # rows 0..7: dirty, cached
@@ -115,8 +185,8 @@ FILL_UNTIL_FULL = textwrap.dedent(
     table = TieredEmbeddingBag(None, 64, path=sys.argv[1], backend="mmap", host_cache=300)
     cold = table.store.stack.cold
     admitted = []
-    admit_into = cold.admit_into
-    cold.admit_into = lambda *a: admitted.append(1) or admit_into(*a)
+    make_resident_in = cold.make_resident_in
+    cold.make_resident_in = lambda *a: admitted.append(1) or make_resident_in(*a)
     error, done = None, 0
     for step in range(100000):  # new ids every step: every victim is dirty and staged in the log
         ids = torch.arange(step * 200, (step + 1) * 200)

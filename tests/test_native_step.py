@@ -17,7 +17,6 @@ from tierstore.kernels import step_passes
 from tierstore.kernels.host import openmp_runtime
 from tierstore.nn import jagged_batch, native_step
 from tierstore.nn.collection import TieredEmbeddingBagCollection
-from tierstore.tiers import RowCache
 from tierstore.tiers.cold import codec, mmap_store, open_cold_store
 
 OPTIMIZERS = [
@@ -115,15 +114,17 @@ def test_native_step_trains_the_rows_of_the_reference_path(
 
 
 def test_the_native_path_is_the_one_taken(monkeypatch):
-    calls, resolved = [], []
+    calls, resident = [], []
     pooled = step_passes.StepPasses.pooled
     monkeypatch.setattr(step_passes.StepPasses, "pooled", lambda *a, **k: calls.append(1) or pooled(*a, **k))
-    resolve = RowCache.resolve
-    monkeypatch.setattr(RowCache, "resolve", lambda *a: resolved.append(resolve(*a)) or resolved[-1])
+    make_resident = step_passes.StepPasses.make_resident
+    monkeypatch.setattr(
+        step_passes.StepPasses, "make_resident", lambda *a: resident.append(make_resident(*a)) or resident[-1]
+    )
     table = TieredEmbeddingBag(10, 4, mode="sum", host_cache=16)
     table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
     assert calls == [1]
-    assert len(resolved) == 1 and resolved[0] is not None  # found and touched in one native pass
+    assert len(resident) == 1 and resident[0][1].misses == 3  # found and read in by one native call
     with torch.no_grad():  # evaluation reads through the store (ids not seen stay out of it)
         table(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
     assert calls == [1]

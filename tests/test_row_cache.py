@@ -167,7 +167,9 @@ def test_victims_are_ranked_as_a_stable_sort_ranks_them(levels, scale):
 
 
 @pytest.mark.parametrize("capacity", [100, 5000, 70_000])
-@pytest.mark.parametrize("scores_are", ["zipf counts", "ties", "a tie group in a long tail", "low where sampled"])
+@pytest.mark.parametrize(
+    "scores_are", ["zipf counts", "ties", "a tie group in a long tail", "low where sampled"]
+)
 def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capacity, scores_are):
     """The host build's scan (a sample bounds the scores worth ranking in a large tier) returns
     what a stable sort of every evictable slot's score returns, whatever misleads the sample."""
@@ -179,7 +181,7 @@ def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capac
     elif scores_are == "a tie group in a long tail":  # the rows one batch admitted, as LFU scores them
         scores = torch.from_numpy((rng.pareto(1.1, capacity) * 100 + 1).astype(np.float32))
         scores[torch.from_numpy(rng.random(capacity) < 0.3)] = 7.0
-    else:  # the sampled slots (every 64th) score lowest: their bound covers too few slots
+    else:  # "sampled low": the sampled slots (every 64th) score lowest, their bound covering too few
         scores = torch.full((capacity,), 5.0)
         scores[::64] = 1.0
     slot_keys = torch.from_numpy(np.where(rng.random(capacity) < 0.1, -1, np.arange(capacity)))

@@ -6,12 +6,14 @@
 // - step_backward: each distinct row's gradient summed from its entries and the fused optimizer
 //   applied to the row in place, in one pass (or the sums written out, to be applied elsewhere);
 // - step_cold_rows / step_cold_stage: the mmap cold store's batched read and log staging;
-// - step_admit_cold: a host tier's misses read from the mmap cold store into their slots, the
-//   victims' dirty rows staged in its log, in one call.
+// - step_make_resident: a batch's rows made resident in a host tier in one call: found, the misses'
+//   victims chosen (LFU), their rows read from the mmap cold store into their slots and the
+//   victims' dirty rows staged in its log (step_admit_cold).
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
 // It also holds the host cache tier's own calls (host_cache.cpp).
 
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -580,8 +582,8 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
     return 0;
 }
 
-// A host tier's misses made resident straight from the mmap cold store in one call
-// (tierstore/tiers/cold/mmap_store.py's admit_into): keys[0..n) (distinct, none in the tier, each looked up
+// A host tier's misses made resident straight from the mmap cold store (step_make_resident's last
+// part): keys[0..n) (distinct, none in the tier, each looked up
 // counts[i] times) go to slots[0..n), of which the last `victims` hold rows the tier evicts.
 // 1. Each key's stored row is located and its check verified. Rows failing it: their number is
 //    returned, the first in out[4], and nothing has changed.
@@ -595,11 +597,11 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 //    increment, as an admission's reset and LFU's count leave it; the keys enter the tier's index.
 // out[0]: lookups of keys the store holds; out[1]: victims written back; out[2]: records appended;
 // out[3]: keys new to the log's index.
-extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
-                               float increment, const i64* __restrict__ slots, i64 victims,
-                               const HostTier* tier_arrays, const ColdFiles* cold_files, int advise,
-                               int log_rows_fd, int log_keys_fd, const InitialRows* initial,
-                               i64* __restrict__ out) {
+static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                           float increment, const i64* __restrict__ slots, i64 victims,
+                           const HostTier* tier_arrays, const ColdFiles* cold_files, int advise,
+                           int log_rows_fd, int log_keys_fd, const InitialRows* initial,
+                           i64* __restrict__ out) {
     const HostTier& tier = *tier_arrays;
     const ColdFiles& cold = *cold_files;
     const RowChecks checks(cold.row_bytes);
@@ -722,4 +724,137 @@ extern "C" i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restri
     out[2] = appended;
     out[3] = new_to_log;
     return 0;
+}
+
+// LFU's choice of victims in a host tier (tierstore/tiers/policies.py's LfuWithAgeing, through
+// RowCache.native_choice): the tier's free slots (taken from the end of free_slots[0..free_count)),
+// the pool its last scan left (slots with the scores and keys they had then), room for a new scan:
+// `ranked` (victims + pool_size slots), `ranked_scores` and `ranked_keys` (pool_size each: the new
+// pool's scores and keys as ranked), and what an access adds to a score now.
+struct TierChoice {
+    unsigned char* pins;
+    i64 capacity;
+    const i64* free_slots;
+    i64 free_count;
+    const i64* pool;
+    const float* pool_scores;
+    const i64* pool_keys;
+    i64 pool_length;
+    i64 pool_size;
+    i64* ranked;
+    float* ranked_scores;
+    i64* ranked_keys;
+    float increment;
+};
+
+// What step_make_resident did. status 0: the keys are resident; 1: `bad` stored rows fail their check
+// (detail: the first one's key); 2: too few slots are evictable (detail: how many are); 3: a write of
+// the log failed (detail: its errno). Whatever the status: the hits' scores were raised (hit_lookups
+// and missed_lookups counted) and, where victims were wanted, the pool entries they took are gone
+// (pool_taken; -1: the pool ran short and a scan ranked ranked_count slots, fewer than `victims`
+// with status 2). Otherwise nothing changed unless the status is 0.
+struct Residency {
+    i64 status, detail;
+    i64 hit_lookups, missed_lookups, misses;
+    i64 from_free, victims, pool_taken, ranked_count;
+    i64 held_lookups, written_back, appended, new_to_log, bad;
+    i64 find_ns, choose_ns, admit_ns;  // where the call's time went (steady clock)
+};
+
+static inline i64 steady_ns() {
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (i64)now.tv_sec * 1000000000LL + (i64)now.tv_nsec;
+}
+
+// A host tier's batch made resident in one call (tierstore/tiers/cold/mmap_store.py's
+// make_resident_in): keys[0..n) (distinct, each looked up counts[i] times) are found in the tier
+// (cache_resolve: the hits' scores raised), the misses take free slots, then victims (LFU's:
+// cache_pool_take from the pool, else cache_lowest_slots ranking the pool anew), with the hits and
+// protect[0..protect_count) pinned while they are chosen, and come in from the cold store
+// (step_admit_cold). slots[i]: keys[i]'s slot (where status is 0).
+extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                                   const i64* __restrict__ protect, i64 protect_count,
+                                   const HostTier* tier_arrays, const TierChoice* tier_choice,
+                                   const ColdFiles* cold_files, int advise, int log_rows_fd, int log_keys_fd,
+                                   const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
+    const HostTier& tier = *tier_arrays;
+    const TierChoice& choice = *tier_choice;
+    const float increment = choice.increment;
+    *out = Residency{};
+    out->pool_taken = -1;
+    const i64 started = steady_ns();
+    std::vector<i64> hit_slots(n), missed(n);
+    i64 lookups[2];
+    const i64 misses = cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, keys, counts, n,
+                                     tier.scores, increment, slots, hit_slots.data(), missed.data(), lookups);
+    const i64 hits = n - misses;
+    out->hit_lookups = lookups[0];
+    out->missed_lookups = lookups[1];
+    out->misses = misses;
+    const i64 found = steady_ns();
+    out->find_ns = found - started;
+    if (misses == 0) return;
+
+    std::vector<i64> claimed(misses), missed_keys(misses), missed_counts(misses);
+    for (i64 i = 0; i < misses; ++i) {
+        missed_keys[i] = keys[missed[i]];
+        missed_counts[i] = counts[missed[i]];
+    }
+    const i64 from_free = std::min(misses, choice.free_count);
+    for (i64 i = 0; i < from_free; ++i) claimed[i] = choice.free_slots[choice.free_count - from_free + i];
+    const i64 victims = misses - from_free;
+    out->from_free = from_free;
+    out->victims = victims;
+    if (victims) {
+        cache_pins_add(choice.pins, hit_slots.data(), hits, 1);
+        cache_pins_add(choice.pins, protect, protect_count, 1);
+        i64* const taken = &claimed[from_free];
+        out->pool_taken =
+            cache_pool_take(choice.pool, choice.pool_scores, choice.pool_keys, choice.pool_length,
+                            tier.scores, tier.slot_keys, choice.pins, victims, taken);
+        if (out->pool_taken < 0) {
+            const i64 ranked = cache_lowest_slots(tier.scores, tier.slot_keys, choice.pins, choice.capacity,
+                                                  victims + choice.pool_size, victims, choice.ranked);
+            out->ranked_count = ranked;
+            if (ranked >= victims) {
+                std::memcpy(taken, choice.ranked, victims * sizeof(i64));
+                for (i64 j = victims; j < ranked; ++j) {
+                    choice.ranked_scores[j - victims] = tier.scores[choice.ranked[j]];
+                    choice.ranked_keys[j - victims] = tier.slot_keys[choice.ranked[j]];
+                }
+            }
+        }
+        cache_pins_add(choice.pins, protect, protect_count, -1);  // uint8 counts: undone exactly
+        cache_pins_add(choice.pins, hit_slots.data(), hits, -1);
+        if (out->pool_taken < 0 && out->ranked_count < victims) {
+            out->status = 2;
+            out->detail = out->ranked_count;
+            return;
+        }
+    }
+    const i64 chosen = steady_ns();
+    out->choose_ns = chosen - found;
+
+    i64 admitted[5] = {0, 0, 0, 0, 0};
+    const i64 result =
+        step_admit_cold(missed_keys.data(), missed_counts.data(), misses, increment, claimed.data(), victims,
+                        tier_arrays, cold_files, advise, log_rows_fd, log_keys_fd, initial, admitted);
+    out->admit_ns = steady_ns() - chosen;
+    if (result > 0) {
+        out->status = 1;
+        out->bad = result;
+        out->detail = missed_keys[admitted[4]];
+        return;
+    }
+    if (result < 0) {
+        out->status = 3;
+        out->detail = -result;
+        return;
+    }
+    for (i64 i = 0; i < misses; ++i) slots[missed[i]] = claimed[i];
+    out->held_lookups = admitted[0];
+    out->written_back = admitted[1];
+    out->appended = admitted[2];
+    out->new_to_log = admitted[3];
 }

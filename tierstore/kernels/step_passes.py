@@ -12,7 +12,6 @@ import ctypes
 import dataclasses
 import functools
 import math
-import os
 import threading
 
 import numpy as np
@@ -52,10 +51,10 @@ _SIGNATURES = {
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
     "step_will_need_homes": (None, [_POINTER, _I64, _POINTER, _POINTER, _I64]),
     "step_will_need_rows": (None, [_POINTER, _I64, _POINTER, _I64]),
-    "step_admit_cold": (
-        _I64,
-        [_POINTER, _POINTER, _I64, ctypes.c_float, _POINTER, _I64, _POINTER, _POINTER, _INT, _INT, _INT]
-        + [_POINTER, _POINTER],
+    "step_make_resident": (
+        None,
+        [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT]
+        + [_POINTER, _POINTER, _POINTER],
     ),
 }
 
@@ -97,21 +96,61 @@ class ColdFiles(ctypes.Structure):
     ]
 
 
+class TierChoice(ctypes.Structure):
+    """host_step.cpp's ``TierChoice``: a host tier's free slots and LFU's pool, the weight of an access
+    now, and room for a scan's ranking (``RowCache.native_choice``)."""
+
+    _fields_ = [
+        ("pins", _POINTER),
+        ("capacity", _I64),
+        ("free_slots", _POINTER),
+        ("free_count", _I64),
+        ("pool", _POINTER),
+        ("pool_scores", _POINTER),
+        ("pool_keys", _POINTER),
+        ("pool_length", _I64),
+        ("pool_size", _I64),
+        ("ranked", _POINTER),
+        ("ranked_scores", _POINTER),
+        ("ranked_keys", _POINTER),
+        ("increment", ctypes.c_float),
+    ]
+
+
+class Residency(ctypes.Structure):
+    """host_step.cpp's ``Residency``: what ``StepPasses.make_resident`` did (``status``: 0 done, 1 rows
+    failed their check, 2 too few slots evictable, 3 a write failed; see host_step.cpp)."""
+
+    _fields_ = [
+        (name, _I64)
+        for name in (
+            "status",
+            "detail",
+            "hit_lookups",
+            "missed_lookups",
+            "misses",
+            "from_free",
+            "victims",
+            "pool_taken",
+            "ranked_count",
+            "held_lookups",
+            "written_back",
+            "appended",
+            "new_to_log",
+            "bad",
+            "find_ns",
+            "choose_ns",
+            "admit_ns",
+        )
+    ]
+
+    RESIDENT, DAMAGED, NO_ROOM, WRITE_FAILED = range(4)
+
+
 class InitialRows(ctypes.Structure):
     """host_step.cpp's ``InitialRows``: ``initial_rows``' arguments."""
 
     _fields_ = [("dim", _I64), ("seed_hash", ctypes.c_uint64), ("bound", ctypes.c_double)]
-
-
-@dataclasses.dataclass(frozen=True)
-class ColdAdmission:
-    """What ``StepPasses.admit_cold`` did: lookups of keys the cold store holds, victims' rows
-    written back (staged in the log), records appended to the log, keys new to the log's index."""
-
-    held_lookups: int
-    written_back: int
-    appended: int
-    new_to_log: int
 
 
 def typed(function, result, arguments: list):
@@ -390,47 +429,42 @@ class StepPasses:
         )
         return out, found, bad, int(first_bad)
 
-    def admit_cold(
+    def make_resident(
         self,
         keys: torch.Tensor,
         counts: torch.Tensor,
-        increment: float,
-        slots: torch.Tensor,
-        victims: int,
+        protected: torch.Tensor | None,
         tier: HostTierArrays,
+        choice: TierChoice,
         cold: ColdFiles,
         advise: bool,
         log_files: tuple[int, int],
         initial: InitialRows,
-    ) -> tuple[ColdAdmission | None, int, int]:
-        """``step_admit_cold``: the misses ``keys`` (int64 [N], distinct, each looked up ``counts``
-        times) made resident at ``slots`` (int64 [N], the last ``victims`` evicting their rows),
-        read from the cold store, the victims' dirty rows staged in its log (appended records
-        written to ``log_files``: the file descriptors of its rows and its keys). Returns ``(what
-        it did, 0, -1)``, or ``(None, rows failing their check, the first of them)``: then nothing
-        has changed. Raises ``OSError`` where a write failed (nothing has changed either)."""
-        out = torch.zeros(5, dtype=torch.int64)
-        result = self._functions["step_admit_cold"](
+    ) -> tuple[torch.Tensor, Residency]:
+        """``step_make_resident``: ``keys`` (int64 [N], distinct, each looked up ``counts`` times)
+        made resident in a host tier (``tier``, ``choice``) from the mmap cold store (``cold``; its
+        log's rows and keys written through the file descriptors ``log_files``), the tier's slots at
+        ``protected`` (int64, or None) kept. Returns ``(slots int64 [N], what it did)``; the slots
+        hold nothing unless ``status`` is ``RESIDENT``."""
+        slots = torch.empty(keys.numel(), dtype=torch.int64)
+        done = Residency()
+        self._functions["step_make_resident"](
             keys.data_ptr(),
             counts.data_ptr(),
             keys.numel(),
-            increment,
-            slots.data_ptr(),
-            victims,
+            pointer(protected),
+            0 if protected is None else protected.numel(),
             ctypes.byref(tier),
+            ctypes.byref(choice),
             ctypes.byref(cold),
             advise,
             log_files[0],
             log_files[1],
             ctypes.byref(initial),
-            out.data_ptr(),
+            slots.data_ptr(),
+            ctypes.byref(done),
         )
-        if result < 0:
-            raise OSError(-result, os.strerror(-result))
-        held, written, appended, new, first_bad = out.tolist()
-        if result > 0:
-            return None, result, first_bad
-        return ColdAdmission(held, written, appended, new), 0, -1
+        return slots, done
 
     def will_need_homes(
         self, keys: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor

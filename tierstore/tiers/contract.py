@@ -139,15 +139,15 @@ class CacheTier(Protocol):
         """The tier's arrays as the host build's native admission takes them
         (``kernels.step_passes.HostTierArrays``), None where the tier has no such admission."""
 
-    def claim_slots(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Slots for ``count`` rows a native call is about to admit (int64 [count]: free slots, then
-        the policy's victims outside ``protected``) and how many are victims (the last ones);
-        nothing is taken until ``count_admitted``. Raises ``CacheCapacityError`` as ``admit`` does."""
+    def native_choice(self, room: int):
+        """``(a kernels.step_passes.TierChoice, the tensors behind it)``: how the tier's free slots and
+        its policy's victims are taken by a native call making up to ``room`` rows resident."""
 
-    def count_admitted(self, count: int, victims: int, written_back: int, lookups: int) -> None:
-        """After a native call admitted ``count`` rows at ``claim_slots``' slots (their keys, rows,
-        flags and scores set, ``victims`` evicted of which ``written_back`` were dirty): the slots
-        taken, the tier's counters moved; ``lookups`` as ``touch_admitted`` takes it."""
+    def settle_native(self, done, held) -> None:
+        """After that native call (``done``: its ``kernels.step_passes.Residency``; ``held``:
+        ``native_choice``'s tensors): its lookups and the policy's change recorded and, where the
+        rows came in, the slots taken and the counters moved. Raises ``CacheCapacityError`` as
+        ``admit`` does."""
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None

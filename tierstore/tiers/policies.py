@@ -21,6 +21,14 @@ _RENORMALISE_AT = 2.0**20
 POOL_SHARE = 1 / 32  # of the capacity: victims ranked ahead by one scan of every slot
 
 
+def too_few_evictable(wanted: int, evictable: int) -> CacheCapacityError:
+    """The error of a policy asked for ``wanted`` victims where only ``evictable`` slots may go."""
+    return CacheCapacityError(
+        f"the current batch needs {wanted} more than it can evict ({evictable} evictable); "
+        "raise its budget or split the batch"
+    )
+
+
 class EvictionPolicy(abc.ABC):
     """Per-slot state of one tier's policy; slots are int64 ``[N]`` positions in its row buffer."""
 
@@ -129,13 +137,39 @@ class LfuWithAgeing(EvictionPolicy):
         self.scans += 1
         ranked = self._ranked(count + self._pool_size, slot_keys, pins, count)
         if ranked.numel() < count:  # then it holds every evictable slot
-            raise CacheCapacityError(
-                f"the current batch needs {count} more than it can evict ({ranked.numel()} evictable); "
-                f"raise its budget or split the batch"
-            )
+            raise too_few_evictable(count, ranked.numel())
         pool = ranked[count:]
         self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
         return ranked[:count]
+
+    def native_pool(self, room: int) -> tuple[torch.Tensor, ...]:
+        """For a native call that takes victims as ``victims`` does (``step_make_resident``), up to
+        ``room`` of them: ``(pool, its scores, its keys)`` and room for a scan's ranking (``ranked``
+        int64 [room + pool size], its pool's scores float32 and keys int64 [pool size])."""
+        size = self._pool_size
+        ranked = torch.empty(room + size, dtype=torch.int64)
+        ranked_scores, ranked_keys = (
+            torch.empty(size, dtype=torch.float32),
+            torch.empty(size, dtype=torch.int64),
+        )
+        return self._pool, self._pool_scores, self._pool_keys, ranked, ranked_scores, ranked_keys
+
+    def took_natively(
+        self, taken: int, ranked: tuple[torch.Tensor, ...], ranked_count: int, victims: int
+    ) -> None:
+        """After a native call chose ``victims`` slots: ``taken`` pool entries consumed, or (-1) a
+        scan ranked ``ranked_count`` slots into ``ranked`` (``native_pool``'s last three), the pool
+        being those past the victims (none if too few were evictable)."""
+        if taken >= 0:
+            self._pool, self._pool_scores = self._pool[taken:], self._pool_scores[taken:]
+            self._pool_keys = self._pool_keys[taken:]
+            return
+        self.scans += 1
+        if ranked_count >= victims:
+            slots, scores, keys = ranked
+            length = ranked_count - victims
+            self._pool = slots[victims:ranked_count]
+            self._pool_scores, self._pool_keys = scores[:length], keys[:length]
 
     def _ranked(self, wanted: int, slot_keys: torch.Tensor, pins: torch.Tensor, victims: int) -> torch.Tensor:
         """Up to ``wanted`` evictable slots of the lowest scores, ascending (a stable sort's order);

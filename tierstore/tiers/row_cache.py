@@ -17,10 +17,10 @@ import torch
 
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
-from ..kernels.step_passes import HostTierArrays
+from ..kernels.step_passes import HostTierArrays, Residency, TierChoice
 from .backends import TorchRows
 from .contract import Rows, TierStats
-from .policies import EvictionPolicy, LfuWithAgeing
+from .policies import EvictionPolicy, LfuWithAgeing, too_few_evictable
 
 _SLOT_BYTES = 8 + 1 + 1 + 1 + 8  # key, dirty and fresh flags, pin count, free-slot stack
 
@@ -157,6 +157,9 @@ class RowCache:
         )
 
     def claim_slots(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Slots for ``count`` rows about to be admitted (int64 [count]: free slots, then the policy's
+        victims outside ``protected``) and how many are victims (the last ones); nothing is taken
+        yet. Raises ``CacheCapacityError`` where too few slots are evictable."""
         from_free = min(count, self._free_count)
         free = self._free[self._free_count - from_free : self._free_count]
         if count == from_free:
@@ -164,14 +167,50 @@ class RowCache:
         victims = self._victims(count - from_free, protected)
         return torch.cat([free, victims]), victims.numel()
 
-    def count_admitted(self, count: int, victims: int, written_back: int, lookups: int) -> None:
+    def native_choice(self, room: int) -> tuple[TierChoice, tuple[torch.Tensor, ...]]:
+        """For a native call that makes up to ``room`` rows resident (``step_make_resident``): the
+        free slots and LFU's pool as it takes them, and the tensors behind them (kept alive until
+        ``settle_native``, which is given them back)."""
+        policy = self.policy
+        held = (self._free, *policy.native_pool(room))
+        free, pool, pool_scores, pool_keys, ranked, ranked_scores, ranked_keys = held
+        choice = TierChoice(
+            self.pins.data_ptr(),
+            self.capacity,
+            free.data_ptr(),
+            self._free_count,
+            pool.data_ptr(),
+            pool_scores.data_ptr(),
+            pool_keys.data_ptr(),
+            pool.numel(),
+            ranked_scores.numel(),
+            ranked.data_ptr(),
+            ranked_scores.data_ptr(),
+            ranked_keys.data_ptr(),
+            policy.increment,
+        )
+        return choice, held
+
+    def settle_native(self, done: Residency, held: tuple[torch.Tensor, ...]) -> None:
+        """After ``step_make_resident`` (given ``native_choice``'s tensors back): the lookups counted,
+        the pool's change kept and, where the rows came in, the slots taken and the counters moved.
+        Raises ``CacheCapacityError`` where too few slots were evictable."""
+        self.stats.hits += done.hit_lookups
+        self.stats.misses += done.missed_lookups
+        if done.victims:
+            self.policy.took_natively(done.pool_taken, held[4:], done.ranked_count, done.victims)
+        if done.status == Residency.NO_ROOM:
+            self._no_room(str(too_few_evictable(done.victims, done.detail)))
+        if done.status != Residency.RESIDENT:
+            return
+        count, victims = done.misses, done.victims
         self._free_count -= count - victims
         self.index.live += count - victims
         self.vacated += victims
         self.stats.evictions += victims
-        self.stats.writebacks += written_back
+        self.stats.writebacks += done.written_back
         self.stats.rows_in += count
-        self.policy.advance(lookups)
+        self.policy.advance(done.hit_lookups + done.missed_lookups)
 
     def read(
         self, slots: torch.Tensor, columns: int | None = None, out: torch.Tensor | None = None
@@ -276,6 +315,10 @@ class RowCache:
         finally:
             if protect:
                 self.backend.add_pins(self.pins, protected, -1)  # undone where done: no pass over every slot
+        self._no_room(reason)
+
+    def _no_room(self, reason: str) -> None:
+        """Raise ``CacheCapacityError``: too few slots evictable, for ``reason``."""
         pinned = self.pinned_count()
         window = f" ({pinned} pinned by a lookahead window)" if pinned else ""
         raise CacheCapacityError(f"the {self.name} cache holds {self.capacity} rows{window} and {reason}")

@@ -44,13 +44,12 @@ class TierStack:
                 f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
                 f"{top.capacity} rows; raise {top.name}_cache or split the batch"
             )
+        if self._admits_directly():  # one native call: found, victims chosen, misses read in
+            return self.cold.make_resident_in(top, unique, counts, None, self._native_initial())
         resolved = top.resolve(unique, counts)
         if resolved is not None:  # one native pass: found, hits touched, misses listed
             slots, hit_slots, missed, lookups = resolved
             missed_counts = counts[missed]
-            if missed.numel() and self._admits_directly():
-                slots[missed] = self._admit_from_cold(unique[missed], missed_counts, hit_slots, lookups)
-                return slots
             admitted = self._bring_in(unique[missed], missed_counts, hit_slots) if missed.numel() else missed
             slots[missed] = admitted
             top.touch_admitted(admitted, missed_counts, lookups)
@@ -79,20 +78,12 @@ class TierStack:
         return slots
 
     def _admits_directly(self) -> bool:
-        """Whether a single cache tier's misses come straight from the cold store (``_admit_from_cold``)."""
+        """Whether a single cache tier makes its batches resident straight from the cold store
+        (``ColdStore.make_resident_in``)."""
         return len(self.caches) == 1 and self.cold.admits_into(self.top)
 
-    def _admit_from_cold(
-        self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor, lookups: int
-    ) -> torch.Tensor:
-        """``_bring_in`` and ``touch_admitted`` of a single cache tier's misses in one native call
-        of the cold store (``ColdStore.admit_into``): the same rows, slots, scores and counters."""
-        top, metadata = self.top, self.metadata
-        slots, victims = top.claim_slots(keys.numel(), protected)
-        initial = native_initial_rows(metadata.dim, metadata.seed)
-        written_back = self.cold.admit_into(top, keys, counts, slots, victims, initial)
-        top.count_admitted(keys.numel(), victims, written_back, lookups)
-        return slots
+    def _native_initial(self):
+        return native_initial_rows(self.metadata.dim, self.metadata.seed)
 
     def pin_held(self, unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Make the rows of ``unique`` (distinct) ids that the table holds resident in the top tier and
@@ -113,7 +104,7 @@ class TierStack:
                 )
             counts = torch.zeros_like(moving)  # moved ahead of the batch, which counts the lookups
             if self._admits_directly():
-                moved = self._admit_from_cold(moving, counts, slots, 0)
+                moved = self.cold.make_resident_in(top, moving, counts, slots, self._native_initial())
             else:
                 moved = self._bring_in(moving, counts, slots)
             slots = torch.cat([slots, moved])

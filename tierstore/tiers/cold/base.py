@@ -110,18 +110,21 @@ class ColdStore(ABC):
         self.stats.rows_written += keys.numel()
 
     def admits_into(self, tier) -> bool:
-        """Whether ``admit_into`` serves ``tier`` (a cache tier whose ``native_arrays`` it takes)."""
+        """Whether ``make_resident_in`` serves ``tier`` (a cache tier whose ``native_arrays`` and
+        ``native_choice`` it takes)."""
         return False
 
-    def admit_into(
-        self, tier, keys: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, victims: int, initial
-    ) -> int:
-        """One native call (where ``admits_into(tier)``): the rows of ``keys`` (int64 [N], distinct,
-        each looked up ``counts`` times, none cached) read (or initialised as ``initial``, a
-        ``kernels.step_passes.InitialRows``: then dirty and fresh) straight into ``tier``'s
-        ``slots`` (``claim_slots``'), whose last ``victims`` rows are evicted, the dirty ones
-        staged here as ``put`` stages them, all counted as ``get``/``put`` count. Returns how many
-        victims were written back. A damaged row or a failed write raises, changing nothing."""
+    def make_resident_in(
+        self, tier, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor | None, initial
+    ) -> torch.Tensor:
+        """One native call (where ``admits_into(tier)``): ``keys`` (int64 [N], distinct, each looked up
+        ``counts`` times) made resident in ``tier``, the top and only cache tier, as ``resolve``,
+        ``admit`` and this store's ``get`` and ``put`` would (the same slots, rows, scores and
+        counters): the misses' rows read (or initialised as ``initial``, a
+        ``kernels.step_passes.InitialRows``: then dirty and fresh) straight into the slots of the
+        policy's victims outside the hits and ``protected`` (int64 slots, or None), the dirty
+        victims staged here. Returns the keys' slots (int64 [N]). Too few evictable slots, a damaged
+        row or a failed write raise, the rows staying where they were."""
         raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,10 @@ mapped ever shrinks (files grow sparse, and the blocks of rows about to be writt
 first with ``posix_fallocate``; an applied log's blocks are punched out, its files keeping their
 size).
 
-A host tier alone over this store takes its misses through ``admit_into``: one native call
-(``step_admit_cold``) reads them into the tier's slots and stages the victims' dirty rows in the
-log as ``put`` stages them, with the same reservations first (a full disk changes nothing).
+A host tier alone over this store makes a batch resident through ``make_resident_in``: one native
+call (``step_make_resident``) finds the batch in the tier, picks the misses' victims, reads the
+misses into their slots and stages the victims' dirty rows in the log as ``put`` stages them, with
+room in the log reserved first (a full disk changes nothing).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import torch
 
 from ...errors import StoreFormatError
 from ...kernels.cache_passes import cache_passes_of
-from ...kernels.step_passes import ColdFiles, host_passes
+from ...kernels.step_passes import ColdFiles, Residency, host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
@@ -623,15 +624,19 @@ class MmapColdStore(ColdStore):
             and tier.native_arrays() is not None
         )
 
-    def admit_into(
-        self, tier, keys: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor, victims: int, initial
-    ) -> int:
+    def make_resident_in(
+        self, tier, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor | None, initial
+    ) -> torch.Tensor:
         tier_arrays = tier.native_arrays()
         if tier_arrays.row_width * 4 != self.row_bytes:
             raise ValueError(
                 f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
             )
+        keys, counts = keys.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
+        protected = None if protected is None else protected.to(torch.int64).contiguous()
+        choice, held = tier.native_choice(keys.numel())
         start = self._wal_count
+        victims = max(0, keys.numel() - choice.free_count)  # at most: every key a miss
         self._wal_rows.reserve(start + victims)  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + victims)
         self._wal_index.make_room(victims)
@@ -653,28 +658,30 @@ class MmapColdStore(ColdStore):
             codec.check_bytes,
         )
         advise = self._reads.advise(keys.numel())
-        done, bad, first = host_passes().admit_cold(
+        slots, done = host_passes().make_resident(
             keys,
             counts,
-            tier.policy.increment,
-            slots,
-            victims,
+            protected,
             tier_arrays,
+            choice,
             files,
             advise,
             (self._wal_rows.fileno(), self._wal_keys.fileno()),
             initial,
         )
-        self._reads.done(keys.numel(), advise)
-        if bad:
-            raise codec.damaged(self.directory / ROWS_FILE, bad, int(keys[first]))
-        self.stats.rows_read += keys.numel()
+        self._reads.done(done.misses, advise)
+        tier.settle_native(done, held)  # raises where too few slots were evictable
+        if done.status == Residency.DAMAGED:
+            raise codec.damaged(self.directory / ROWS_FILE, done.bad, done.detail)
+        if done.status == Residency.WRITE_FAILED:
+            raise OSError(done.detail, os.strerror(done.detail))
+        self.stats.rows_read += done.misses
         self.stats.hits += done.held_lookups
-        self.stats.initialized += int(counts.sum()) - done.held_lookups
+        self.stats.initialized += done.missed_lookups - done.held_lookups
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
         log.live += done.new_to_log
-        return done.written_back
+        return slots
 
     def can_bulk_load(self) -> bool:
         """Not read-only, an empty log, and (``index.bin`` being changed in place) no reader open:
