@@ -337,7 +337,7 @@ class StepPasses:
         ``features`` (positions in a KeyedJaggedTensor: ``values`` int64, ``lengths [F, batch]``,
         ``weights`` float32 or None) in the output's layout, sample by sample, as ``step_group_keys``."""
         batch = lengths.shape[1]
-        group = torch.tensor(features, dtype=torch.int64)
+        group = _positions(tuple(features))
         count = int(lengths[group].sum()) if len(features) < lengths.shape[0] else values.numel()
         keys = torch.empty(count, dtype=torch.int64)
         starts = torch.empty(batch * len(features), dtype=torch.int64)
@@ -518,6 +518,12 @@ class StepPasses:
             superseded.data_ptr(),
         )
         return out[:packed], new_keys[:packed], superseded[:packed]
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(features: tuple[int, ...]) -> torch.Tensor:
+    """int64 ``features``, made once per group layout (read only)."""
+    return torch.tensor(features, dtype=torch.int64)
 
 
 @functools.cache

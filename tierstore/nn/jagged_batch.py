@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..kernels.step_passes import host_passes
@@ -60,10 +61,11 @@ class JaggedBatch:
         self.keys, self.lengths, self.weights = keys, lengths, weights
         self.values = values.cpu().contiguous()
         self.tables = [table_of_feature[key] for key in keys]
-        per_feature = torch.from_numpy(lengths.numpy().sum(axis=1))
+        per_feature = lengths.numpy().sum(axis=1)  # numpy: a few values, each torch op costs more
         self.counts = per_feature.tolist()  # entries of each feature
-        self._feature_starts = torch.zeros(len(keys) + 1, dtype=torch.int64)
-        torch.cumsum(per_feature, 0, out=self._feature_starts[1:])
+        starts = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(per_feature, out=starts[1:])
+        self._feature_starts = torch.from_numpy(starts)
         layout = None if layouts is None else layouts.get(tuple(keys))
         if layout is None:
             layout = (

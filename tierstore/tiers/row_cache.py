@@ -70,6 +70,7 @@ class RowCache:
         self.stats = TierStats()
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
+        self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
 
     @property
     def kernels(self):
@@ -144,7 +145,12 @@ class RowCache:
         if self._passes is None or type(self.policy) is not LfuWithAgeing or self.index.tombstones:
             return None
         index = self.index
-        return HostTierArrays(
+        tensors = (index.keys, index.values, self.slot_keys, self.rows, self.dirty, self.fresh)
+        tensors += (self.policy.score,)
+        made = self._native_arrays
+        if made is not None and all(now is then for now, then in zip(tensors, made[0])):
+            return made[1]  # the same tensors: the same addresses
+        arrays = HostTierArrays(
             index.keys.data_ptr(),
             index.values.data_ptr(),
             index.keys.numel() - 1,
@@ -155,6 +161,8 @@ class RowCache:
             self.fresh.data_ptr(),
             self.policy.score.data_ptr(),
         )
+        self._native_arrays = (tensors, arrays)
+        return arrays
 
     def claim_slots(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Slots for ``count`` rows about to be admitted (int64 [count]: free slots, then the policy's
