@@ -142,7 +142,8 @@ class TieredEmbeddingBagCollection(nn.Module):
             write_flush_record(root, self._flush_counts(), complete=True)
         for group_name, keys in warm_keys.items():
             self.groups[group_name].store.preload(keys)
-        self.lookups = {name: 0 for name in self._tables}  # ids looked up, per table
+        self._lookups = {name: 0 for name in self._tables}  # ids looked up, per table (see lookups)
+        self._plans: dict[tuple, _FeaturePlan] = {}  # per order of features: what forward does with it
 
     def warm_keys(self, warm: dict[str, Any]) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(a group's store, its keys of the warm rankings)]`` (table name -> ids, most wanted
@@ -225,31 +226,37 @@ class TieredEmbeddingBagCollection(nn.Module):
             if not self.sharded:
                 raise
             self._sharding.refuse(error)  # the others raise too
-        tables, lengths = batch.tables, batch.lengths
-        for table, count in zip(tables, batch.counts):
-            self.lookups[table["name"]] += count
-        blocks, order = [], []  # each group's [batch, features x dim] and the features it holds
+        lengths = batch.lengths
+        plan = self._plans.get(batch.layout_key)
+        if plan is None:
+            plan = self._plans[batch.layout_key] = _FeaturePlan(batch.tables, list(self.groups))
+        plan.lookups += batch.per_feature  # folded into lookups when read
+        blocks = []  # each group's [batch, features x dim]
         for group_name, group in self.groups.items():
-            positions = _in_group(group_name, tables)
+            positions, group_tables, means = plan.groups[group_name]
             if not positions:
                 if self.sharded:  # every rank's group takes part in every exchange
                     blocks.append(_idle_forward(group, lengths.shape[1]))
                 continue
             keys, starts, weights = batch.group_bags(positions)
-            group_tables = [tables[i] for i in positions]
-            group_lengths = lengths if len(positions) == len(tables) else lengths[positions]
-            blocks.append(_group_forward(group, group_tables, keys, starts, weights, group_lengths))
-            order.extend(positions)
-        dims = [table["embedding_dim"] for table in tables]
+            group_lengths = lengths if len(positions) == len(plan.dims) else lengths[positions]
+            blocks.append(_group_forward(group, group_tables, means, keys, starts, weights, group_lengths))
         if not blocks:
             device = next(iter(self.groups.values()))._output_like.device
-            return KeyedTensor(batch.keys, dims, torch.zeros(lengths.shape[1], 0, device=device))
+            return KeyedTensor(batch.keys, plan.dims, torch.zeros(lengths.shape[1], 0, device=device))
         values_out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-        if order != sorted(order):  # groups interleave in keys' order: one column gather
-            starts = [sum(dims[:index]) for index in range(len(dims))]
-            columns = torch.cat([torch.arange(starts[index], starts[index] + dims[index]) for index in order])
-            values_out = values_out.index_select(1, torch.argsort(columns).to(values_out.device))
-        return KeyedTensor(batch.keys, dims, values_out)
+        if plan.columns is not None:  # groups interleave in keys' order: one column gather
+            values_out = values_out.index_select(1, plan.columns.to(values_out.device))
+        return KeyedTensor(batch.keys, plan.dims, values_out)
+
+    @property
+    def lookups(self) -> dict[str, int]:
+        """Ids looked up, per table."""
+        for plan in self._plans.values():
+            for name, count in zip(plan.names, plan.lookups.tolist()):
+                self._lookups[name] += count
+            plan.lookups[:] = 0
+        return self._lookups
 
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
@@ -413,19 +420,47 @@ def _in_group(group_name: str, tables: list[dict]) -> list[int]:
     return [index for index, table in enumerate(tables) if _group_name(table) == group_name]
 
 
-def _group_forward(group, tables, keys, starts, weights, lengths) -> torch.Tensor:
+class _FeaturePlan:
+    """What a collection's forward does with one order of features (``tables``: each one's table),
+    made once: each group's ``(positions of its features, their tables, bool [features] of those
+    pooled by mean or None)``, the features' ``dims``, the output's column order where groups
+    interleave (``columns``, else None), and the ids looked up per feature since last counted."""
+
+    def __init__(self, tables: list[dict], group_names: list[str]) -> None:
+        self.names = [table["name"] for table in tables]
+        self.dims = [table["embedding_dim"] for table in tables]
+        self.lookups = np.zeros(len(tables), dtype=np.int64)
+        self.groups, order = {}, []
+        for group_name in group_names:
+            positions = _in_group(group_name, tables)
+            means = [tables[index]["pooling"] == "mean" for index in positions]
+            self.groups[group_name] = (
+                positions,
+                [tables[i] for i in positions],
+                torch.tensor(means) if any(means) else None,
+            )
+            order.extend(positions)
+        self.columns = None
+        if order != sorted(order):
+            starts = [sum(self.dims[:index]) for index in range(len(self.dims))]
+            columns = torch.cat(
+                [torch.arange(starts[index], starts[index] + self.dims[index]) for index in order]
+            )
+            self.columns = torch.argsort(columns)
+
+
+def _group_forward(group, tables, means, keys, starts, weights, lengths) -> torch.Tensor:
     """``[batch, len(tables) x dim]``: the pooled rows of features looked up in ``tables`` (one per
     feature) side by side, all in one lookup of ``group``: ``keys``, ``starts`` and ``weights`` as
-    ``JaggedBatch.group_bags`` lays them out, ``lengths [features, batch]`` (for mean pooling)."""
+    ``JaggedBatch.group_bags`` lays them out, ``lengths [features, batch]`` (for mean pooling of the
+    features ``means`` marks; None: none)."""
     features, batch = lengths.shape
     if group.sharding is None:  # checked by JaggedBatch: straight to the lookup
         pooled = group.lookup_bags(keys, starts, weights)
     else:  # every rank takes part in the exchanges forward makes
         pooled = group(keys, starts, weights)
     pooled = pooled.view(batch, features, group.embedding_dim)
-    means = [table["pooling"] == "mean" for table in tables]
-    if any(means):
-        means = torch.tensor(means)
+    if means is not None:
         divisors = torch.where(means, lengths.t().clamp(min=1), 1).to(pooled)
         pooled = pooled / divisors[:, :, None]
     return pooled.view(batch, features * group.embedding_dim)

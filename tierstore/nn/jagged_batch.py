@@ -48,7 +48,11 @@ class JaggedBatch:
         """``layouts``: a dict the owner keeps across batches, where each feature order's table
         numbers and id bounds are kept once made."""
         keys, values, lengths, weights = jagged_parts(features)
-        unknown = [key for key in keys if key not in table_of_feature]
+        unknown = (
+            [key for key in keys if key not in table_of_feature]
+            if set(keys) - table_of_feature.keys()
+            else []
+        )
         if unknown:
             raise KeyError(
                 f"feature(s) {unknown} have no table; the tables' features are {sorted(table_of_feature)}"
@@ -60,20 +64,20 @@ class JaggedBatch:
                 )
         self.keys, self.lengths, self.weights = keys, lengths, weights
         self.values = values.cpu().contiguous()
-        self.tables = [table_of_feature[key] for key in keys]
-        per_feature = lengths.numpy().sum(axis=1)  # numpy: a few values, each torch op costs more
-        self.counts = per_feature.tolist()  # entries of each feature
+        self.tables = list(map(table_of_feature.__getitem__, keys))
+        self.per_feature = lengths.numpy().sum(axis=1)  # entries of each feature (numpy: a few values)
         starts = np.zeros(len(keys) + 1, dtype=np.int64)
-        np.cumsum(per_feature, out=starts[1:])
+        np.cumsum(self.per_feature, out=starts[1:])
         self._feature_starts = torch.from_numpy(starts)
-        layout = None if layouts is None else layouts.get(tuple(keys))
+        self.layout_key = tuple(keys)
+        layout = None if layouts is None else layouts.get(self.layout_key)
         if layout is None:
             layout = (
                 torch.tensor([table["number"] << ID_BITS for table in self.tables], dtype=torch.int64),
                 torch.tensor([id_bound(table) for table in self.tables], dtype=torch.int64),
             )
             if layouts is not None:
-                layouts[tuple(keys)] = layout
+                layouts[self.layout_key] = layout
         self._numbers, self._bounds = layout
         native = weights is None or (weights.device.type == "cpu" and not weights.requires_grad)
         self._passes = host_passes() if native else None

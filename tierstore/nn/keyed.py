@@ -8,6 +8,7 @@ TorchRec, so code ports by changing imports; TorchRec's own objects are accepted
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -188,9 +189,10 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
 
 def _feature_names(keys: Any) -> list[str]:
     """``keys`` as a list of feature names; a bare str is refused (it would split into letters)."""
-    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
+    names = None if isinstance(keys, str) else list(keys)
+    if names is None or not all(map(isinstance, names, itertools.repeat(str))):  # C-level loops
         raise TypeError(f"keys must be a list of feature names (str), got {keys!r:.80}; e.g. [{keys!r:.40}]")
-    return list(keys)
+    return names
 
 
 def _call(features: Any, method: str) -> Any:
