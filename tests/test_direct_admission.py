@@ -1,7 +1,8 @@
-"""A host tier's misses admitted straight from the mmap cold store in one native call
-(``ColdStore.admit_into``, ``step_admit_cold``) against the path it replaces (``TierStack._bring_in``:
-the tier's ``admit``, the cold store's ``get`` and ``put``): the same rows, slots, counters and files,
-bit for bit; and the failure modes of the call (a damaged row, a full disk) change nothing."""
+"""A batch made resident in a host tier straight from the mmap cold store in one native call
+(``ColdStore.make_resident_in``, ``step_make_resident``) against the path it replaces (the tier's
+``resolve`` and ``admit``, the cold store's ``get`` and ``put``): the same rows, slots, scores, pins,
+counters and files, bit for bit, a lookahead window's pins and a refused batch included; and the
+failure modes of the call (a damaged row, a full disk) change nothing."""
 
 import json
 import subprocess

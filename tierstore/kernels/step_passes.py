@@ -76,7 +76,7 @@ class HostTierArrays(ctypes.Structure):
 
 
 class ColdFiles(ctypes.Structure):
-    """host_step.cpp's ``ColdFiles``: where the mmap cold store keeps its rows (its ``admit_into``)."""
+    """host_step.cpp's ``ColdFiles``: where the mmap cold store keeps its rows (its ``make_resident_in``)."""
 
     _fields_ = [
         ("main_keys", _POINTER),
