@@ -12,7 +12,7 @@ import torch
 from host_kernels import parallel_host_kernels
 
 from tierstore import TieredStore
-from tierstore.tiers.cold import LmdbColdStore, open_cold_store
+from tierstore.tiers.cold import LmdbColdStore, lmdb_store, open_cold_store
 
 
 @pytest.fixture(params=["lmdb", "mmap", "mmap-kernel-index"])
@@ -288,4 +288,89 @@ def test_puts_and_flushes_below_past_and_among_held_keys_match_a_dict(backend, t
     rows, found = store.get(keys)
     assert bool(found.all()) and len(store) == len(oracle)
     assert torch.equal(rows, torch.stack([oracle[key] for key in keys.tolist()]))
+    store.close()
+
+
+KILLED_MID_APPLY = textwrap.dedent(
+    """
+    import json, os, signal, sys, torch
+    from tierstore.tiers.cold import lmdb_store, open_cold_store
+    lmdb_store.APPLY_ROWS = 4  # a flush of 30 rows applies in 8 transactions
+    store = open_cold_store("lmdb", sys.argv[1], 3, torch.float32, False)
+    store.put(torch.arange(0, 40, 2), torch.full((20, 3), 1.0))  # flush 1: 20 rows
+    store.flush()
+    store.put(torch.arange(0, 60, 2), torch.full((30, 3), 2.0))  # flush 2: 10 over, 10 new rows
+    moves = 0
+    write = store._write
+
+    def killed_on_the_third_move(work):
+        global moves
+        if work.__name__ == "move":
+            moves += 1
+            if moves == 3:  # two transactions of the apply committed, the commit point before them
+                os.kill(os.getpid(), signal.SIGKILL)
+        return write(work)
+
+    store._write = killed_on_the_third_move
+    store.flush()
+    """
+)
+
+
+def test_a_flush_applied_in_small_transactions_survives_a_kill_mid_apply(tmp_path):
+    """LMDB's flush commits (the count and the staged rows' role) in one small transaction, then
+    moves the rows a few at a time: killed between those moves, the store reopens, read-only and
+    writable, holding exactly that flush, and the next flush finishes the move."""
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_APPLY, str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == -9, result.stderr
+    expected = {key: 1.0 for key in range(0, 40, 2)} | {key: 2.0 for key in range(0, 60, 2)}
+    keys = torch.tensor(sorted(expected))
+    values = torch.tensor([expected[key] for key in keys.tolist()])
+    for read_only in (True, False):
+        store = open_cold_store("lmdb", tmp_path, 3, torch.float32, read_only)
+        assert store.flushes == 2 and store._applying is not None and 0 < store._applying_count < 30
+        rows, found = store.get(torch.arange(64))
+        assert found.tolist() == [key in expected for key in range(64)]
+        assert torch.equal(rows[keys, 0], values) and len(store) == len(expected)
+        iterated = {int(key): float(row[0]) for part in store.iter_rows(7) for key, row in zip(*part)}
+        assert iterated == expected
+        if not read_only:
+            store.put(torch.tensor([0, 100]), torch.full((2, 3), 3.0))  # staged over the applying rows
+            assert store.get(torch.tensor([0, 2]))[0][:, 0].tolist() == [3.0, 2.0]
+            store.flush()  # finishes flush 2's move first, then commits and moves flush 3
+            assert store._applying is None and store.flushes == 3
+        store.close()
+    expected |= {0: 3.0, 100: 3.0}
+    store = open_cold_store("lmdb", tmp_path, 3, torch.float32, True)
+    keys = torch.tensor(sorted(expected))
+    rows, found = store.get(keys)
+    assert bool(found.all()) and rows[:, 0].tolist() == [expected[key] for key in keys.tolist()]
+    assert store._applying_count == 0 and store._pending_count == 0 and len(store) == len(expected)
+    store.close()
+
+
+def test_lmdb_flush_moves_its_rows_in_bounded_transactions(tmp_path, monkeypatch):
+    """No write transaction of a flush holds more than ``APPLY_ROWS`` of its rows (LMDB keeps a
+    transaction's dirty pages in memory until it commits), and the rows match a dict."""
+    monkeypatch.setattr(lmdb_store, "APPLY_ROWS", 16)
+    store = open_cold_store("lmdb", tmp_path, 3, torch.float32, False)
+    moved = []
+    write = store._write
+    store._write = lambda work: (
+        moved.append(write(work)) or moved[-1] if work.__name__ == "move" else write(work)
+    )
+    oracle = {}
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        keys = torch.randperm(500, generator=generator)[:100]
+        rows = torch.randn(100, 3, generator=generator)
+        store.put(keys, rows)
+        oracle.update(zip(keys.tolist(), rows))
+        store.flush()
+    assert max(moved) == 16 and moved.count(0) == 4  # each flush: full transactions, then the clear
+    keys = torch.tensor(sorted(oracle))
+    rows, found = store.get(keys)
+    assert bool(found.all()) and torch.equal(rows, torch.stack([oracle[key] for key in keys.tolist()]))
     store.close()

@@ -20,8 +20,8 @@ READING_COMMANDS = ("verify", "inspect", "export")
 
 _WALK = """
 import sys, lmdb
-env = lmdb.open(sys.argv[1], readonly=True, max_dbs=3)
-for name in (b"rows", b"pending", b"meta"):
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=4)
+for name in (b"rows", b"pending", b"pending.b", b"meta"):
     try:
         database = env.open_db(name, create=False)
     except lmdb.NotFoundError:

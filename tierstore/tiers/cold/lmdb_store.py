@@ -5,12 +5,21 @@ the entries on either side of it (a page damaged where the key should be gives a
 fails its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's
 own errors from damaged pages; ``tierstore verify`` reads and checks every entry.
 
-Staged writes go to a ``pending`` sub-database, one transaction per batch; ``flush`` moves them into
-``rows``, empties ``pending`` and counts the flush in ``meta`` in one transaction, then syncs. LMDB
-commits are atomic, so after a crash ``rows`` holds exactly the last flush; ``pending`` is dropped
-on the next writable open. LMDB maps an environment once per process, so a store open in this
-process (for writing or reading) cannot be opened again here: a reader beside the writer runs in
-another process. Reads sort the keys so the B-tree is walked in order. A read that waits on the disk
+Staged writes go to a staging sub-database, one transaction per batch. There are two (``pending``
+and ``pending.b``), and ``meta`` names which one stages. ``flush`` commits in one small transaction
+(its commit point): the flush count, and the staging database's role turned to *being applied*
+while the other one stages from then on; after a sync the rows are moved into ``rows`` a few
+thousand per transaction (each deleting what it moved), and a last one clears the role. LMDB keeps
+a write transaction's dirty pages in memory until it commits, so one transaction moving every
+staged row (a host cache's worth, each in its own B-tree leaf) would need about a page of RAM per
+row: a table several times larger than a memory limit could not flush under it. Reads see
+``rows`` overlaid by the database being applied (and, for the writer, by the staging one), so a
+reader, a reopen or a crash anywhere in the apply all see exactly the committed flush; the next
+flush (of a writer reopened after a crash, or after a failed apply) first finishes the apply.
+Staged writes never committed by a flush are dropped on the next writable open. LMDB maps an
+environment once per process, so a store open in this process (for writing or reading) cannot
+be opened again here: a reader beside the writer runs in another process. Reads sort the keys so
+the B-tree is walked in order. A read that waits on the disk
 (the store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
 each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page faults
 overlap and the SSD's queue stays busy. A read served from the page cache stays on one thread, where
@@ -58,6 +67,9 @@ _NO_PAGE = 2**64 - 1  # an empty database's root
 _FREE_ROOT, _MAIN_ROOT = 80, 128  # byte offsets in a meta page (64-bit LMDB)
 _OPEN_IN_THIS_PROCESS: set[Path] = set()  # LMDB directories this process has open
 _FLUSHES_KEY = b"flushes"  # in the meta sub-database: the flushes completed, committed with them
+_STAGES = (b"pending", b"pending.b")  # one stages writes, the other holds a flush being applied
+_STAGING_KEY, _APPLYING_KEY = b"staging", b"applying"  # in meta: which stage does which (0 or 1)
+APPLY_ROWS = 4096  # rows a transaction of a flush's apply moves: its dirty pages stay a few MiB
 
 
 def check_data_file(data_file: Path) -> None:
@@ -160,27 +172,23 @@ class LmdbColdStore(ColdStore):
             self._env = lmdb.open(
                 str(path),
                 map_size=map_size,
-                max_dbs=3,
+                max_dbs=4,
                 readonly=read_only,
                 metasync=False,
                 readahead=False,
                 lock=True,  # readers register, so the writer never reuses pages a reader's snapshot holds
             )
             self._rows = self._env.open_db(b"rows", create=not read_only)
-            self._pending = self._env.open_db(b"pending", create=not read_only) if not read_only else None
-            self._meta = self._open_meta()
+            self._stages = [self._open_optional(name) for name in _STAGES]
+            self._meta = self._open_optional(b"meta")
         except lmdb.Error as error:
             raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
         try:
-            if not read_only:
-                with self._env.begin() as txn:
-                    staged = txn.stat(self._pending)["entries"]
-                if staged:  # writes staged before a crash never completed
-                    with self._env.begin(write=True) as txn:
-                        txn.drop(self._pending, delete=False)
-            self._pending_count = 0
             self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
-            self.flushes = self._read_flushes()
+            self._read_state()
+            if not read_only and self._pending_count:  # writes staged before a crash, never flushed
+                self._write(lambda txn: txn.drop(self._stages[self._staging], delete=False))
+                self._pending_count = 0
         except BaseException:
             self._env.close()  # a later open in this process must find it closed
             raise
@@ -250,7 +258,27 @@ class LmdbColdStore(ColdStore):
     def _refresh(self) -> None:
         self._snapshot.abort()
         self._snapshot = self._env.begin(buffers=True)
+        self._read_state()
+
+    def _read_state(self) -> None:
+        """The flush count, which stage stages and which holds a flush being applied, and how many
+        rows each holds, as the snapshot (a reader) or the newest commit (the writer) records."""
         self.flushes = self._read_flushes()
+        self._staging, self._applying = 0, None
+        try:
+            with self._begin() as txn:
+                if self._meta is not None:
+                    staging = txn.get(_STAGING_KEY, db=self._meta)
+                    applying = txn.get(_APPLYING_KEY, db=self._meta)
+                    self._staging = 0 if staging is None else bytes(staging)[0]
+                    self._applying = None if applying is None else bytes(applying)[0]
+                if {self._staging, self._applying} - {0, 1, None}:
+                    raise StoreFormatError(f"the LMDB data in {self._path} is damaged: its stage roles")
+                counts = [0 if stage is None else txn.stat(stage)["entries"] for stage in self._stages]
+        except lmdb.Error as error:
+            raise self._damaged(error) from None
+        self._applying_count = 0 if self._applying is None else counts[self._applying]
+        self._pending_count = 0 if self.read_only else counts[self._staging]  # a reader sees flushes only
 
     def _read(
         self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
@@ -332,7 +360,14 @@ class LmdbColdStore(ColdStore):
         )
 
     def _databases(self) -> list:
-        return [self._rows, self._pending] if self._pending_count else [self._rows]
+        """What a read reads, a later database's rows overriding an earlier one's: ``rows``, the
+        flush being applied, the staged writes."""
+        databases = [self._rows]
+        if self._applying_count:
+            databases.append(self._stages[self._applying])
+        if self._pending_count:
+            databases.append(self._stages[self._staging])
+        return databases
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(None, keys, self._databases())
@@ -344,20 +379,19 @@ class LmdbColdStore(ColdStore):
             raise self._damaged(error) from None
 
     def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        databases = self._databases()
         with self._begin() as txn:
-            items = txn.cursor(self._rows).iternext()
-            while chunk := list(itertools.islice(items, batch_size)):
-                keys, rows = self._decode(chunk)
-                if self._pending_count:  # newer staged values win
-                    staged, staged_found = self._read(txn, keys, [self._pending])
-                    rows[staged_found] = staged[staged_found]
-                yield keys, rows
-            if self._pending_count:
-                staged_items = txn.cursor(self._pending).iternext()
-                while chunk := list(itertools.islice(staged_items, batch_size)):
+            for position, database in enumerate(databases):  # each key once, with its newest row
+                items = txn.cursor(database).iternext()
+                while chunk := list(itertools.islice(items, batch_size)):
                     keys, rows = self._decode(chunk)
-                    committed = self._read(txn, keys, [self._rows])[1]
-                    yield keys[~committed], rows[~committed]
+                    if position:  # a key an earlier database holds came with it
+                        held = self._read(txn, keys, databases[:position])[1]
+                        keys, rows = keys[~held], rows[~held]
+                    for newer in databases[position + 1 :]:  # newer values win
+                        staged, staged_found = self._read(txn, keys, [newer])
+                        rows[staged_found] = staged[staged_found]
+                    yield keys, rows
 
     def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked ``(keys, rows)`` of a chunk of ``(key, value)`` entries (map views)."""
@@ -368,24 +402,25 @@ class LmdbColdStore(ColdStore):
         return torch.from_numpy(ids), self._checked_rows(ids, list(values))
 
     def __len__(self) -> int:
+        databases = self._databases()
         with self._begin() as txn:
-            committed = txn.stat(self._rows)["entries"]
-            if not self._pending_count:
-                return committed
-            staged_keys = [bytes(key) for key in txn.cursor(self._pending).iternext(values=False)]
-            staged = torch.from_numpy(decode_keys(staged_keys))
-            return committed + int((~self._read(txn, staged, [self._rows])[1]).sum())
+            count = txn.stat(self._rows)["entries"]
+            for position in range(1, len(databases)):  # keys no earlier database holds
+                keys = [bytes(key) for key in txn.cursor(databases[position]).iternext(values=False)]
+                held = self._read(txn, torch.from_numpy(decode_keys(keys)), databases[:position])[1]
+                count += int((~held).sum())
+            return count
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _write(self, work) -> None:
-        """Run ``work(txn)`` in one write transaction, doubling the map while it is full. A
-        transaction that fails leaves the data as it was; a full disk is ``OSError(ENOSPC)``."""
+    def _write(self, work):
+        """Run ``work(txn)`` in one write transaction, doubling the map while it is full; returns
+        what it returns. A transaction that fails leaves the data as it was; a full disk is
+        ``OSError(ENOSPC)``."""
         while True:
             try:
                 with self._env.begin(write=True) as txn:
-                    work(txn)
-                return
+                    return work(txn)
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
             except lmdb.Error as error:
@@ -411,35 +446,67 @@ class LmdbColdStore(ColdStore):
             zip(encode_keys(sorted_keys), stored.view(f"V{self.codec.stored_bytes}").ravel().tolist())
         )
 
-        def stage(txn: lmdb.Transaction) -> None:
-            txn.cursor(self._pending).putmulti(items)
-            self._pending_count = txn.stat(self._pending)["entries"]
+        staging = self._stages[self._staging]
 
-        self._write(stage)
+        def stage(txn: lmdb.Transaction) -> int:
+            txn.cursor(staging).putmulti(items)
+            return txn.stat(staging)["entries"]
+
+        self._pending_count = self._write(stage)
 
     def flush(self) -> None:
         self._check_writable()
-        flushes = self.flushes + 1
+        if self._applying is not None:  # the last flush's apply was cut short: finish it first
+            self._apply()
+        flushes, staging = self.flushes + 1, self._staging
 
-        def publish(txn: lmdb.Transaction) -> None:  # the staged rows and the count, in one commit
-            if self._pending_count:
-                staged = txn.cursor(self._pending).iternext()
-                txn.cursor(self._rows).putmulti(staged)
-                txn.drop(self._pending, delete=False)
+        def commit(txn: lmdb.Transaction) -> None:  # the commit point: the count, and the roles
             txn.put(_FLUSHES_KEY, struct.pack("<Q", flushes), db=self._meta)
+            if self._pending_count:
+                txn.put(_APPLYING_KEY, bytes([staging]), db=self._meta)
+                txn.put(_STAGING_KEY, bytes([1 - staging]), db=self._meta)
 
-        self._write(publish)
-        self._pending_count = 0
+        self._write(commit)
         self.flushes = flushes
+        if self._pending_count:
+            self._applying, self._applying_count = staging, self._pending_count
+            self._staging, self._pending_count = 1 - staging, 0
+        self._sync()
+        if self._applying is not None:
+            self._apply()
+
+    def _apply(self) -> None:
+        """Move the rows of the flush being applied into ``rows``, ``APPLY_ROWS`` a transaction (each
+        deleting what it moved), then clear its role; then sync."""
+        applying = self._stages[self._applying]
+
+        def move(txn: lmdb.Transaction) -> int:
+            cursor = txn.cursor(applying)
+            chunk = list(itertools.islice(cursor.iternext(), APPLY_ROWS))
+            if not chunk:
+                txn.delete(_APPLYING_KEY, db=self._meta)
+                return 0
+            txn.cursor(self._rows).putmulti(chunk)
+            cursor.first()
+            for _ in chunk:
+                cursor.delete()
+            return len(chunk)
+
+        while moved := self._write(move):
+            self._applying_count -= moved
+        self._applying, self._applying_count = None, 0
+        self._sync()
+
+    def _sync(self) -> None:
         try:
             self._env.sync(True)
         except lmdb.Error as error:
             raise self._as_os_error(error) from None
 
-    def _open_meta(self):
-        """The ``meta`` sub-database (the flush count); None in a read-only store written before it."""
+    def _open_optional(self, name: bytes):
+        """The sub-database ``name``; None in a read-only store written before it existed."""
         try:
-            return self._env.open_db(b"meta", create=not self.read_only)
+            return self._env.open_db(name, create=not self.read_only)
         except lmdb.NotFoundError:
             return None
 
@@ -465,11 +532,13 @@ class LmdbColdStore(ColdStore):
     def structure_problems(self) -> list[str]:
         """Committed entries whose key is not 8 bytes or whose value is not ``stored_bytes`` (a
         short value would otherwise fail, or worse, in the row decoder)."""
+        committed = [self._rows] + ([self._stages[self._applying]] if self._applying_count else [])
         try:
             with self._begin() as txn:
                 wrong = [
                     (len(key), len(value))
-                    for key, value in txn.cursor(self._rows)
+                    for database in committed
+                    for key, value in txn.cursor(database)
                     if len(key) != 8 or len(value) != self.codec.stored_bytes
                 ]
         except lmdb.Error as error:
