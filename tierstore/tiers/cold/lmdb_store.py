@@ -214,8 +214,8 @@ class LmdbColdStore(ColdStore):
             sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
             if bool(((sizes != 0) & (sizes != self.codec.stored_bytes)).any()):
                 raise StoreFormatError(
-                    f"{self._data_file} holds rows that are not {self.codec.stored_bytes} bytes: the "
-                    f"store is damaged or its metadata (dim, dtype) does not describe it"
+                    f"{self._data_file} is damaged: it holds rows that are not {self.codec.stored_bytes} "
+                    f"bytes (or the store's metadata, dim and dtype, does not describe it)"
                 )
             return sizes, b"".join(values)
 
