@@ -48,12 +48,8 @@ class JaggedBatch:
         """``layouts``: a dict the owner keeps across batches, where each feature order's table
         numbers and id bounds are kept once made."""
         keys, values, lengths, weights = jagged_parts(features)
-        unknown = (
-            [key for key in keys if key not in table_of_feature]
-            if set(keys) - table_of_feature.keys()
-            else []
-        )
-        if unknown:
+        if not table_of_feature.keys() >= set(keys):  # one C-level check; the names only if it fails
+            unknown = [key for key in keys if key not in table_of_feature]
             raise KeyError(
                 f"feature(s) {unknown} have no table; the tables' features are {sorted(table_of_feature)}"
             )

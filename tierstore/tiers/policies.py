@@ -161,8 +161,7 @@ class LfuWithAgeing(EvictionPolicy):
         scan ranked ``ranked_count`` slots into ``ranked`` (``native_pool``'s last three), the pool
         being those past the victims (none if too few were evictable)."""
         if taken >= 0:
-            self._pool, self._pool_scores = self._pool[taken:], self._pool_scores[taken:]
-            self._pool_keys = self._pool_keys[taken:]
+            self._drop_from_pool(taken)
             return
         self.scans += 1
         if ranked_count >= victims:
@@ -170,6 +169,11 @@ class LfuWithAgeing(EvictionPolicy):
             length = ranked_count - victims
             self._pool = slots[victims:ranked_count]
             self._pool_scores, self._pool_keys = scores[:length], keys[:length]
+
+    def _drop_from_pool(self, consumed: int) -> None:
+        """The pool past its first ``consumed`` entries (taken or found stale)."""
+        self._pool, self._pool_scores = self._pool[consumed:], self._pool_scores[consumed:]
+        self._pool_keys = self._pool_keys[consumed:]
 
     def _ranked(self, wanted: int, slot_keys: torch.Tensor, pins: torch.Tensor, victims: int) -> torch.Tensor:
         """Up to ``wanted`` evictable slots of the lowest scores, ascending (a stable sort's order);
@@ -189,8 +193,7 @@ class LfuWithAgeing(EvictionPolicy):
             chosen, consumed = self._passes.pool_take(pool, self.score, slot_keys, pins, count)
             if consumed < 0:
                 return None
-            self._pool, self._pool_scores = self._pool[consumed:], self._pool_scores[consumed:]
-            self._pool_keys = self._pool_keys[consumed:]
+            self._drop_from_pool(consumed)
             return chosen
         size = 2 * count + 256
         while True:
@@ -202,10 +205,8 @@ class LfuWithAgeing(EvictionPolicy):
             )
             found = valid.nonzero().squeeze(1)
             if found.numel() >= count:
-                rest = slice(int(found[count - 1]) + 1, None) if count else slice(0, None)
                 chosen = window[found[:count]]
-                self._pool, self._pool_scores = self._pool[rest], self._pool_scores[rest]
-                self._pool_keys = self._pool_keys[rest]
+                self._drop_from_pool(int(found[count - 1]) + 1 if count else 0)
                 return chosen
             if size >= self._pool.numel():
                 return None
