@@ -12,7 +12,7 @@ import torch
 from host_kernels import parallel_host_kernels
 
 from tierstore import TieredStore
-from tierstore.tiers.cold import LmdbColdStore, lmdb_store, open_cold_store
+from tierstore.tiers.cold import LmdbColdStore, lmdb_staging, lmdb_store, open_cold_store
 
 
 @pytest.fixture(params=["lmdb", "mmap", "mmap-kernel-index"])
@@ -330,7 +330,7 @@ def test_a_flush_applied_in_small_transactions_survives_a_kill_mid_apply(tmp_pat
     values = torch.tensor([expected[key] for key in keys.tolist()])
     for read_only in (True, False):
         store = open_cold_store("lmdb", tmp_path, 3, torch.float32, read_only)
-        assert store.flushes == 2 and store._applying is not None and 0 < store._applying_count < 30
+        assert store.flushes == 2 and store._applying is not None and store._applying_count == 30
         rows, found = store.get(torch.arange(64))
         assert found.tolist() == [key in expected for key in range(64)]
         assert torch.equal(rows[keys, 0], values) and len(store) == len(expected)
@@ -356,11 +356,18 @@ def test_lmdb_flush_moves_its_rows_in_bounded_transactions(tmp_path, monkeypatch
     transaction's dirty pages in memory until it commits), and the rows match a dict."""
     monkeypatch.setattr(lmdb_store, "APPLY_ROWS", 16)
     store = open_cold_store("lmdb", tmp_path, 3, torch.float32, False)
-    moved = []
+    moved, clears = [], 0
     write = store._write
-    store._write = lambda work: (
-        moved.append(write(work)) or moved[-1] if work.__name__ == "move" else write(work)
-    )
+
+    def counting(work):
+        nonlocal clears
+        result = write(work)
+        if work.__name__ == "move":
+            moved.append(result)
+        clears += work.__name__ == "clear"
+        return result
+
+    store._write = counting
     oracle = {}
     generator = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -369,8 +376,45 @@ def test_lmdb_flush_moves_its_rows_in_bounded_transactions(tmp_path, monkeypatch
         store.put(keys, rows)
         oracle.update(zip(keys.tolist(), rows))
         store.flush()
-    assert max(moved) == 16 and moved.count(0) == 4  # each flush: full transactions, then the clear
+    assert max(moved) == 16 and clears == 4  # each flush: full transactions, then the clear
     keys = torch.tensor(sorted(oracle))
     rows, found = store.get(keys)
     assert bool(found.all()) and torch.equal(rows, torch.stack([oracle[key] for key in keys.tolist()]))
+    store.close()
+
+
+def test_lmdb_stages_rows_in_an_append_only_log(tmp_path):
+    """Staged rows are appended (keyed by sequence number, each value its id and row), so a put of
+    random ids writes only the log's last leaves: they fill whole pages (ids as keys would split
+    leaves all over the tree, and LMDB holds every page a transaction dirties in RAM). An id staged
+    again reads its newest row, before and after the flush, and ``index_bytes`` counts the index."""
+    store = open_cold_store("lmdb", tmp_path, 3, torch.float32, False)
+    generator = torch.Generator().manual_seed(2)
+    oracle, staged = {}, 0
+    for _ in range(6):
+        keys = torch.randint(0, 1 << 40, (500,), generator=generator).unique()
+        rows = torch.randn(keys.numel(), 3, generator=generator)
+        store.put(keys, rows)
+        oracle.update(zip(keys.tolist(), rows))
+        staged += keys.numel()
+    again = torch.tensor(list(oracle)[:50])
+    store.put(again, torch.full((50, 3), 7.0))
+    oracle.update({key: torch.full((3,), 7.0) for key in again.tolist()})
+    log = store._logs[store._staging]
+    entry_bytes = lmdb_staging.ID_BYTES + store.codec.stored_bytes
+    with store._env.begin() as txn:
+        entries = txn.cursor(log.database).iternext(values=False)
+        numbers = lmdb_staging.decode_keys([bytes(key) for key in entries])
+        shape = txn.stat(log.database)
+    assert numbers.tolist() == list(range(log.entries)) and log.entries == staged + 50
+    node_bytes = 8 + 8 + entry_bytes + 2  # LMDB's node header, key, value, and its pointer in the page
+    full_pages = -(-log.entries * node_bytes // (shape["psize"] - 16))
+    assert shape["leaf_pages"] <= full_pages + 1
+    assert store.report()["index_bytes"] == sum(each.nbytes for each in store._logs) >= log.nbytes > 0
+    keys = torch.tensor(sorted(oracle))
+    expected = torch.stack([oracle[key] for key in keys.tolist()])
+    for _ in ("staged", "flushed"):
+        rows, found = store.get(keys)
+        assert bool(found.all()) and torch.equal(rows, expected) and len(store) == len(oracle)
+        store.flush()
     store.close()

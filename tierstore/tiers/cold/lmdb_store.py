@@ -5,21 +5,25 @@ the entries on either side of it (a page damaged where the key should be gives a
 fails its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's
 own errors from damaged pages; ``tierstore verify`` reads and checks every entry.
 
-Staged writes go to a staging sub-database, one transaction per batch. There are two (``pending``
-and ``pending.b``), and ``meta`` names which one stages. ``flush`` commits in one small transaction
-(its commit point): the flush count, and the staging database's role turned to *being applied*
-while the other one stages from then on; after a sync the rows are moved into ``rows`` a few
-thousand per transaction (each deleting what it moved), and a last one clears the role. LMDB keeps
-a write transaction's dirty pages in memory until it commits, so one transaction moving every
-staged row (a host cache's worth, each in its own B-tree leaf) would need about a page of RAM per
-row: a table several times larger than a memory limit could not flush under it. Reads see
-``rows`` overlaid by the database being applied (and, for the writer, by the staging one), so a
-reader, a reopen or a crash anywhere in the apply all see exactly the committed flush; the next
-flush (of a writer reopened after a crash, or after a failed apply) first finishes the apply.
-Staged writes never committed by a flush are dropped on the next writable open. LMDB maps an
-environment once per process, so a store open in this process (for writing or reading) cannot
-be opened again here: a reader beside the writer runs in another process. Reads sort the keys so
-the B-tree is walked in order. A read that waits on the disk
+Staged writes go to a staging sub-database kept as an append-only log (``lmdb_staging``: entries
+keyed by sequence number, an index in RAM finds an id's newest one), one transaction per batch
+that appends to the B-tree's last leaves. There are two (``pending`` and ``pending.b``), and
+``meta`` names which one stages. ``flush`` commits in one small transaction (its commit point):
+the flush count, and the staging log's role turned to *being applied* while the other one stages
+from then on; after a sync its rows are copied into ``rows`` a few thousand per transaction, in id
+order, and a last one empties it and clears the role. LMDB keeps a write transaction's dirty pages
+in memory until it commits (and their buffers for good after), so a transaction writing a host
+cache's worth of rows at random ids (each in its own B-tree leaf) would need about a page of RAM
+per row: a table several times larger than a memory limit could not train or flush under it.
+Reads see ``rows`` overlaid by the log being applied (and, for the writer, by the staging one),
+so a reader, a reopen or a crash anywhere in the apply all see exactly the committed flush; the
+next flush (of a writer reopened after a crash, or after a failed apply) first applies it again
+(copying a row twice writes the same bytes). A store that opens on a log being applied rebuilds
+its index by scanning it (one flush's rows). Staged writes never committed by a flush are
+dropped on the next writable open. LMDB maps an environment once per process, so a store open in
+this process (for writing or reading) cannot be opened again here: a reader beside the writer
+runs in another process. Reads sort the keys so the B-tree is walked in order (a log's entries by
+their sequence numbers). A read that waits on the disk
 (the store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
 each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page faults
 overlap and the SSD's queue stays busy. A read served from the page cache stays on one thread, where
@@ -51,6 +55,7 @@ import torch
 from ...errors import StoreBusyError, StoreFormatError
 from .base import ColdStore
 from .codec import decode_keys, encode_keys
+from .lmdb_staging import ID_BYTES, StageLog
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
@@ -188,7 +193,7 @@ class LmdbColdStore(ColdStore):
             self._read_state()
             if not read_only and self._pending_count:  # writes staged before a crash, never flushed
                 self._write(lambda txn: txn.drop(self._stages[self._staging], delete=False))
-                self._pending_count = 0
+                self._logs[self._staging].clear()
         except BaseException:
             self._env.close()  # a later open in this process must find it closed
             raise
@@ -201,18 +206,18 @@ class LmdbColdStore(ColdStore):
     # -- reads -------------------------------------------------------------------------------
 
     def _values(
-        self, encoded: list[bytes], database, txn: lmdb.Transaction | None
+        self, encoded: list[bytes], database, txn: lmdb.Transaction | None, value_bytes: int
     ) -> tuple[np.ndarray, bytes]:
         """``(sizes, values)``: the stored value's size of each key in ``encoded`` (sorted), 0 where
         absent, and the values of the keys found, joined in order. Read in ``txn``, or in parallel
         transactions when ``txn`` is None and the reads wait on the disk. Values are checked to be
-        ``stored_bytes`` long before they are copied out of the map (a damaged length could
+        ``value_bytes`` long before they are copied out of the map (a damaged length could
         reach past the end of the file)."""
 
         def read_range(txn: lmdb.Transaction, part: list[bytes]) -> tuple[np.ndarray, bytes]:
             values = list(map(txn.get, part, itertools.repeat(b""), itertools.repeat(database)))
             sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-            if bool(((sizes != 0) & (sizes != self.codec.stored_bytes)).any()):
+            if bool(((sizes != 0) & (sizes != value_bytes)).any()):
                 raise StoreFormatError(
                     f"{self._data_file} is damaged: it holds rows that are not {self.codec.stored_bytes} "
                     f"bytes (or the store's metadata, dim and dtype, does not describe it)"
@@ -261,10 +266,12 @@ class LmdbColdStore(ColdStore):
         self._read_state()
 
     def _read_state(self) -> None:
-        """The flush count, which stage stages and which holds a flush being applied, and how many
-        rows each holds, as the snapshot (a reader) or the newest commit (the writer) records."""
+        """The flush count, which stage stages and which holds a flush being applied, and each
+        one's log (a reader sees flushes only: the staging log is left empty), as the snapshot (a
+        reader) or the newest commit (the writer) records."""
         self.flushes = self._read_flushes()
         self._staging, self._applying = 0, None
+        self._logs = [StageLog(stage) for stage in self._stages]
         try:
             with self._begin() as txn:
                 if self._meta is not None:
@@ -274,45 +281,89 @@ class LmdbColdStore(ColdStore):
                     self._applying = None if applying is None else bytes(applying)[0]
                 if {self._staging, self._applying} - {0, 1, None}:
                     raise StoreFormatError(f"the LMDB data in {self._path} is damaged: its stage roles")
-                counts = [0 if stage is None else txn.stat(stage)["entries"] for stage in self._stages]
+                if self._applying is not None:
+                    self._logs[self._applying].load(txn, ID_BYTES + self.codec.stored_bytes)
+                if not self.read_only:  # staged, never flushed: dropped by a writable open
+                    self._logs[self._staging].entries = txn.stat(self._stages[self._staging])["entries"]
+        except ValueError as error:
+            raise StoreFormatError(f"{self._data_file} is damaged: {error}") from None
         except lmdb.Error as error:
             raise self._damaged(error) from None
-        self._applying_count = 0 if self._applying is None else counts[self._applying]
-        self._pending_count = 0 if self.read_only else counts[self._staging]  # a reader sees flushes only
+
+    @property
+    def _pending_count(self) -> int:
+        """Entries the staging log holds (a reader's: none)."""
+        return 0 if self.read_only else self._logs[self._staging].entries
+
+    @property
+    def _applying_count(self) -> int:
+        """Entries the log being applied holds (0: none is)."""
+        return 0 if self._applying is None else self._logs[self._applying].entries
 
     def _read(
         self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows, found)`` for ``keys`` from ``databases`` in order (a later one wins); read in
-        ``txn``, or in fresh transactions (in parallel when disk-bound) when it is None. Every row
-        is checked; a key absent from ``rows`` is confirmed absent by checking the entries beside it
-        (``_check_neighbours``), so a damaged page is an error, not a silently new row."""
+        """``(rows, found)`` for ``keys`` from ``databases`` in order (``rows``, then ``StageLog``s:
+        a later one wins); read in ``txn``, or in fresh transactions (in parallel when disk-bound)
+        when it is None. Every row is checked; a key absent from ``rows`` is confirmed absent by
+        checking the entries beside it (``_check_neighbours``), so a damaged page is an error, not a
+        silently new row."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         if keys.numel() == 0:
             return rows, found
+        txn = self._snapshot if txn is None else txn  # a reader reads its snapshot, on one thread
+        try:
+            for database in databases:
+                if database is self._rows:
+                    where, ids, stored = self._read_rows(txn, keys)
+                else:
+                    where, ids, stored = self._read_log(txn, keys, database)
+                if where.numel():
+                    rows[where] = self.codec.decode(ids, stored, self._data_file)
+                    found[where] = True
+        except lmdb.Error as error:
+            raise self._damaged(error) from None
+        return rows, found
+
+    def _read_rows(self, txn, keys: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """``(positions in keys, their ids, their stored rows [n, stored_bytes])`` of the keys
+        ``rows`` holds, read in id order."""
         key_array = keys.numpy()
         order = np.argsort(key_array, kind="stable")
         sorted_keys = key_array[order]
         encoded = encode_keys(sorted_keys)
-        txn = self._snapshot if txn is None else txn  # a reader reads its snapshot, on one thread
-        try:
-            for database in databases:
-                sizes, values = self._values(encoded, database, txn)
-                hit = sizes > 0
-                if database is self._rows and not hit.all():
-                    self._check_neighbours(txn, [key for key, held in zip(encoded, hit.tolist()) if not held])
-                if not hit.any():
-                    continue
-                stored = np.frombuffer(values, dtype=np.uint8).reshape(
-                    int(hit.sum()), self.codec.stored_bytes
-                )
-                where = torch.from_numpy(order[hit])
-                rows[where] = self.codec.decode(sorted_keys[hit], stored, self._data_file)
-                found[where] = True
-        except lmdb.Error as error:
-            raise self._damaged(error) from None
-        return rows, found
+        sizes, values = self._values(encoded, self._rows, txn, self.codec.stored_bytes)
+        hit = sizes > 0
+        if not hit.all():
+            self._check_neighbours(txn, [key for key, held in zip(encoded, hit.tolist()) if not held])
+        stored = np.frombuffer(values, dtype=np.uint8).reshape(int(hit.sum()), self.codec.stored_bytes)
+        return torch.from_numpy(order[hit]), sorted_keys[hit], stored
+
+    def _read_log(
+        self, txn, keys: torch.Tensor, log: StageLog
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """``_read_rows`` of the keys ``log`` stages (their newest entries, read in log order); an
+        entry missing or holding another id is damage."""
+        numbers = log.find(keys)
+        where = torch.nonzero(numbers >= 0).squeeze(1)
+        if where.numel() == 0:
+            return where, np.empty(0, dtype=np.int64), np.empty((0, self.codec.stored_bytes), np.uint8)
+        where = where[torch.argsort(numbers[where])]
+        return where, *self._staged_rows(txn, log, keys[where], numbers[where])
+
+    def _staged_rows(
+        self, txn, log: StageLog, keys: torch.Tensor, numbers: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, stored rows [n, stored_bytes])`` of ``log``'s entries ``numbers``, which its index
+        gives for ``keys``: an entry missing or holding another id is damage."""
+        entry_bytes = ID_BYTES + self.codec.stored_bytes
+        _, values = self._values(encode_keys(numbers.numpy()), log.database, txn, entry_bytes)
+        entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, entry_bytes)
+        ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
+        if entries.shape[0] != keys.numel() or not np.array_equal(ids, keys.numpy()):
+            raise StoreFormatError(f"{self._data_file} is damaged: its staged rows do not match their index")
+        return ids, entries[:, ID_BYTES:]
 
     def _check_neighbours(self, txn: lmdb.Transaction | None, absent: list[bytes]) -> None:
         """Check the committed entries on either side of each of the ``absent`` keys (sorted): a
@@ -360,13 +411,13 @@ class LmdbColdStore(ColdStore):
         )
 
     def _databases(self) -> list:
-        """What a read reads, a later database's rows overriding an earlier one's: ``rows``, the
-        flush being applied, the staged writes."""
+        """What a read reads, a later one's rows overriding an earlier one's: ``rows``, the log of
+        the flush being applied, the staging log."""
         databases = [self._rows]
         if self._applying_count:
-            databases.append(self._stages[self._applying])
+            databases.append(self._logs[self._applying])
         if self._pending_count:
-            databases.append(self._stages[self._staging])
+            databases.append(self._logs[self._staging])
         return databases
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,17 +432,17 @@ class LmdbColdStore(ColdStore):
     def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         databases = self._databases()
         with self._begin() as txn:
-            for position, database in enumerate(databases):  # each key once, with its newest row
-                items = txn.cursor(database).iternext()
-                while chunk := list(itertools.islice(items, batch_size)):
-                    keys, rows = self._decode(chunk)
-                    if position:  # a key an earlier database holds came with it
-                        held = self._read(txn, keys, databases[:position])[1]
-                        keys, rows = keys[~held], rows[~held]
-                    for newer in databases[position + 1 :]:  # newer values win
-                        staged, staged_found = self._read(txn, keys, [newer])
-                        rows[staged_found] = staged[staged_found]
-                    yield keys, rows
+            items = txn.cursor(self._rows).iternext()
+            while chunk := list(itertools.islice(items, batch_size)):
+                keys, rows = self._decode(chunk)
+                staged, staged_found = self._read(txn, keys, databases[1:])  # newer values win
+                rows[staged_found] = staged[staged_found]
+                yield keys, rows
+            for position in range(1, len(databases)):  # each staged key once, with its newest row
+                for keys in databases[position].items()[0].split(batch_size):
+                    held = self._read(txn, keys, databases[:position])[1]  # came with an earlier one
+                    keys = keys[~held]
+                    yield keys, self._read(txn, keys, databases[position:])[0]
 
     def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked ``(keys, rows)`` of a chunk of ``(key, value)`` entries (map views)."""
@@ -406,8 +457,7 @@ class LmdbColdStore(ColdStore):
         with self._begin() as txn:
             count = txn.stat(self._rows)["entries"]
             for position in range(1, len(databases)):  # keys no earlier database holds
-                keys = [bytes(key) for key in txn.cursor(databases[position]).iternext(values=False)]
-                held = self._read(txn, torch.from_numpy(decode_keys(keys)), databases[:position])[1]
+                held = self._read(txn, databases[position].items()[0], databases[:position])[1]
                 count += int((~held).sum())
             return count
 
@@ -439,24 +489,19 @@ class LmdbColdStore(ColdStore):
         return OSError(errno.EIO, f"LMDB could not write to {self._path}: {error}")
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        order = torch.argsort(keys)
-        sorted_keys = keys[order].numpy()
-        stored = np.ascontiguousarray(self.codec.encode(sorted_keys, rows[order]))
-        items = list(
-            zip(encode_keys(sorted_keys), stored.view(f"V{self.codec.stored_bytes}").ravel().tolist())
-        )
+        log = self._logs[self._staging]
+        stored = np.ascontiguousarray(self.codec.encode(keys.numpy(), rows))
+        items, numbers = log.entries_of(keys.numpy(), stored)
 
-        staging = self._stages[self._staging]
+        def stage(txn: lmdb.Transaction) -> None:
+            txn.cursor(log.database).putmulti(items, append=True)
 
-        def stage(txn: lmdb.Transaction) -> int:
-            txn.cursor(staging).putmulti(items)
-            return txn.stat(staging)["entries"]
-
-        self._pending_count = self._write(stage)
+        self._write(stage)
+        log.record(keys, numbers)
 
     def flush(self) -> None:
         self._check_writable()
-        if self._applying is not None:  # the last flush's apply was cut short: finish it first
+        if self._applying is not None:  # the last flush's apply was cut short: apply it again
             self._apply()
         flushes, staging = self.flushes + 1, self._staging
 
@@ -469,32 +514,33 @@ class LmdbColdStore(ColdStore):
         self._write(commit)
         self.flushes = flushes
         if self._pending_count:
-            self._applying, self._applying_count = staging, self._pending_count
-            self._staging, self._pending_count = 1 - staging, 0
+            self._applying, self._staging = staging, 1 - staging
         self._sync()
         if self._applying is not None:
             self._apply()
 
     def _apply(self) -> None:
-        """Move the rows of the flush being applied into ``rows``, ``APPLY_ROWS`` a transaction (each
-        deleting what it moved), then clear its role; then sync."""
-        applying = self._stages[self._applying]
+        """Copy the newest row of each id the log being applied stages into ``rows``, in id order,
+        ``APPLY_ROWS`` a transaction; then empty the log and clear its role; then sync."""
+        log = self._logs[self._applying]
+        keys, numbers = log.items()
+        for part in zip(keys.split(APPLY_ROWS), numbers.split(APPLY_ROWS)):
 
-        def move(txn: lmdb.Transaction) -> int:
-            cursor = txn.cursor(applying)
-            chunk = list(itertools.islice(cursor.iternext(), APPLY_ROWS))
-            if not chunk:
-                txn.delete(_APPLYING_KEY, db=self._meta)
-                return 0
-            txn.cursor(self._rows).putmulti(chunk)
-            cursor.first()
-            for _ in chunk:
-                cursor.delete()
-            return len(chunk)
+            def move(txn: lmdb.Transaction, part=part) -> int:
+                ids, stored = self._staged_rows(txn, log, *part)
+                values = np.ascontiguousarray(stored).view(f"V{self.codec.stored_bytes}").ravel().tolist()
+                txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids), values)))
+                return ids.size
 
-        while moved := self._write(move):
-            self._applying_count -= moved
-        self._applying, self._applying_count = None, 0
+            self._write(move)
+
+        def clear(txn: lmdb.Transaction) -> None:
+            txn.drop(log.database, delete=False)
+            txn.delete(_APPLYING_KEY, db=self._meta)
+
+        self._write(clear)
+        log.clear()
+        self._applying = None
         self._sync()
 
     def _sync(self) -> None:
@@ -511,9 +557,9 @@ class LmdbColdStore(ColdStore):
             return None
 
     def _read_flushes(self) -> int:
+        """The flushes completed, as the snapshot a reader reads (a writer: the newest) records."""
         if self._meta is None:
             return 0
-        """The flushes completed, as the snapshot a reader reads (a writer: the newest) records."""
         try:
             with self._begin() as txn:
                 value = txn.get(_FLUSHES_KEY, db=self._meta)
@@ -529,16 +575,20 @@ class LmdbColdStore(ColdStore):
     def last_flush_time(self) -> float | None:
         return (self._path / "data.mdb").stat().st_mtime
 
+    def report(self) -> dict:
+        """The base counters; ``index_bytes``: the RAM of the staged rows' indexes (16 to 32 bytes
+        an id staged since the last flush)."""
+        return {**super().report(), "index_bytes": sum(log.nbytes for log in self._logs)}
+
     def structure_problems(self) -> list[str]:
-        """Committed entries whose key is not 8 bytes or whose value is not ``stored_bytes`` (a
-        short value would otherwise fail, or worse, in the row decoder)."""
-        committed = [self._rows] + ([self._stages[self._applying]] if self._applying_count else [])
+        """Entries of ``rows`` whose key is not 8 bytes or whose value is not ``stored_bytes`` (a
+        short value would otherwise fail, or worse, in the row decoder); a log being applied was
+        checked when the store opened."""
         try:
             with self._begin() as txn:
                 wrong = [
                     (len(key), len(value))
-                    for database in committed
-                    for key, value in txn.cursor(database)
+                    for key, value in txn.cursor(self._rows)
                     if len(key) != 8 or len(value) != self.codec.stored_bytes
                 ]
         except lmdb.Error as error:

@@ -1,0 +1,90 @@
+"""The LMDB cold store's staged rows, kept as an append-only log in an LMDB database.
+
+An entry's key is its sequence number (8 bytes big-endian) and its value the row's id (8 bytes
+big-endian) then the stored row, so a write transaction appends to the B-tree's last leaves: it
+dirties a few pages per thousand rows whatever the ids, where entries keyed by id would dirty a
+leaf per row (LMDB holds a transaction's dirty pages in RAM until it commits, and keeps their
+buffers for reuse after: the most any transaction dirtied stays in the process for good). An
+index in RAM (``HashIndex``: id -> sequence number of its newest entry) finds an id's row; it is
+rebuilt by scanning the database when a store opens on a log that holds a committed flush.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..hash_index import HashIndex
+from .codec import decode_keys, encode_keys
+
+ID_BYTES = 8  # an entry's value starts with its row's id, big-endian
+
+
+class StageLog:
+    """The log in ``database`` (an LMDB sub-database handle) and its index."""
+
+    def __init__(self, database) -> None:
+        self.database = database
+        self.index = HashIndex(1024)
+        self.next_entry = 0  # the sequence number the next entry takes
+        self.entries = 0  # entries in the database (an id staged twice has two)
+
+    @property
+    def nbytes(self) -> int:
+        """RAM the index takes."""
+        return self.index.nbytes
+
+    def entries_of(self, keys: np.ndarray, stored: np.ndarray) -> tuple[list, np.ndarray]:
+        """``(items to append, their sequence numbers)`` for ``keys`` (int64 [N]) and their stored rows
+        (uint8 [N, stored_bytes]); nothing changes until ``record``."""
+        numbers = np.arange(self.next_entry, self.next_entry + keys.size, dtype=np.int64)
+        values = np.empty((keys.size, ID_BYTES + stored.shape[1]), dtype=np.uint8)
+        values[:, :ID_BYTES] = keys.astype(">u8").view(np.uint8).reshape(-1, ID_BYTES)
+        values[:, ID_BYTES:] = stored
+        items = list(zip(encode_keys(numbers), values.view(f"V{values.shape[1]}").ravel().tolist()))
+        return items, numbers
+
+    def record(self, keys: torch.Tensor, numbers: np.ndarray) -> None:
+        """Index ``keys`` (distinct) at the entries ``numbers`` that were just committed."""
+        self.index.remove(keys)
+        self.index.insert(keys, torch.from_numpy(numbers))
+        self.next_entry += keys.numel()
+        self.entries += keys.numel()
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """The sequence number of each key's newest entry (int64 [N]), -1 where not staged."""
+        return self.index.find(keys)
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every staged id and its newest entry's sequence number, by id."""
+        keys, numbers = self.index.items()
+        order = torch.argsort(keys)
+        return keys[order], numbers[order]
+
+    def load(self, txn, entry_bytes: int) -> None:
+        """Rebuild the index from the database as ``txn`` sees it; entries whose value is not
+        ``entry_bytes`` long raise ``ValueError``."""
+        numbers, ids = [], []
+        for number, value in txn.cursor(self.database).iternext():
+            if len(number) != 8 or len(value) != entry_bytes:
+                raise ValueError(f"a staged entry has a {len(number)}-byte key and a {len(value)}-byte value")
+            numbers.append(bytes(number))
+            ids.append(bytes(value[:ID_BYTES]))
+        self.index = HashIndex(max(1024, len(ids)))
+        self.entries = len(ids)
+        if not ids:
+            self.next_entry = 0
+            return
+        keys = torch.from_numpy(decode_keys(ids))
+        sequence = torch.from_numpy(decode_keys(numbers))
+        newest = torch.zeros(keys.numel(), dtype=torch.bool)  # each id's last entry (entries ascend)
+        order = torch.argsort(keys, stable=True)
+        ordered = keys[order]
+        newest[order[torch.cat([ordered[1:] != ordered[:-1], torch.tensor([True])])]] = True
+        self.index.insert(keys[newest], sequence[newest])
+        self.next_entry = int(sequence[-1]) + 1
+
+    def clear(self) -> None:
+        """Forget every entry (the database was emptied)."""
+        self.index = HashIndex(1024)
+        self.next_entry = self.entries = 0
