@@ -418,3 +418,41 @@ def test_lmdb_stages_rows_in_an_append_only_log(tmp_path):
         assert bool(found.all()) and torch.equal(rows, expected) and len(store) == len(oracle)
         store.flush()
     store.close()
+
+
+def test_lmdb_stages_a_flushs_own_rows_without_indexing_them(tmp_path, monkeypatch):
+    """A flush's own rows (``before_flush``) are appended without growing the index; read before
+    the flush commits (it failed), they are found all the same (the index rebuilt by scanning the
+    log). The apply copies the log in order, so an id staged twice, in different transactions of
+    the apply, ends with its newest row; checked against a dict."""
+    monkeypatch.setattr(lmdb_store, "APPLY_ROWS", 7)
+    store = open_cold_store("lmdb", tmp_path, 3, torch.float32, False)
+    oracle = {}
+
+    def put(keys, value, before_flush):
+        keys = torch.tensor(keys)
+        store.put(keys, torch.full((keys.numel(), 3), float(value)), before_flush)
+        oracle.update({key: float(value) for key in keys.tolist()})
+
+    put(range(0, 20), 1.0, False)  # evicted rows: indexed
+    index_bytes = store.report()["index_bytes"]
+    put(range(10, 40), 2.0, True)  # a flush's rows, 10 of them staged before
+    log = store._logs[store._staging]
+    assert not log.indexed and store.report()["index_bytes"] == index_bytes
+    keys = torch.tensor(sorted(oracle))
+    expected = torch.tensor([oracle[key] for key in keys.tolist()])
+    rows, found = store.get(keys)  # before the flush: the index rebuilt from the log
+    assert log.indexed and bool(found.all()) and torch.equal(rows[:, 0], expected)
+    put(range(35, 45), 3.0, True)
+    assert len(store) == len(oracle)
+    store.flush()
+    put(range(0, 5), 4.0, False)
+    put(range(3, 8), 5.0, True)
+    store.flush()
+    store.close()
+    store = open_cold_store("lmdb", tmp_path, 3, torch.float32, True)
+    keys = torch.tensor(sorted(oracle))
+    rows, found = store.get(keys)
+    assert bool(found.all()) and rows[:, 0].tolist() == [oracle[key] for key in keys.tolist()]
+    assert len(store) == len(oracle)
+    store.close()

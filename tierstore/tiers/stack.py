@@ -215,9 +215,9 @@ class TierStack:
         else:
             self._stage_in_cold(evicted.select(evicted.dirty.cpu()))
 
-    def _stage_in_cold(self, rows: Rows) -> None:
+    def _stage_in_cold(self, rows: Rows, before_flush: bool = False) -> None:
         if len(rows):
-            self.cold.put(rows.keys.cpu(), rows.rows.cpu())
+            self.cold.put(rows.keys.cpu(), rows.rows.cpu(), before_flush)
 
     def flush(self) -> None:
         """Stage every dirty cached row in the cold store (``FLUSH_BATCH_ROWS`` at a time) and commit
@@ -225,7 +225,7 @@ class TierStack:
         staged = []
         for cache in self.caches:
             for slots, rows in cache.dirty_rows(FLUSH_BATCH_ROWS):
-                self._stage_in_cold(rows)
+                self._stage_in_cold(rows, before_flush=True)  # still dirty, cached, until it commits
                 staged.append((cache, slots))
         self.cold.flush()
         for cache, slots in staged:

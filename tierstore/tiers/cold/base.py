@@ -101,12 +101,14 @@ class ColdStore(ABC):
         self.stats.initialized += lookups - hits
         return rows, found
 
-    def put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Stage ``rows [N, row_width]`` for ``keys`` (distinct); durable after ``flush``."""
+    def put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool = False) -> None:
+        """Stage ``rows [N, row_width]`` for ``keys`` (distinct); durable after ``flush``.
+        ``before_flush``: a flush's own staging (the caller flushes next and keeps these rows' newest
+        values until then), so the store may leave out what only a read before that flush needs."""
         self._check_writable()
         if keys.numel() == 0:
             return
-        self._put(keys, rows)
+        self._put(keys, rows, before_flush)
         self.stats.rows_written += keys.numel()
 
     def admits_into(self, tier) -> bool:
@@ -167,7 +169,7 @@ class ColdStore(ABC):
         """``get`` without counting."""
 
     @abstractmethod
-    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool) -> None:
         """``put`` of a non-empty batch on a writable store, without counting."""
 
     @abstractmethod

@@ -5,8 +5,11 @@ big-endian) then the stored row, so a write transaction appends to the B-tree's 
 dirties a few pages per thousand rows whatever the ids, where entries keyed by id would dirty a
 leaf per row (LMDB holds a transaction's dirty pages in RAM until it commits, and keeps their
 buffers for reuse after: the most any transaction dirtied stays in the process for good). An
-index in RAM (``HashIndex``: id -> sequence number of its newest entry) finds an id's row; it is
-rebuilt by scanning the database when a store opens on a log that holds a committed flush.
+index in RAM (``HashIndex``: id -> sequence number of its newest entry) finds an id's row. A
+flush's own rows are appended without it (``appended``: the caller holds their newest values until
+the flush commits, and the flush copies the log into ``rows`` by scanning it in order), so it need
+not hold a host cache's worth of ids; a read that comes first rebuilds it by scanning the log, as a
+store opening on a log that holds a committed flush does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class StageLog:
         self.index = HashIndex(1024)
         self.next_entry = 0  # the sequence number the next entry takes
         self.entries = 0  # entries in the database (an id staged twice has two)
+        self.indexed = True  # False: some entries are not in the index (``load`` before a read)
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +55,12 @@ class StageLog:
         self.next_entry += keys.numel()
         self.entries += keys.numel()
 
+    def appended(self, count: int) -> None:
+        """``count`` entries were just committed without being indexed."""
+        self.next_entry += count
+        self.entries += count
+        self.indexed = False
+
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """The sequence number of each key's newest entry (int64 [N]), -1 where not staged."""
         return self.index.find(keys)
@@ -71,7 +81,7 @@ class StageLog:
             numbers.append(bytes(number))
             ids.append(bytes(value[:ID_BYTES]))
         self.index = HashIndex(max(1024, len(ids)))
-        self.entries = len(ids)
+        self.entries, self.indexed = len(ids), True
         if not ids:
             self.next_entry = 0
             return
@@ -88,3 +98,4 @@ class StageLog:
         """Forget every entry (the database was emptied)."""
         self.index = HashIndex(1024)
         self.next_entry = self.entries = 0
+        self.indexed = True

@@ -6,15 +6,17 @@ fails its check), so damage found by a read is ``StoreFormatError`` naming the f
 own errors from damaged pages; ``tierstore verify`` reads and checks every entry.
 
 Staged writes go to a staging sub-database kept as an append-only log (``lmdb_staging``: entries
-keyed by sequence number, an index in RAM finds an id's newest one), one transaction per batch
-that appends to the B-tree's last leaves. There are two (``pending`` and ``pending.b``), and
-``meta`` names which one stages. ``flush`` commits in one small transaction (its commit point):
-the flush count, and the staging log's role turned to *being applied* while the other one stages
-from then on; after a sync its rows are copied into ``rows`` a few thousand per transaction, in id
-order, and a last one empties it and clears the role. LMDB keeps a write transaction's dirty pages
-in memory until it commits (and their buffers for good after), so a transaction writing a host
-cache's worth of rows at random ids (each in its own B-tree leaf) would need about a page of RAM
-per row: a table several times larger than a memory limit could not train or flush under it.
+keyed by sequence number, an index in RAM finds an id's newest one), one transaction per batch that
+appends to the B-tree's last leaves. There are two (``pending`` and ``pending.b``), and ``meta``
+names which one stages. ``flush`` commits in one small transaction (its commit point): the flush
+count, and the staging log's role turned to *being applied* while the other one stages from then on;
+after a sync its entries are copied into ``rows`` in the log's order, a few thousand per transaction
+(each sorted by id, an id's entries kept in order), and a last one empties it and clears the role. A
+flush's own rows are staged without being indexed (``lmdb_staging``). LMDB keeps a write
+transaction's dirty pages in memory until it commits (and their buffers for good after), so a
+transaction writing a host cache's worth of rows at random ids (each in its own B-tree leaf) would
+need about a page of RAM per row: a table several times larger than a memory limit could not train
+or flush under it.
 Reads see ``rows`` overlaid by the log being applied (and, for the writer, by the staging one),
 so a reader, a reopen or a crash anywhere in the apply all see exactly the committed flush; the
 next flush (of a writer reopened after a crash, or after a failed apply) first applies it again
@@ -418,6 +420,13 @@ class LmdbColdStore(ColdStore):
             databases.append(self._logs[self._applying])
         if self._pending_count:
             databases.append(self._logs[self._staging])
+        for log in databases[1:]:
+            if not log.indexed:  # a flush's own rows, read before it committed (it failed)
+                try:
+                    with self._begin() as txn:
+                        log.load(txn, ID_BYTES + self.codec.stored_bytes)
+                except ValueError as error:
+                    raise StoreFormatError(f"{self._data_file} is damaged: {error}") from None
         return databases
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,7 +497,7 @@ class LmdbColdStore(ColdStore):
             )
         return OSError(errno.EIO, f"LMDB could not write to {self._path}: {error}")
 
-    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool) -> None:
         log = self._logs[self._staging]
         stored = np.ascontiguousarray(self.codec.encode(keys.numpy(), rows))
         items, numbers = log.entries_of(keys.numpy(), stored)
@@ -497,7 +506,10 @@ class LmdbColdStore(ColdStore):
             txn.cursor(log.database).putmulti(items, append=True)
 
         self._write(stage)
-        log.record(keys, numbers)
+        if before_flush:  # not indexed: the flush copies the log by scanning it
+            log.appended(keys.numel())
+        else:
+            log.record(keys, numbers)
 
     def flush(self) -> None:
         self._check_writable()
@@ -520,19 +532,32 @@ class LmdbColdStore(ColdStore):
             self._apply()
 
     def _apply(self) -> None:
-        """Copy the newest row of each id the log being applied stages into ``rows``, in id order,
-        ``APPLY_ROWS`` a transaction; then empty the log and clear its role; then sync."""
+        """Copy the log being applied into ``rows`` in its order (an id's newest entry last),
+        ``APPLY_ROWS`` entries a transaction, each sorted by id; then empty the log and clear its
+        role; then sync."""
         log = self._logs[self._applying]
-        keys, numbers = log.items()
-        for part in zip(keys.split(APPLY_ROWS), numbers.split(APPLY_ROWS)):
+        entry_bytes = ID_BYTES + self.codec.stored_bytes
+        start = 0
+        while True:
 
-            def move(txn: lmdb.Transaction, part=part) -> int:
-                ids, stored = self._staged_rows(txn, log, *part)
-                values = np.ascontiguousarray(stored).view(f"V{self.codec.stored_bytes}").ravel().tolist()
-                txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids), values)))
+            def move(txn: lmdb.Transaction, start=start) -> int:
+                cursor = txn.cursor(log.database)
+                if not cursor.set_range(encode_keys(np.array([start], dtype=np.int64))[0]):
+                    return 0
+                values = [value for _, value in itertools.islice(cursor.iternext(), APPLY_ROWS)]
+                if any(len(value) != entry_bytes for value in values):
+                    raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed staged rows")
+                entries = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(-1, entry_bytes)
+                ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
+                order = np.argsort(ids, kind="stable")  # an id's entries stay in order: its newest last
+                stored = np.ascontiguousarray(entries[order, ID_BYTES:]).view(f"V{self.codec.stored_bytes}")
+                txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids[order]), stored.ravel().tolist())))
                 return ids.size
 
-            self._write(move)
+            moved = self._write(move)
+            if not moved:
+                break
+            start += moved
 
         def clear(txn: lmdb.Transaction) -> None:
             txn.drop(log.database, delete=False)

@@ -587,9 +587,9 @@ class MmapColdStore(ColdStore):
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _put(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+    def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool = False) -> None:
         """Rows staged since the last flush are rewritten in place; the others are appended (in this
-        order: committed records never change)."""
+        order: committed records never change). The log's index is kept either way."""
         start = self._wal_count
         self._wal_rows.reserve(start + keys.numel())  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + keys.numel())
