@@ -398,6 +398,14 @@ struct ColdFiles {
     i64 check_bytes;
 };
 
+// Ask for every cache line of [address, address + bytes): rows wider than a line (dim 64 and
+// more) would otherwise wait on each line after the first.
+template <int Write = 0>
+static inline void prefetch_lines(const void* address, i64 bytes) {
+    const char* start = (const char*)address;
+    for (i64 offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, Write);
+}
+
 // sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
 // row; null where the store holds none. advise: the main index and rows are mapped files whose pages
 // are likely on disk, so each pass first asks the kernel for the pages it is about to read
@@ -428,6 +436,7 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
             if (position >= 0 && cold.main_values[position] < cold.main_count)  // past it: not committed
                 source = cold.main_rows + cold.main_values[position] * cold.stored_bytes;
         }
+        if (source) prefetch_lines(source, cold.stored_bytes);  // the check reading it next hits the cache
         sources[i] = source;
     }
     if (advise) {
@@ -435,14 +444,6 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
         for (i64 i = 0; i < n; ++i)
             if (sources[i]) will_need(sources[i], cold.stored_bytes);
     }
-}
-
-// Ask for every cache line of [address, address + bytes): rows wider than a line (dim 64 and
-// more) would otherwise wait on each line after the first.
-template <int Write = 0>
-static inline void prefetch_lines(const void* address, i64 bytes) {
-    const char* start = (const char*)address;
-    for (i64 offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, Write);
 }
 
 // Whether the stored row at `source` (of id `key`) carries the check of its bytes.
