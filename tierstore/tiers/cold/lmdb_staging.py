@@ -23,6 +23,13 @@ from .codec import decode_keys, encode_keys
 ID_BYTES = 8  # an entry's value starts with its row's id, big-endian
 
 
+def split_entries(values: bytes, entry_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int64 [n], stored rows uint8 [n, entry_bytes - ID_BYTES])`` of joined entry values."""
+    entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, entry_bytes)
+    ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
+    return ids, entries[:, ID_BYTES:]
+
+
 class StageLog:
     """The log in ``database`` (an LMDB sub-database handle) and its index."""
 

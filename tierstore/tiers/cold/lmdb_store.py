@@ -57,7 +57,7 @@ import torch
 from ...errors import StoreBusyError, StoreFormatError
 from .base import ColdStore
 from .codec import decode_keys, encode_keys
-from .lmdb_staging import ID_BYTES, StageLog
+from .lmdb_staging import ID_BYTES, StageLog, split_entries
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
@@ -361,11 +361,10 @@ class LmdbColdStore(ColdStore):
         gives for ``keys``: an entry missing or holding another id is damage."""
         entry_bytes = ID_BYTES + self.codec.stored_bytes
         _, values = self._values(encode_keys(numbers.numpy()), log.database, txn, entry_bytes)
-        entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, entry_bytes)
-        ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
-        if entries.shape[0] != keys.numel() or not np.array_equal(ids, keys.numpy()):
+        ids, stored = split_entries(values, entry_bytes)
+        if ids.size != keys.numel() or not np.array_equal(ids, keys.numpy()):
             raise StoreFormatError(f"{self._data_file} is damaged: its staged rows do not match their index")
-        return ids, entries[:, ID_BYTES:]
+        return ids, stored
 
     def _check_neighbours(self, txn: lmdb.Transaction | None, absent: list[bytes]) -> None:
         """Check the committed entries on either side of each of the ``absent`` keys (sorted): a
@@ -547,10 +546,9 @@ class LmdbColdStore(ColdStore):
                 values = [value for _, value in itertools.islice(cursor.iternext(), APPLY_ROWS)]
                 if any(len(value) != entry_bytes for value in values):
                     raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed staged rows")
-                entries = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(-1, entry_bytes)
-                ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
+                ids, stored = split_entries(b"".join(values), entry_bytes)
                 order = np.argsort(ids, kind="stable")  # an id's entries stay in order: its newest last
-                stored = np.ascontiguousarray(entries[order, ID_BYTES:]).view(f"V{self.codec.stored_bytes}")
+                stored = np.ascontiguousarray(stored[order]).view(f"V{self.codec.stored_bytes}")
                 txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids[order]), stored.ravel().tolist())))
                 return ids.size
 
