@@ -23,18 +23,13 @@ from .codec import decode_keys, encode_keys
 ID_BYTES = 8  # an entry's value starts with its row's id, big-endian
 
 
-def split_entries(values: bytes, entry_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids int64 [n], stored rows uint8 [n, entry_bytes - ID_BYTES])`` of joined entry values."""
-    entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, entry_bytes)
-    ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
-    return ids, entries[:, ID_BYTES:]
-
-
 class StageLog:
-    """The log in ``database`` (an LMDB sub-database handle) and its index."""
+    """The log in ``database`` (an LMDB sub-database handle) of rows stored in ``stored_bytes``,
+    and its index."""
 
-    def __init__(self, database) -> None:
+    def __init__(self, database, stored_bytes: int) -> None:
         self.database = database
+        self.entry_bytes = ID_BYTES + stored_bytes  # an entry's value
         self.index = HashIndex(1024)
         self.next_entry = 0  # the sequence number the next entry takes
         self.entries = 0  # entries in the database (an id staged twice has two)
@@ -68,6 +63,12 @@ class StageLog:
         self.entries += count
         self.indexed = False
 
+    def split(self, values: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [n], stored rows uint8 [n, stored_bytes])`` of joined entry values."""
+        entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, self.entry_bytes)
+        ids = entries[:, :ID_BYTES].copy().view(">u8").ravel().astype(np.int64)
+        return ids, entries[:, ID_BYTES:]
+
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """The sequence number of each key's newest entry (int64 [N]), -1 where not staged."""
         return self.index.find(keys)
@@ -78,12 +79,12 @@ class StageLog:
         order = torch.argsort(keys)
         return keys[order], numbers[order]
 
-    def load(self, txn, entry_bytes: int) -> None:
+    def load(self, txn) -> None:
         """Rebuild the index from the database as ``txn`` sees it; entries whose value is not
         ``entry_bytes`` long raise ``ValueError``."""
         numbers, ids = [], []
         for number, value in txn.cursor(self.database).iternext():
-            if len(number) != 8 or len(value) != entry_bytes:
+            if len(number) != 8 or len(value) != self.entry_bytes:
                 raise ValueError(f"a staged entry has a {len(number)}-byte key and a {len(value)}-byte value")
             numbers.append(bytes(number))
             ids.append(bytes(value[:ID_BYTES]))

@@ -16,26 +16,24 @@ flush's own rows are staged without being indexed (``lmdb_staging``). LMDB keeps
 transaction's dirty pages in memory until it commits (and their buffers for good after), so a
 transaction writing a host cache's worth of rows at random ids (each in its own B-tree leaf) would
 need about a page of RAM per row: a table several times larger than a memory limit could not train
-or flush under it.
-Reads see ``rows`` overlaid by the log being applied (and, for the writer, by the staging one),
-so a reader, a reopen or a crash anywhere in the apply all see exactly the committed flush; the
-next flush (of a writer reopened after a crash, or after a failed apply) first applies it again
-(copying a row twice writes the same bytes). A store that opens on a log being applied rebuilds
-its index by scanning it (one flush's rows). Staged writes never committed by a flush are
+or flush under it. Reads see ``rows`` overlaid by the log being applied (and, for the writer, by the
+staging one), so a reader, a reopen or a crash anywhere in the apply all see exactly the committed
+flush; the next flush (of a writer reopened after a crash, or after a failed apply) first applies it
+again (copying the log again writes the same rows). A store that opens on a log being applied
+rebuilds its index by scanning it (one flush's rows). Staged writes never committed by a flush are
 dropped on the next writable open. LMDB maps an environment once per process, so a store open in
-this process (for writing or reading) cannot be opened again here: a reader beside the writer
-runs in another process. Reads sort the keys so the B-tree is walked in order (a log's entries by
-their sequence numbers). A read that waits on the disk
-(the store is larger than the page cache) is split into contiguous key ranges read by a thread pool,
-each range in its own read transaction: py-lmdb releases the GIL inside ``get``, so the page faults
-overlap and the SSD's queue stays busy. A read served from the page cache stays on one thread, where
-the GIL would make threads slower. Which regime holds is measured, not guessed: a moving average of
-the seconds per key of recent reads decides. The transactions of one parallel read can differ only
-if another process commits meanwhile; this process never writes during a read. A read-only store
-reads one snapshot (one read transaction, on one thread) from its open until ``refresh()``; a
-snapshot held long keeps the writer from reusing the pages it holds, so the file grows (LMDB's rule
-for long read transactions). The memory map doubles whenever a write transaction finds it full, and
-the write is retried.
+this process (for writing or reading) cannot be opened again here: a reader beside the writer runs
+in another process. Reads sort the keys so the B-tree is walked in order (a log's entries by their
+sequence numbers). A read that waits on the disk (the store is larger than the page cache) is split
+into contiguous key ranges read by a thread pool, each range in its own read transaction: py-lmdb
+releases the GIL inside ``get``, so the page faults overlap and the SSD's queue stays busy. A read
+served from the page cache stays on one thread, where the GIL would make threads slower. Which
+regime holds is measured, not guessed: a moving average of the seconds per key of recent reads
+decides. The transactions of one parallel read can differ only if another process commits meanwhile;
+this process never writes during a read. A read-only store reads one snapshot (one read transaction,
+on one thread) from its open until ``refresh()``; a snapshot held long keeps the writer from reusing
+the pages it holds, so the file grows (LMDB's rule for long read transactions). The memory map
+doubles whenever a write transaction finds it full, and the write is retried.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ import torch
 from ...errors import StoreBusyError, StoreFormatError
 from .base import ColdStore
 from .codec import decode_keys, encode_keys
-from .lmdb_staging import ID_BYTES, StageLog, split_entries
+from .lmdb_staging import StageLog
 
 DIRECTORY = "lmdb"
 INITIAL_MAP_SIZE = 256 * 2**20
@@ -273,7 +271,7 @@ class LmdbColdStore(ColdStore):
         reader) or the newest commit (the writer) records."""
         self.flushes = self._read_flushes()
         self._staging, self._applying = 0, None
-        self._logs = [StageLog(stage) for stage in self._stages]
+        self._logs = [StageLog(stage, self.codec.stored_bytes) for stage in self._stages]
         try:
             with self._begin() as txn:
                 if self._meta is not None:
@@ -284,13 +282,18 @@ class LmdbColdStore(ColdStore):
                 if {self._staging, self._applying} - {0, 1, None}:
                     raise StoreFormatError(f"the LMDB data in {self._path} is damaged: its stage roles")
                 if self._applying is not None:
-                    self._logs[self._applying].load(txn, ID_BYTES + self.codec.stored_bytes)
+                    self._load(txn, self._logs[self._applying])
                 if not self.read_only:  # staged, never flushed: dropped by a writable open
                     self._logs[self._staging].entries = txn.stat(self._stages[self._staging])["entries"]
-        except ValueError as error:
-            raise StoreFormatError(f"{self._data_file} is damaged: {error}") from None
         except lmdb.Error as error:
             raise self._damaged(error) from None
+
+    def _load(self, txn, log: StageLog) -> None:
+        """``log``'s index rebuilt from the log as ``txn`` sees it; a malformed entry is damage."""
+        try:
+            log.load(txn)
+        except ValueError as error:
+            raise StoreFormatError(f"{self._data_file} is damaged: {error}") from None
 
     @property
     def _pending_count(self) -> int:
@@ -359,9 +362,8 @@ class LmdbColdStore(ColdStore):
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, stored rows [n, stored_bytes])`` of ``log``'s entries ``numbers``, which its index
         gives for ``keys``: an entry missing or holding another id is damage."""
-        entry_bytes = ID_BYTES + self.codec.stored_bytes
-        _, values = self._values(encode_keys(numbers.numpy()), log.database, txn, entry_bytes)
-        ids, stored = split_entries(values, entry_bytes)
+        _, values = self._values(encode_keys(numbers.numpy()), log.database, txn, log.entry_bytes)
+        ids, stored = log.split(values)
         if ids.size != keys.numel() or not np.array_equal(ids, keys.numpy()):
             raise StoreFormatError(f"{self._data_file} is damaged: its staged rows do not match their index")
         return ids, stored
@@ -421,11 +423,8 @@ class LmdbColdStore(ColdStore):
             databases.append(self._logs[self._staging])
         for log in databases[1:]:
             if not log.indexed:  # a flush's own rows, read before it committed (it failed)
-                try:
-                    with self._begin() as txn:
-                        log.load(txn, ID_BYTES + self.codec.stored_bytes)
-                except ValueError as error:
-                    raise StoreFormatError(f"{self._data_file} is damaged: {error}") from None
+                with self._begin() as txn:
+                    self._load(txn, log)
         return databases
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -535,7 +534,6 @@ class LmdbColdStore(ColdStore):
         ``APPLY_ROWS`` entries a transaction, each sorted by id; then empty the log and clear its
         role; then sync."""
         log = self._logs[self._applying]
-        entry_bytes = ID_BYTES + self.codec.stored_bytes
         start = 0
         while True:
 
@@ -544,9 +542,9 @@ class LmdbColdStore(ColdStore):
                 if not cursor.set_range(encode_keys(np.array([start], dtype=np.int64))[0]):
                     return 0
                 values = [value for _, value in itertools.islice(cursor.iternext(), APPLY_ROWS)]
-                if any(len(value) != entry_bytes for value in values):
+                if any(len(value) != log.entry_bytes for value in values):
                     raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed staged rows")
-                ids, stored = split_entries(b"".join(values), entry_bytes)
+                ids, stored = log.split(b"".join(values))
                 order = np.argsort(ids, kind="stable")  # an id's entries stay in order: its newest last
                 stored = np.ascontiguousarray(stored[order]).view(f"V{self.codec.stored_bytes}")
                 txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids[order]), stored.ravel().tolist())))
