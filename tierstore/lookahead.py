@@ -26,6 +26,7 @@ counted in ``store.stats()["prefetch"]``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import queue
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .horizon import Foresight, horizon_accesses
 from .kernels.host import openmp_runtime
 
 INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default
@@ -52,6 +54,10 @@ class PrefetchStats:
     skipped_batches: int = 0  # batches larger than the window's room: looked up on demand
     waits: int = 0  # batches that waited for room (the window shrank)
     rows_moved_up: int = 0  # rows it moved into the top tier
+    horizon: int = 0  # row lookups its ids-only horizon spans (0: none)
+    horizon_pinned_rows: int = 0  # rows the horizon pins now (their next use is within it)
+    horizon_unpinned_far: int = 0  # pins the horizon dropped to make room (farthest next use first)
+    horizon_bytes: int = 0  # memory the horizon holds (ids, next uses, map, per-slot arrays)
     warmed_rows: int = 0  # rows of the warm ranking it loaded into the caches
     window_batches: int = 0  # batches whose rows are pinned now
     # slots the window holds now: its batches' distinct ids, new ones included (they take a slot
@@ -84,6 +90,8 @@ def prefetch(
     ids: Callable[[Any], Any] | None = None,
     warm: Any = None,
     background: bool | None = None,
+    horizon: int | str | None = None,
+    horizon_ids: Iterable | None = None,
 ) -> Iterator:
     """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
     ``lookahead`` batches into ``module``'s top cache tier.
@@ -101,6 +109,11 @@ def prefetch(
     Leaving the loop (``break``, an exception) stops the worker and unpins its rows.
     ``background``: run the worker (True) or the inline pipeline (False); None: the worker only
     where more than ``INLINE_UP_TO_CORES`` cores are available (see the module docstring).
+    ``horizon``: also read the ids of the batches up to this many row lookups ahead (an int, a
+    batch counting its distinct ids per store, or ``"10x"``: ten times the top tier's capacity)
+    and evict by next use (``tierstore.horizon``), in either mode; the batches read that far
+    ahead are held meanwhile, unless ``horizon_ids`` (an iterable of what ``ids(batch)`` gives,
+    batch for batch, e.g. from the id columns alone) feeds the horizon instead.
     """
     if not hasattr(module, "store_keys"):
         raise TypeError(
@@ -121,10 +134,18 @@ def prefetch(
         ) from None
     if background is not None and not isinstance(background, bool):
         raise TypeError(f"background must be True, False or None (choose by the cores), got {background!r}")
+    if horizon is not None:
+        horizon_accesses(horizon, 1)  # a bad horizon raises here
+    elif horizon_ids is not None:
+        raise ValueError("horizon_ids feeds a horizon: pass horizon= too (e.g. horizon='10x')")
     preloads = [] if warm is None else module.warm_keys(warm)  # a bad ranking raises here
+    ahead = None
+    if horizon is not None:
+        ahead = _Horizon(iterator, module, ids, horizon, horizon_ids, lookahead)
+        iterator = ahead
     if not (default_background() if background is None else background):
-        return _inline(iterator, lookahead, preloads)
-    pipeline = _Pipeline(iterator, module, lookahead, ids)
+        return _inline(iterator, lookahead, preloads, ahead)
+    pipeline = _Pipeline(iterator, module, lookahead, ids, ahead)
     pipeline.preload_later(preloads)
     return pipeline.run()
 
@@ -135,23 +156,143 @@ def default_background() -> bool:
     return len(os.sched_getaffinity(0)) > INLINE_UP_TO_CORES
 
 
-def _inline(batches: Iterator, lookahead: int, preloads: list[tuple[Any, torch.Tensor]]) -> Iterator:
-    """The pipeline without a worker: ``batches`` pass straight through; a chunk of the warm
-    ranking (``(store, ranked ids)``) is loaded after each batch has run."""
+def _inline(
+    batches: Iterator, lookahead: int, preloads: list[tuple[Any, torch.Tensor]], ahead: _Horizon | None
+) -> Iterator:
+    """The pipeline without a worker: ``batches`` pass straight through (``ahead``, their horizon,
+    told when each has run); a chunk of the warm ranking (``(store, ranked ids)``) is loaded after
+    each batch has run."""
     chunks = [(store, chunk) for store, ranked in preloads for chunk in ranked.split(PRELOAD_CHUNK)]
     stats = {id(store): PrefetchStats(lookahead) for store, _ in preloads}
     for store, _ in preloads:
         store.prefetch_stats = stats[id(store)]
-    for batch in batches:
-        yield batch
-        if chunks:
-            store, chunk = chunks.pop(0)
-            stats[id(store)].warmed_rows += store.preload(chunk)
+    try:
+        for batch in batches:
+            yield batch
+            if ahead is not None:
+                ahead.ran(lambda store: 0)
+            if chunks:
+                store, chunk = chunks.pop(0)
+                stats[id(store)].warmed_rows += store.preload(chunk)
+    finally:
+        if ahead is not None:
+            ahead.release()
+
+
+class _Horizon:
+    """The batches, read up to a horizon ahead of the loop (``prefetch(horizon=)``): an iterator
+    of them, in order, whose ids each store's ``Foresight`` has entered."""
+
+    def __init__(
+        self,
+        batches: Iterator,
+        module: Any,
+        ids: Callable | None,
+        horizon: int | str,
+        horizon_ids: Iterable | None,
+        lookahead: int,
+    ) -> None:
+        self._batches = batches
+        self._module = module
+        self._ids = ids
+        self._horizon = horizon
+        self._lookahead = lookahead
+        self._source = None if horizon_ids is None else iter(horizon_ids)
+        self._held: collections.deque = collections.deque()  # batches read ahead (no horizon_ids)
+        self._entered: collections.deque = collections.deque()  # per batch entered: its Foresights
+        self._handed = 0  # batches handed on
+        self._consumed = 0  # batches run (consumed from every Foresight they entered)
+        self._ended = False  # the horizon's source is exhausted
+        self.sights: dict[int, Foresight] = {}  # id(store) -> its horizon
+
+    def __iter__(self) -> _Horizon:
+        return self
+
+    def __next__(self) -> Any:
+        if self._source is None:
+            self._fill()
+            if not self._held:
+                raise StopIteration
+            batch = self._held.popleft()
+        else:
+            batch = next(self._batches)
+            self._fill()
+            if len(self._entered) + self._consumed <= self._handed:
+                raise ValueError(
+                    f"prefetch: horizon_ids ended at batch {self._handed}, before the batches did; "
+                    "it must give the ids of every batch, in order"
+                )
+        self._handed += 1
+        return batch
+
+    def _fill(self) -> None:
+        """Read ahead until every store's horizon spans its lookups (one batch at least)."""
+        while not self._ended and (
+            len(self._entered) + self._consumed <= self._handed
+            or any(sight.wants_more() for sight in self.sights.values())
+        ):
+            if self._source is None:
+                try:
+                    batch = next(self._batches)
+                except StopIteration:
+                    self._ended = True
+                    return
+                self._held.append(batch)
+                looked_up = batch if self._ids is None else self._ids(batch)
+            else:
+                try:
+                    looked_up = next(self._source)
+                except StopIteration:
+                    self._ended = True
+                    return
+            self._enter(looked_up)
+
+    def _enter(self, looked_up: Any) -> None:
+        try:
+            wanted = self._module.store_keys(looked_up)
+        except (TypeError, ValueError, IndexError, KeyError):
+            wanted = []  # the step (or the window's pins) refuses this batch with its own message
+        sights = []
+        for store, keys in wanted:
+            sight = self.sights.get(id(store))
+            if sight is None:
+                sight = self.sights[id(store)] = Foresight(store, self._horizon)
+            sight.enter(keys)
+            sights.append(sight)
+        self._entered.append(sights)
+
+    def ran(self, window_rows: Callable[[Any], int]) -> None:
+        """The oldest batch handed on has run. ``window_rows(store)``: rows the pinned window may
+        hold in ``store`` meanwhile (left to it by the horizon's pins)."""
+        for sight in self._entered.popleft():
+            sight.consume(window_rows(sight.store))
+            stats = sight.store.prefetch_stats
+            if stats is None or stats.horizon != sight.accesses:
+                stats = sight.store.prefetch_stats = stats or PrefetchStats(self._lookahead)
+                stats.horizon = sight.accesses
+            stats.horizon_pinned_rows = sight.protected
+            stats.horizon_unpinned_far = sight.unpinned_far
+            stats.horizon_bytes = sight.nbytes
+        self._consumed += 1
+
+    def make_room(self, store: Any, rows: int) -> None:
+        """Leave ``rows`` of ``store``'s top tier to the pinned window."""
+        sight = self.sights.get(id(store))
+        if sight is not None:
+            sight.make_room(rows)
+
+    def release(self) -> None:
+        """Unpin the horizon's rows in every store (the pipeline stops)."""
+        for sight in self.sights.values():
+            sight.release()
 
 
 class _Pipeline:
-    def __init__(self, batches: Iterator, module: Any, lookahead: int, ids: Callable | None) -> None:
+    def __init__(
+        self, batches: Iterator, module: Any, lookahead: int, ids: Callable | None, ahead: _Horizon | None
+    ) -> None:
         self._batches = batches
+        self._ahead = ahead
         self._module = module
         self._lookahead = lookahead
         self._ids = ids
@@ -171,6 +312,11 @@ class _Pipeline:
         for store, ranked in rankings:
             self._stats_of(store)
             self._preloads.extend((store, chunk) for chunk in ranked.split(PRELOAD_CHUNK))
+
+    def _window_rows(self, store: Any) -> int:
+        """Rows the window may pin in ``store`` before the next batch runs: what it pins now and
+        one batch more."""
+        return self._pinned.get(id(store), 0) + self._largest.get(id(store), 0)
 
     def _stats_of(self, store: Any) -> PrefetchStats:
         stats = self._stats.get(id(store))
@@ -195,6 +341,8 @@ class _Pipeline:
                 yield batch
                 self._release(current)
                 current = []
+                if self._ahead is not None:
+                    self._ahead.ran(self._window_rows)
         finally:
             self._stop(current)
 
@@ -272,6 +420,8 @@ class _Pipeline:
                 stats.skipped_batches += 1
                 return None
             self._pinned[key] = pinned + count
+        if self._ahead is not None:
+            self._ahead.make_room(store, pinned + count)
         held, slots, moved = store.pin_rows(keys)
         with self._changed:
             stats.pinned_batches += 1
@@ -301,6 +451,14 @@ class _Pipeline:
             self._stopping = True
             self._changed.notify_all()
         self._release(current)
+        try:
+            self._drain()
+        finally:
+            if self._ahead is not None:
+                self._ahead.release()
+
+    def _drain(self) -> None:
+        """Unpin the batches read ahead and not handed out, until the worker has stopped."""
         while True:
             try:
                 item = self._ready.get(timeout=0.05)

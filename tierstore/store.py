@@ -486,6 +486,14 @@ class TieredStore:
         return self.stack.pin_held(as_ids(ids))
 
     @_serialized
+    def with_top_tier(self, action: Callable[[Any], Any]) -> Any:
+        """``action(top tier)`` holding the store's lock: a lookahead horizon's pins
+        (``tierstore.horizon``); nothing when the store is closed."""
+        if not self._closed:
+            return action(self.stack.top)
+        return None
+
+    @_serialized
     def unpin_rows(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Undo a ``pin_rows`` (its keys and slots); rows taken out of the tier since are skipped."""
         if not self._closed:

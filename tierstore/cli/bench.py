@@ -68,10 +68,13 @@ def run_store(
     admission: int = 0,
     held: bool = False,
     warm: torch.Tensor | None = None,
+    horizon: int | str | None = None,
 ) -> dict:
     """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows, through a
     lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0, behind
-    an admission filter of ``admission`` lookups if that is not 0. ``held``: the table holds every
+    an admission filter of ``admission`` lookups if that is not 0, evicting by next use within
+    ``horizon`` (``prefetch(horizon=)``; inline, or with the window's worker where ``lookahead``
+    is set) if that is not None. ``held``: the table holds every
     id of the trace before the replay (as a trained one does), and ``warm`` ids (a hot-set
     ranking) are preloaded into its cache at open. Hit rates are also given over the first tenth
     of the lookups and over the rest."""
@@ -91,7 +94,14 @@ def run_store(
             batches = keys.split(batch_size)
             first_tenth = max(1, round(len(batches) / 10))
             # the worker, whatever the cores: what its pins do to the hit rate is the measure here
-            loop = prefetch(batches, store, lookahead, background=True) if lookahead else batches
+            if horizon is not None:
+                loop = prefetch(
+                    batches, store, max(lookahead, 1), background=bool(lookahead), horizon=horizon
+                )
+            elif lookahead:
+                loop = prefetch(batches, store, lookahead, background=True)
+            else:
+                loop = batches
             start = time.perf_counter()
             for number, batch in enumerate(
                 progress_bar(
@@ -99,6 +109,7 @@ def run_store(
                     total=len(batches),
                     desc=f"store, {rows:,} rows"
                     + (f", lookahead {lookahead}" if lookahead else "")
+                    + (f", horizon {horizon}" if horizon is not None else "")
                     + (f", admission {admission}" if admission else ""),
                     unit="batch",
                     leave=False,

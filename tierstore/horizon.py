@@ -1,0 +1,221 @@
+"""The ids-only horizon of a lookahead pipeline: each row's next use, far ahead, kept for eviction.
+
+Belady's MIN evicts the row whose next use is farthest away; its gains come from reuse distances
+far longer than a pinned window of a few batches. Ids are 8 bytes, so the pipeline reads the ids
+of batches up to ``accesses`` row lookups ahead (a batch counting its distinct ids per store)
+while it moves and pins rows for only the short window.
+
+``Foresight`` (one per store) keeps, for the batches in the horizon, each entry's next use (the
+next batch holding the same id, ``NEVER`` if none within the horizon), linked as batches enter:
+an id's latest entry is found in a hash map and given the new batch as its next use. A resident
+row whose id has a next use in the horizon is pinned in the top tier (one pin of the horizon's);
+a row with none is not, so victims come first from rows not used within the horizon, by the
+tier's own policy (LFU with ageing). The horizon's pins are capped at what leaves room for the
+largest batch and the pinned window: past the cap, the pinned rows whose next use is farthest
+are unpinned (a slack's worth more, so that this happens every few batches, not at each), and
+they become victims like the rest. A row moves only where the store moves it, so training is the
+same, bit for bit, with or without the horizon.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import torch
+
+from .tiers.hash_index import HashIndex
+
+NEVER = torch.iinfo(torch.int64).max
+SLACK_SHARE = 1 / 64  # of the top tier's capacity: pins dropped beyond the cap, so caps are rare
+
+
+def horizon_accesses(horizon: int | str, capacity: int) -> int:
+    """Row lookups a ``horizon`` spans: an int (lookups) or ``"<k>x"`` (k times ``capacity``)."""
+    if isinstance(horizon, str) and horizon.strip().lower().endswith("x"):
+        try:
+            factor = float(horizon.strip()[:-1])
+        except ValueError:
+            factor = -1.0
+        if factor > 0:
+            return max(1, round(factor * capacity))
+    elif isinstance(horizon, int) and not isinstance(horizon, bool) and horizon > 0:
+        return horizon
+    raise ValueError(
+        f"horizon must be a positive int (row lookups) or a multiple of the top tier's capacity "
+        f"such as '10x', got {horizon!r}"
+    )
+
+
+class Foresight:
+    """The horizon of one store (``TieredStore``): ``enter`` each batch's distinct ids (int64)
+    when the pipeline reads it, ``consume`` after the loop has run it (in the same order), and
+    ``make_room`` before pinning ``rows`` more for the window. Thread-safe."""
+
+    def __init__(self, store: Any, horizon: int | str) -> None:
+        self.store = store
+        top = store.stack.top
+        self.capacity = top.capacity
+        self.accesses = horizon_accesses(horizon, top.capacity)
+        self.ahead = 0  # row lookups of the batches entered and not yet consumed
+        self.largest = 0  # most distinct ids a batch had
+        self.protected = 0  # rows the horizon pins now
+        self.unpinned_far = 0  # pins dropped by the cap (rows whose next use was farthest)
+        self._need = None  # rows the next batch brings in (None: not known yet, its largest)
+        self._lock = threading.Lock()
+        self._batches: collections.deque = collections.deque()  # (keys, first code)
+        self._next_code = 0  # entry numbers: an entry's next use lives at code % ring size
+        self._next_use = torch.full((1024,), NEVER, dtype=torch.int64)
+        self._latest = HashIndex(1024)  # id -> the code of its latest entry in the horizon
+        self._sequence = 0  # number of the next batch to enter
+        self._consumed = 0  # number of the next batch to consume
+        self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
+        self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int64, device=top.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the horizon holds (its batches' ids, next uses, map and per-slot arrays)."""
+        ids = sum(keys.nbytes for keys, _ in self._batches)
+        arrays = (self._next_use, self._pinned_key, self._pinned_next)
+        return ids + self._latest.nbytes + sum(array.nbytes for array in arrays)
+
+    def wants_more(self) -> bool:
+        """Whether the horizon spans fewer lookups than it should."""
+        return self.ahead < self.accesses
+
+    def enter(self, keys: torch.Tensor, room: int = 0) -> None:
+        """The next batch read ahead looks up distinct ``keys`` (int64 CPU). ``room``: rows the
+        pinned window holds or may hold now (left to it by the cap)."""
+        keys = keys.reshape(-1).to(torch.int64)
+        with self._lock:
+            count = keys.numel()
+            sequence = self._sequence
+            self._sequence += 1
+            self.ahead += count
+            self.largest = max(self.largest, count)
+            self._grow_ring(count)
+            codes = self._next_code + torch.arange(count, dtype=torch.int64)
+            self._next_code += count
+            self._next_use[codes % self._next_use.numel()] = NEVER
+            positions = self._latest.positions(keys)
+            seen = positions >= 0
+            flat = self._latest.values.view(-1)
+            earlier = flat[positions[seen]]
+            self._next_use[earlier % self._next_use.numel()] = sequence
+            flat[positions[seen]] = codes[seen]
+            first = keys[~seen]
+            self._latest.insert(first, codes[~seen])
+            self._batches.append((keys, int(codes[0]) if count else self._next_code))
+            # ids new to the horizon: a resident row now has a next use
+            self.store.with_top_tier(lambda top: self._pin(top, first, torch.full_like(first, sequence)))
+            self._cap(room)
+
+    def consume(self, room: int = 0) -> None:
+        """The oldest batch entered has run: its rows' next uses move on to their next entries."""
+        with self._lock:
+            keys, first_code = self._batches.popleft()
+            self._consumed += 1
+            self.ahead -= keys.numel()
+            codes = first_code + torch.arange(keys.numel(), dtype=torch.int64)
+            following = self._next_use[codes % self._next_use.numel()]
+            last = following == NEVER
+            self._latest.remove(keys[last])
+
+            def move_on(top) -> None:
+                self._unpin(top, keys[last])
+                self._pin(top, keys[~last], following[~last])
+                self._need = self._next_misses(top)
+
+            self.store.with_top_tier(move_on)
+            self._cap(room)
+
+    def _next_misses(self, top) -> int:
+        """Rows the next batch in the horizon must bring into the top tier (its hits are pinned)."""
+        if not self._batches:
+            return self.largest
+        return int((top.find(self._batches[0][0]) < 0).sum())
+
+    def make_room(self, room: int) -> None:
+        """Drop the farthest pins so that ``room`` rows fit beside them and the largest batch."""
+        with self._lock:
+            self._cap(room)
+
+    def release(self) -> None:
+        """Unpin every row the horizon pinned (the pipeline stops)."""
+        with self._lock:
+
+            def unpin_all(top) -> None:
+                mine = self._mine(top)
+                slots = mine.nonzero().squeeze(1)
+                top.unpin(slots, self._pinned_key[slots])
+                self._pinned_key.fill_(-1)
+
+            self.store.with_top_tier(unpin_all)
+            self.protected = 0
+
+    # -- under the lock ------------------------------------------------------------------------
+
+    def _grow_ring(self, count: int) -> None:
+        """Room in the ring of next uses for every live entry and ``count`` more."""
+        live = self._next_code - (self._batches[0][1] if self._batches else self._next_code)
+        size = self._next_use.numel()
+        if live + count <= size:
+            return
+        grown = size
+        while live + count > grown:
+            grown *= 2
+        codes = torch.arange(self._next_code - live, self._next_code, dtype=torch.int64)
+        values = self._next_use[codes % size]
+        self._next_use = torch.full((grown,), NEVER, dtype=torch.int64)
+        self._next_use[codes % grown] = values
+
+    def _pin(self, top, keys: torch.Tensor, next_uses: torch.Tensor) -> None:
+        """Pin the resident rows of ``keys`` not pinned by the horizon yet; record their next uses."""
+        slots = top.find(keys)
+        resident = slots >= 0
+        slots, keys, next_uses = slots[resident], keys[resident].to(top.device), next_uses[resident]
+        new = ~self._held(top, slots, keys)
+        top.pin(slots[new])
+        self._pinned_key[slots[new]] = keys[new]
+        self._pinned_next[slots] = next_uses.to(top.device)
+        self.protected += int(new.sum())
+
+    def _unpin(self, top, keys: torch.Tensor) -> None:
+        slots = top.find(keys)
+        resident = slots >= 0
+        slots, keys = slots[resident], keys[resident].to(top.device)
+        held = self._held(top, slots, keys)
+        slots, keys = slots[held], keys[held]
+        top.unpin(slots, keys)
+        self._pinned_key[slots] = -1
+        self.protected -= slots.numel()
+
+    def _held(self, top, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Which of ``slots`` (holding ``keys``) carry the horizon's pin."""
+        return (self._pinned_key[slots] == keys) & (top.pins[slots] > 0)
+
+    def _mine(self, top) -> torch.Tensor:
+        """bool [capacity]: the slots carrying the horizon's pin (a row taken out of the tier since,
+        by ``load`` or ``clear``, left none)."""
+        return (self._pinned_key >= 0) & (top.slot_keys == self._pinned_key) & (top.pins > 0)
+
+    def _cap(self, room: int) -> None:
+        limit = self.capacity - (self.largest if self._need is None else self._need) - room
+        if self.protected <= limit:
+            return
+
+        def drop_farthest(top) -> None:
+            mine = self._mine(top)
+            self._pinned_key[~mine] = -1
+            slots = mine.nonzero().squeeze(1)
+            excess = slots.numel() - max(0, limit - int(self.capacity * SLACK_SHARE))
+            if excess > 0:
+                far = torch.topk(self._pinned_next[slots], min(excess, slots.numel())).indices
+                dropped = slots[far]
+                top.unpin(dropped, self._pinned_key[dropped])
+                self._pinned_key[dropped] = -1
+                self.unpinned_far += dropped.numel()
+            self.protected = int((self._pinned_key >= 0).sum())
+
+        self.store.with_top_tier(drop_farthest)
