@@ -9,13 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_prefetch import ROWS, bag_batches, preloaded_table, train
 
 import tierstore
 from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBagCollection, TieredStore, optim
 from tierstore.cli.reference_policies import belady_hits
 from tierstore.horizon import horizon_accesses
-
-from test_prefetch import ROWS, bag_batches, preloaded_table, train
 
 
 def train_with_horizon(table, batches, horizon, lookahead, background):
@@ -82,7 +81,9 @@ def test_the_collection_trains_the_same_with_a_horizon(tmp_path):
         )
         batches.append(
             KeyedJaggedTensor(
-                ["user_id", "item_id"], torch.from_numpy(values), lengths=torch.from_numpy(lengths.reshape(-1))
+                ["user_id", "item_id"],
+                torch.from_numpy(values),
+                lengths=torch.from_numpy(lengths.reshape(-1)),
             )
         )
     results = []
