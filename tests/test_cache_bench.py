@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore.cli import main
-from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hits
+from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hit_counts, policy_hits
 from tierstore.cli.traces import load_trace, split_columns
+from tierstore.kernels.replay import replay_library
 
 
 def most_hits_by_brute_force(keys, capacity):
@@ -29,9 +30,24 @@ def most_hits_by_brute_force(keys, capacity):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 5), max_size=11), st.integers(1, 4))
-def test_belady_min_gets_the_most_hits_any_cache_can(keys, capacity):
-    assert belady_hits(np.array(keys, dtype=np.int64), capacity) == most_hits_by_brute_force(keys, capacity)
+@given(st.lists(st.integers(0, 5), max_size=11), st.integers(1, 4), st.booleans())
+def test_belady_min_gets_the_most_hits_any_cache_can(keys, capacity, native):
+    assert belady_hits(np.array(keys, dtype=np.int64), capacity, native) == most_hits_by_brute_force(
+        keys, capacity
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-3, 40), max_size=300),
+    st.lists(st.integers(1, 45), min_size=1, max_size=3),
+)
+def test_the_native_replays_count_the_hits_of_the_python_ones(keys, capacities):
+    assert replay_library() is not None  # g++ is here: the native loops must build
+    keys = np.array(keys, dtype=np.int64) * 1_000_003  # sparse ids: made dense first
+    policies = ["lru", "fifo", "belady"]
+    native = policy_hit_counts(keys, capacities, policies)
+    assert native == policy_hit_counts(keys, capacities, policies, native=False)
 
 
 @given(st.lists(st.integers(0, 6), max_size=30))

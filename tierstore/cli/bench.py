@@ -2,9 +2,10 @@
 
 For each size: our store (LFU with ageing, batched: a batch's distinct ids are made resident
 together) with throughput and per-batch latency; per tier hits, rows and bytes moved, evictions;
-and the hit rates of LRU, FIFO and Belady's MIN caches of the same size on the same trace,
-replayed one access at a time (``reference_policies``). MIN is the ceiling for any cache of that
-size, so the gap to it is the headroom.
+optionally the store evicting by next use within a horizon; and the hit rates of LRU, FIFO and
+Belady's MIN caches of the same size on the same trace, replayed one access at a time
+(``reference_policies``, native loops). MIN is the ceiling for any cache of that size, so the
+gap to it is the headroom.
 
 A hit rate is 1 - misses / lookups, a miss being a row brought into the cache: one access at a
 time, the first access to an absent id brings it in and the next ones hit. For our store that is
@@ -28,10 +29,17 @@ from ..store import TieredStore
 from ..tiers.admission import admission_filter
 from .plotting import plot_hit_rates
 from .progress import bar as progress_bar
-from .reference_policies import policy_hits
+from .reference_policies import policy_hit_counts
 from .traces import Trace
 
 REFERENCE_POLICIES = ("lru", "fifo", "belady")
+BATCH_SHARE = 1 / 8  # of a cache's rows: the most a replayed batch holds
+
+
+def horizon_lookups(horizon: str) -> int | str:
+    """``--horizon`` as ``prefetch`` takes it: ``"10x"`` as is, a count of lookups as an int."""
+    text = horizon.strip()
+    return int(text) if text.isdigit() else text
 
 
 def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
@@ -154,13 +162,17 @@ def run_bench(
     lookahead: int = 0,
     admission: int = 0,
     warm: torch.Tensor | None = None,
+    horizon: str | None = None,
 ) -> dict:
-    """Every figure of the benchmark, as a JSON-ready dict. A cache smaller than ``batch_size``
-    rows is replayed in batches of its size. ``lookahead``: also replay through a lookahead
-    pipeline of that many batches (``tierstore_lookahead``); ``admission``: also behind an
-    admission filter of that many lookups (``tierstore_admission``); ``warm`` (hot ids): also
-    replay a table that holds every id, from a cold cache (``tierstore_held``) and warm-started
-    with them (``tierstore_warm``)."""
+    """Every figure of the benchmark, as a JSON-ready dict. Batches hold at most an eighth of the
+    cache's rows (``BATCH_SHARE``; as in training, a batch is a small part of what the cache
+    holds, so a policy has rows to choose among). ``lookahead``: also replay through a lookahead
+    pipeline of that many batches (``tierstore_lookahead``); ``horizon`` (``"10x"``: a multiple of
+    each cache size, or a number of lookups): also evicting by next use within it
+    (``tierstore_horizon``, with the lookahead's window if one is given); ``admission``: also
+    behind an admission filter of that many lookups (``tierstore_admission``); ``warm`` (hot
+    ids): also replay a table that holds every id, from a cold cache (``tierstore_held``) and
+    warm-started with them (``tierstore_warm``)."""
     distinct = trace.distinct_ids
     row_bytes = dim * 4
     report = {
@@ -172,13 +184,15 @@ def run_bench(
         "dim": dim,
         "backend": backend,
         "lookahead": lookahead,
+        "horizon": horizon,
         "admission": admission,
         "warm": warm is not None,
         "sizes": [],
     }
     all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
-    for size, rows in zip(sizes, all_rows):
-        batch = min(batch_size, rows)  # a batch's distinct ids must fit in the cache
+    reference = policy_hit_counts(trace.keys, all_rows, policies)
+    for number, (size, rows) in enumerate(zip(sizes, all_rows)):
+        batch = max(1, min(batch_size, int(rows * BATCH_SHARE)))
         entry = {
             "size": size,
             "rows": rows,
@@ -188,6 +202,10 @@ def run_bench(
         }
         if lookahead:
             entry["tierstore_lookahead"] = run_store(trace, rows, batch, dim, backend, progress, lookahead)
+        if horizon is not None:
+            entry["tierstore_horizon"] = run_store(
+                trace, rows, batch, dim, backend, progress, lookahead, horizon=horizon_lookups(horizon)
+            )
         if admission:
             entry["tierstore_admission"] = run_store(
                 trace, rows, batch, dim, backend, progress, admission=admission
@@ -198,7 +216,7 @@ def run_bench(
                 trace, rows, batch, dim, backend, progress, held=True, warm=warm
             )
         for policy in policies:
-            entry[policy] = {"hit_rate": policy_hits(trace.keys, rows, policy) / trace.keys.size}
+            entry[policy] = {"hit_rate": reference[policy][number] / trace.keys.size}
         report["sizes"].append(entry)
     return report
 
@@ -206,7 +224,9 @@ def run_bench(
 def format_table(report: dict, policies: list[str]) -> str:
     """The report as a readable text table, one line per cache size."""
     lookahead, admission = report.get("lookahead", 0), report.get("admission", 0)
+    horizon = report.get("horizon")
     names = ["tierstore LFU"] + ([f"lookahead {lookahead}"] if lookahead else [])
+    names += [f"horizon {horizon}"] if horizon else []
     names += [f"admission {admission}"] if admission else []
     names += [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
     header = (
@@ -216,7 +236,8 @@ def format_table(report: dict, policies: list[str]) -> str:
     )
     lines = [
         f"{report['trace']}: {report['accesses']:,} accesses, {report['distinct_ids']:,} distinct ids, "
-        f"batches of up to {report['batch_size']:,}; hit rate = 1 - rows brought in / lookups"
+        f"batches of up to {report['batch_size']:,} ids and an eighth of the cache; "
+        "hit rate = 1 - rows brought in / lookups"
         + (
             f"; lookahead {lookahead}: rows moved ahead count as brought in, and 'waited' is the share "
             "of lookups whose row the table held but the cache did not when its batch ran"
@@ -229,10 +250,12 @@ def format_table(report: dict, policies: list[str]) -> str:
         ours = entry["tierstore_lfu"]
         host = ours["tiers"]["host"]
         ahead = entry.get("tierstore_lookahead")
+        foreseen = entry.get("tierstore_horizon")
         admitted = entry.get("tierstore_admission")
         rates = (
             [ours["hit_rate"]]
             + ([ahead["hit_rate"]] if ahead else [])
+            + ([foreseen["hit_rate"]] if foreseen else [])
             + ([admitted["hit_rate"]] if admitted else [])
             + [entry[p]["hit_rate"] for p in policies]
         )
@@ -268,6 +291,8 @@ def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
     ours = [("tierstore_lfu", "tierstore LFU")]
     if report.get("lookahead"):
         ours.append(("tierstore_lookahead", f"tierstore LFU, lookahead {report['lookahead']}"))
+    if report.get("horizon"):
+        ours.append(("tierstore_horizon", f"tierstore, evicting by next use within {report['horizon']}"))
     if report.get("admission"):
         ours.append(("tierstore_admission", f"tierstore LFU, admission after {report['admission']} lookups"))
     names = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}

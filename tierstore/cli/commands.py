@@ -17,11 +17,12 @@ import torch
 
 from ..budget import parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
+from ..horizon import horizon_accesses
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
-from .bench import REFERENCE_POLICIES, cache_rows, format_table, plot_curve, run_bench
+from .bench import REFERENCE_POLICIES, cache_rows, format_table, horizon_lookups, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
 from .lmdb_probe import READING_COMMANDS, lmdb_damage
@@ -245,6 +246,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also replay through a lookahead pipeline (tierstore.prefetch) of N batches (1-64)",
     )
     command.add_argument(
+        "--horizon",
+        metavar="H",
+        help="also replay evicting by next use within H row lookups ahead (tierstore.prefetch's "
+        "horizon): a multiple of each cache size (10x) or a number of lookups (50000)",
+    )
+    command.add_argument(
         "--admission",
         type=int,
         default=0,
@@ -437,6 +444,14 @@ def _bench(args) -> int:
         )
     if not 0 <= args.admission <= MAX_COUNT:
         raise CommandError(f"--admission must be in [0, {MAX_COUNT}] lookups (0: off), got {args.admission}")
+    if args.horizon is not None:
+        try:
+            horizon_accesses(horizon_lookups(args.horizon), 1)
+        except ValueError:
+            raise CommandError(
+                f"--horizon must be a multiple of each cache size (10x) or a number of lookups "
+                f"(50000), got {args.horizon!r}"
+            ) from None
     sizes = _sizes(args)
     json_path = args.out.with_name(args.out.name + ".json")
     _check_writable(json_path)  # before the run, not after it
@@ -470,6 +485,7 @@ def _bench(args) -> int:
             args.lookahead,
             args.admission,
             warm,
+            args.horizon,
         )
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")

@@ -1,0 +1,122 @@
+// Reference cache policies replayed over a key trace, one access at a time, every miss admitted
+// (demand paging): Belady's MIN, LRU and FIFO, as tierstore/cli/reference_policies.py defines them
+// in Python (the oracle the tests hold these to). Built by tierstore/kernels/replay.py with g++.
+//
+// Keys are dense: keys[p] in [0, distinct) for accesses p in [0, n); `following[p]` is the position
+// of the next access to the same key (NEVER: none). Each call returns the hits of one capacity.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+typedef long long i64;
+
+static const i64 NOT_RESIDENT = -1;
+
+// MIN: on a miss with a full cache, evict the resident key whose next use is farthest. A max-heap
+// of (next use, key) holds stale entries (a key's older next uses) that pops skip; it is rebuilt
+// from the resident keys once stale entries outnumber them, so memory stays O(capacity).
+extern "C" i64 replay_belady(const i64* keys, const i64* following, i64 n, i64 distinct, i64 capacity) {
+    std::vector<i64> upcoming(distinct, NOT_RESIDENT);  // a resident key's next use
+    std::vector<i64> residents;                         // the resident keys (for a rebuild)
+    std::vector<i64> place(distinct, -1);               // a resident key's index in residents
+    std::vector<std::pair<i64, i64>> heap;
+    heap.reserve(2 * capacity + 64);
+    i64 hits = 0;
+    for (i64 p = 0; p < n; ++p) {
+        const i64 key = keys[p];
+        if (upcoming[key] != NOT_RESIDENT) {
+            ++hits;
+        } else {
+            if ((i64)residents.size() >= capacity) {
+                while (true) {
+                    std::pop_heap(heap.begin(), heap.end());
+                    const std::pair<i64, i64> top = heap.back();
+                    heap.pop_back();
+                    if (upcoming[top.second] == top.first) {
+                        const i64 victim = top.second, index = place[victim];
+                        upcoming[victim] = NOT_RESIDENT;
+                        residents[index] = residents.back();
+                        place[residents[index]] = index;
+                        residents.pop_back();
+                        place[victim] = -1;
+                        break;
+                    }
+                }
+            }
+            place[key] = (i64)residents.size();
+            residents.push_back(key);
+        }
+        upcoming[key] = following[p];
+        heap.push_back({following[p], key});
+        std::push_heap(heap.begin(), heap.end());
+        if ((i64)heap.size() > 2 * capacity + 64) {
+            heap.clear();
+            for (const i64 resident : residents) heap.push_back({upcoming[resident], resident});
+            std::make_heap(heap.begin(), heap.end());
+        }
+    }
+    return hits;
+}
+
+// LRU: a doubly linked list of the resident keys, most recent at the head.
+extern "C" i64 replay_lru(const i64* keys, i64 n, i64 distinct, i64 capacity) {
+    std::vector<i64> before(distinct, NOT_RESIDENT), after(distinct, NOT_RESIDENT);
+    std::vector<char> resident(distinct, 0);
+    i64 head = NOT_RESIDENT, tail = NOT_RESIDENT, size = 0, hits = 0;
+    auto unlink = [&](i64 key) {
+        if (before[key] != NOT_RESIDENT)
+            after[before[key]] = after[key];
+        else
+            head = after[key];
+        if (after[key] != NOT_RESIDENT)
+            before[after[key]] = before[key];
+        else
+            tail = before[key];
+    };
+    for (i64 p = 0; p < n; ++p) {
+        const i64 key = keys[p];
+        if (resident[key]) {
+            ++hits;
+            unlink(key);
+        } else if (size >= capacity) {
+            const i64 victim = tail;
+            unlink(victim);
+            resident[victim] = 0;
+        } else {
+            ++size;
+        }
+        resident[key] = 1;
+        before[key] = NOT_RESIDENT;
+        after[key] = head;
+        if (head != NOT_RESIDENT) before[head] = key;
+        head = key;
+        if (tail == NOT_RESIDENT) tail = key;
+    }
+    return hits;
+}
+
+// FIFO: keys leave in the order they came in; a hit changes nothing.
+extern "C" i64 replay_fifo(const i64* keys, i64 n, i64 distinct, i64 capacity) {
+    std::vector<char> resident(distinct, 0);
+    std::vector<i64> queue(capacity);
+    i64 first = 0, size = 0, hits = 0;
+    for (i64 p = 0; p < n; ++p) {
+        const i64 key = keys[p];
+        if (resident[key]) {
+            ++hits;
+            continue;
+        }
+        if (size >= capacity) {
+            resident[queue[first]] = 0;
+            queue[first] = key;
+            first = (first + 1) % capacity;
+        } else {
+            queue[(first + size) % capacity] = key;
+            ++size;
+        }
+        resident[key] = 1;
+    }
+    return hits;
+}
