@@ -23,6 +23,9 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
   batches' rows up, or inline where cores are few);
 - ``collection_lookahead_worker``: the same with the pipeline's worker thread forced on, where
   this machine's default runs the pipeline inline (few cores; ``tierstore.lookahead``);
+- ``collection_horizon``: with ``--horizon H``, a collection like the lookahead one trained through
+  ``tierstore.prefetch(..., horizon=H)`` as well (evicting by next use within H row lookups; each
+  round's batches are its whole horizon);
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);
@@ -183,16 +186,24 @@ def collection_step(work: Workload, args, directory: Path):
     return step, collection, host_rows, store
 
 
-def lookahead_run(step, collection, work: Workload, lookahead: int, background: bool | None = None):
-    """A run of ``step`` over a list of batches through ``tierstore.prefetch`` (``background`` as it
-    takes it: None, the default for this machine)."""
+def lookahead_run(
+    step,
+    collection,
+    work: Workload,
+    lookahead: int,
+    background: bool | None = None,
+    horizon: str | None = None,
+):
+    """A run of ``step`` over a list of batches through ``tierstore.prefetch`` (``background`` and
+    ``horizon`` as it takes them: None, the default for this machine; no horizon)."""
 
     def features(batch):
         ids, lengths = batch
         return KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
 
     def run(batches: list) -> None:
-        for batch in prefetch(batches, collection, lookahead, ids=features, background=background):
+        loop = prefetch(batches, collection, lookahead, ids=features, background=background, horizon=horizon)
+        for batch in loop:
             step(*batch)
 
     return run
@@ -406,6 +417,9 @@ def main() -> None:
     parser.add_argument(
         "--lookahead", type=int, default=8, help="batches tierstore.prefetch reads ahead (0: off)"
     )
+    parser.add_argument(
+        "--horizon", help="also time prefetch's horizon: row lookups, or a multiple of the host cache (10x)"
+    )
     parser.add_argument("--warm-up", type=int, default=20, help="steps of every method before timing")
     parser.add_argument(
         "--fill-batch", type=int, default=32768, help="samples per batch filling the collection's host cache"
@@ -442,6 +456,10 @@ def main() -> None:
                     f"collection_lookahead_worker left out: its store ({footprint / 2**30:.1f} GiB) would "
                     "push the other stores' files out of this machine's page cache"
                 )
+        if args.horizon:
+            step, collection, _, horizon_store = collection_step(work, args, Path(directory) / "horizon")
+            foreseeing = lookahead_run(step, collection, work, max(args.lookahead, 1), horizon=args.horizon)
+            runs["collection_horizon"] = counted(foreseeing, horizon_store, host_horizon := {})
         runs["separate"] = each(separate_step(work, args, Path(directory)))
         runs["nn_embedding_bag"] = each(torch_step(work, args))
         fbgemm = fbgemm_step(work, args)
@@ -453,6 +471,8 @@ def main() -> None:
         host.clear()
         if args.lookahead:
             host_lookahead.clear()
+        if args.horizon:
+            host_horizon.clear()
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
         rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
@@ -464,6 +484,8 @@ def main() -> None:
     caches = {"collection": host_figures(host, host_rows)}
     if args.lookahead:
         caches["collection_lookahead"] = host_figures(host_lookahead, host_rows)
+    if args.horizon:
+        caches["collection_horizon"] = host_figures(host_horizon, host_rows)
     print(
         f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, host cache "
         f"{host_rows:,} rows ({host_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the tables hold)"

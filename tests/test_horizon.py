@@ -40,9 +40,10 @@ def train_with_horizon(table, batches, horizon, lookahead, background):
     background=st.booleans(),
     optimizer=st.sampled_from(["sgd", "adagrad"]),
     batch=st.integers(1, 6),
+    backend=st.sampled_from(["openmp", "torch"]),
 )
 def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
-    tmp_path_factory, seed, host_rows, horizon, lookahead, background, optimizer, batch
+    tmp_path_factory, seed, host_rows, horizon, lookahead, background, optimizer, batch, backend
 ):
     batches = bag_batches(seed, 20, batch)
     runs = []
@@ -51,7 +52,13 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
         make = optim.SGD if optimizer == "sgd" else optim.Adagrad
         with closing(
             tierstore.TieredEmbeddingBag(
-                None, 4, mode="sum", path=directory / "t", host_cache=host_rows, optimizer=make(lr=0.1)
+                None,
+                4,
+                mode="sum",
+                path=directory / "t",
+                host_cache=host_rows,
+                optimizer=make(lr=0.1),
+                host_cache_backend=backend,
             )
         ) as table:
             if foreseeing:
@@ -120,10 +127,13 @@ def zipf_trace(seed: int, accesses: int, ids: int) -> np.ndarray:
     return (rng.zipf(1.2, accesses) - 1) % ids
 
 
-def rows_brought_in(keys: np.ndarray, capacity: int, batch: int, horizon=None, ids=None) -> int:
-    """Rows a store of ``capacity`` rows brings into its host tier replaying ``keys`` in batches."""
+def rows_brought_in(
+    keys: np.ndarray, capacity: int, batch: int, horizon=None, ids=None, backend="openmp"
+) -> int:
+    """Rows a store of ``capacity`` rows brings into its host tier replaying ``keys`` in batches
+    (the horizon's native calls on the "openmp" tier, its torch ops on the "torch" one)."""
     batches = torch.from_numpy(keys).split(batch)
-    with closing(TieredStore(None, dim=2, host_cache=capacity)) as store:
+    with closing(TieredStore(None, dim=2, host_cache=capacity, host_cache_backend=backend)) as store:
         loop = (
             batches
             if horizon is None
@@ -134,23 +144,25 @@ def rows_brought_in(keys: np.ndarray, capacity: int, batch: int, horizon=None, i
         return store.stats()["host"]["rows_in"]
 
 
+@pytest.mark.parametrize("backend", ["openmp", "torch"])
 @pytest.mark.parametrize("capacity", [40, 200])
-def test_eviction_by_next_use_comes_within_a_few_percent_of_belady(capacity):
+def test_eviction_by_next_use_comes_within_a_few_percent_of_belady(capacity, backend):
     keys = zipf_trace(3, 20000, 2000)
     batch = capacity // 8
     optimal = belady_hits(keys, capacity) / keys.size  # one access at a time: the ceiling
-    lfu = 1 - rows_brought_in(keys, capacity, batch) / keys.size
-    foreseen = 1 - rows_brought_in(keys, capacity, batch, horizon="10x") / keys.size
+    lfu = 1 - rows_brought_in(keys, capacity, batch, backend=backend) / keys.size
+    foreseen = 1 - rows_brought_in(keys, capacity, batch, horizon="10x", backend=backend) / keys.size
     assert foreseen > lfu + 0.05  # measured: +0.10 at both sizes
     assert foreseen >= 0.97 * optimal  # measured: 0.99x at both
 
 
-def test_a_cyclic_scan_one_row_too_large_keeps_all_but_one_row():
+@pytest.mark.parametrize("backend", ["openmp", "torch"])
+def test_a_cyclic_scan_one_row_too_large_keeps_all_but_one_row(backend):
     # a cycle over capacity + 1 ids: MIN misses about once a cycle, LFU several times
     capacity, batch = 32, 4
     keys = np.tile(np.arange(capacity + 1), 40)
-    foreseen = rows_brought_in(keys, capacity, batch, horizon=4 * capacity)
-    lfu = rows_brought_in(keys, capacity, batch)
+    foreseen = rows_brought_in(keys, capacity, batch, horizon=4 * capacity, backend=backend)
+    lfu = rows_brought_in(keys, capacity, batch, backend=backend)
     optimal_misses = keys.size - belady_hits(keys, capacity)
     assert lfu > 3 * optimal_misses  # measured: 345 against 73
     assert foreseen <= 1.1 * optimal_misses  # measured: 73

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .kernels.cache_passes import cache_passes_of
+from .kernels.horizon_passes import horizon_passes_of, horizon_tier
 from .tiers.hash_index import HashIndex
 
 NEVER = torch.iinfo(torch.int64).max
@@ -67,7 +69,14 @@ class Foresight:
         self._batches: collections.deque = collections.deque()  # (keys, first code)
         self._next_code = 0  # entry numbers: an entry's next use lives at code % ring size
         self._next_use = torch.full((1024,), NEVER, dtype=torch.int64)
-        self._latest = HashIndex(1024)  # id -> the code of its latest entry in the horizon
+        # the tuned host build's calls where the top tier runs on it, else torch ops
+        self._passes = horizon_passes_of(top.kernels) if top.index.keys.dim() == 1 else None
+        if self._passes is None:
+            self._latest = HashIndex(1024)  # id -> the code of its latest entry in the horizon
+        else:  # the same map, probed natively: keys (EMPTY_KEY where free) beside codes
+            self._map_keys = torch.full((2048,), -1, dtype=torch.int64)
+            self._map_codes = torch.zeros(2048, dtype=torch.int64)
+            self._map_live = 0
         self._sequence = 0  # number of the next batch to enter
         self._consumed = 0  # number of the next batch to consume
         self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
@@ -78,7 +87,11 @@ class Foresight:
         """Memory the horizon holds (its batches' ids, next uses, map and per-slot arrays)."""
         ids = sum(keys.nbytes for keys, _ in self._batches)
         arrays = (self._next_use, self._pinned_key, self._pinned_next)
-        return ids + self._latest.nbytes + sum(array.nbytes for array in arrays)
+        if self._passes is None:
+            arrays += (self._latest.keys, self._latest.values)
+        else:
+            arrays += (self._map_keys, self._map_codes)
+        return ids + sum(array.nbytes for array in arrays)
 
     def wants_more(self) -> bool:
         """Whether the horizon spans fewer lookups than it should."""
@@ -87,7 +100,7 @@ class Foresight:
     def enter(self, keys: torch.Tensor, room: int = 0) -> None:
         """The next batch read ahead looks up distinct ``keys`` (int64 CPU). ``room``: rows the
         pinned window holds or may hold now (left to it by the cap)."""
-        keys = keys.reshape(-1).to(torch.int64)
+        keys = keys.reshape(-1).to(torch.int64).contiguous()
         with self._lock:
             count = keys.numel()
             sequence = self._sequence
@@ -95,6 +108,10 @@ class Foresight:
             self.ahead += count
             self.largest = max(self.largest, count)
             self._grow_ring(count)
+            if self._passes is not None:
+                self._enter_natively(keys, sequence)
+                self._cap(room)
+                return
             codes = self._next_code + torch.arange(count, dtype=torch.int64)
             self._next_code += count
             self._next_use[codes % self._next_use.numel()] = NEVER
@@ -117,6 +134,10 @@ class Foresight:
             keys, first_code = self._batches.popleft()
             self._consumed += 1
             self.ahead -= keys.numel()
+            if self._passes is not None:
+                self._consume_natively(keys, first_code)
+                self._cap(room)
+                return
             codes = first_code + torch.arange(keys.numel(), dtype=torch.int64)
             following = self._next_use[codes % self._next_use.numel()]
             last = following == NEVER
@@ -125,16 +146,21 @@ class Foresight:
             def move_on(top) -> None:
                 self._unpin(top, keys[last])
                 self._pin(top, keys[~last], following[~last])
-                self._need = self._next_misses(top)
+                self._need = self._next_needs(top)
 
             self.store.with_top_tier(move_on)
             self._cap(room)
 
-    def _next_misses(self, top) -> int:
-        """Rows the next batch in the horizon must bring into the top tier (its hits are pinned)."""
+    def _next_needs(self, top) -> int:
+        """Slots the next batch in the horizon needs beyond the horizon's pins: its misses, and its
+        hits on rows the cap unpinned (its other hits are pinned by the horizon already)."""
         if not self._batches:
             return self.largest
-        return int((top.find(self._batches[0][0]) < 0).sum())
+        keys = self._batches[0][0]
+        slots = top.find(keys)
+        resident = slots >= 0
+        held = self._held(top, slots[resident], keys[resident].to(top.device))
+        return keys.numel() - int(held.sum())
 
     def make_room(self, room: int) -> None:
         """Drop the farthest pins so that ``room`` rows fit beside them and the largest batch."""
@@ -155,6 +181,45 @@ class Foresight:
             self.protected = 0
 
     # -- under the lock ------------------------------------------------------------------------
+
+    def _links(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._map_keys, self._map_codes, self._next_use
+
+    def _enter_natively(self, keys: torch.Tensor, sequence: int) -> None:
+        if 2 * (self._map_live + keys.numel()) > self._map_keys.numel():
+            self._grow_map(2 * (self._map_live + keys.numel()))
+        first_code = self._next_code
+        self._next_code += keys.numel()
+        self._batches.append((keys, first_code))
+
+        def link(top) -> None:
+            tier = horizon_tier(top, self._pinned_key, self._pinned_next)
+            pinned, added = self._passes.enter(keys, first_code, sequence, self._links(), tier)
+            self.protected += pinned
+            self._map_live += added
+
+        self.store.with_top_tier(link)
+
+    def _consume_natively(self, keys: torch.Tensor, first_code: int) -> None:
+        following = self._batches[0][0] if self._batches else keys[:0]
+
+        def move_on(top) -> None:
+            tier = horizon_tier(top, self._pinned_key, self._pinned_next)
+            change, removed, need = self._passes.consume(keys, first_code, self._links(), tier, following)
+            self.protected += change
+            self._map_live -= removed
+            self._need = need if self._batches else self.largest
+
+        self.store.with_top_tier(move_on)
+
+    def _grow_map(self, wanted: int) -> None:
+        """The native map at a power of two of positions >= 2 x ``wanted``, its ids placed anew."""
+        size = 1 << (2 * wanted - 1).bit_length()
+        live = self._map_keys >= 0
+        keys, codes = self._map_keys[live], self._map_codes[live]
+        self._map_keys = torch.full((size,), -1, dtype=torch.int64)
+        self._map_codes = torch.zeros(size, dtype=torch.int64)
+        cache_passes_of(self.store.stack.top.kernels).insert(self._map_keys, self._map_codes, keys, codes)
 
     def _grow_ring(self, count: int) -> None:
         """Room in the ring of next uses for every live entry and ``count`` more."""

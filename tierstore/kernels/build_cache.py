@@ -16,6 +16,7 @@ SOURCE = "embedding_cache.cu"
 SHIM = "host_shim.h"
 STEP_SOURCE = "host_step.cpp"  # the host build's training-step passes (includes SOURCE)
 CACHE_SOURCE = "host_cache.cpp"  # the host cache tier's calls (included by STEP_SOURCE)
+HORIZON_SOURCE = "host_horizon.cpp"  # a lookahead horizon's calls (included by STEP_SOURCE)
 
 
 def source_dir() -> Path:

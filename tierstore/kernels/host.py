@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .build_cache import CACHE_SOURCE, SHIM, SOURCE, STEP_SOURCE, cached_build, source_dir
+from .build_cache import CACHE_SOURCE, HORIZON_SOURCE, SHIM, SOURCE, STEP_SOURCE, cached_build, source_dir
 from .launch import kernel_arguments
 
 _FLAGS = [
@@ -107,7 +107,10 @@ def build(parallel: bool) -> Path:
     compiler = subprocess.run(
         ["g++", "--version"], capture_output=True, text=True, check=True
     ).stdout.splitlines()[0]
-    inputs = [(source_dir() / name).read_bytes() for name in (SOURCE, SHIM, STEP_SOURCE, CACHE_SOURCE)]
+    inputs = [
+        (source_dir() / name).read_bytes()
+        for name in (SOURCE, SHIM, STEP_SOURCE, CACHE_SOURCE, HORIZON_SOURCE)
+    ]
     inputs.append(" ".join(flags + [compiler]).encode())
     if parallel:
         inputs.append(_cpu_identity().encode())

@@ -537,3 +537,12 @@ def host_passes() -> StepPasses | None:
     kernels, _ = host_kernels(parallel=True)
     library = None if kernels is None else kernels.step_library
     return None if library is None else passes_of(library)
+
+
+def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The distinct values of ``ids`` (int64 CPU): by hashing, in first-appearance order, where the
+    tuned host build runs here (no sort); else ``torch.unique``'s, ascending."""
+    passes = host_passes()
+    if passes is None or ids.device.type != "cpu":
+        return torch.unique(ids)
+    return passes.distinct(ids, None).unique

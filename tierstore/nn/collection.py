@@ -27,6 +27,7 @@ from torch import nn
 from ..budget import parse_bytes
 from ..config import TierConfig
 from ..errors import StoreFormatError
+from ..kernels.step_passes import distinct_ids
 from ..metadata import METADATA_FILE, write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
@@ -267,7 +268,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         for group_name, group in self.groups.items():
             positions = _in_group(group_name, batch.tables)
             if positions:
-                stores.append((group.store, torch.unique(batch.group_bags(positions)[0])))
+                stores.append((group.store, distinct_ids(batch.group_bags(positions)[0])))
         return stores
 
     def flush(self) -> None:

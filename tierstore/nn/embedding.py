@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import TierConfig
+from ..kernels.step_passes import distinct_ids
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import (
@@ -216,7 +217,7 @@ class _TieredTable(nn.Module):
         ids = check_lookup_ids(input, self.num_embeddings).reshape(-1)
         if self.padding_idx is not None:
             ids = ids[ids != self.padding_idx]
-        return [(self.store, torch.unique(ids))]
+        return [(self.store, distinct_ids(ids))]
 
     def warm_keys(self, warm: Any) -> list[tuple[TieredStore, torch.Tensor]]:
         """``[(store, the ranked ids of warm)]`` (a ``.npy`` path or ids), for ``prefetch(warm=)``."""

@@ -1,0 +1,114 @@
+"""A lookahead horizon's calls (``host_horizon.cpp``, in the tuned host build) behind typed Python
+calls: a batch entering the horizon and a batch consumed, one call each. ``tierstore.horizon``
+uses them where the store's top tier runs on that build."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .step_passes import typed
+
+_POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "horizon_enter": (
+        None,
+        [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64] + [_POINTER] * 2,
+    ),
+    "horizon_consume": (
+        None,
+        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER],
+    ),
+}
+
+
+class HorizonTier(ctypes.Structure):
+    """host_horizon.cpp's ``HorizonTier``: the top tier's index and pins, the horizon's per-slot record."""
+
+    _fields_ = [
+        ("index_keys", _POINTER),
+        ("index_values", _POINTER),
+        ("index_mask", _I64),
+        ("pins", _POINTER),
+        ("pinned_key", _POINTER),
+        ("pinned_next", _POINTER),
+    ]
+
+
+def horizon_tier(top, pinned_key: torch.Tensor, pinned_next: torch.Tensor) -> HorizonTier:
+    """The ``HorizonTier`` of host tier ``top`` (its arrays as they are now: an index may grow)."""
+    index = top.index
+    return HorizonTier(
+        index.keys.data_ptr(),
+        index.values.data_ptr(),
+        index.keys.numel() - 1,
+        top.pins.data_ptr(),
+        pinned_key.data_ptr(),
+        pinned_next.data_ptr(),
+    )
+
+
+class HorizonPasses:
+    """The horizon calls of one host build. Keys int64 CPU, contiguous; ``links`` is the horizon's
+    map and ring: ``(map keys, map values, ring of next uses)``, int64, power-of-two sizes."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
+
+    def enter(
+        self, keys: torch.Tensor, first_code: int, sequence: int, links: tuple, tier: HorizonTier
+    ) -> tuple[int, int]:
+        """``horizon_enter``: ``(pins added, ids new to the map)``."""
+        map_keys, map_values, ring = links
+        out = torch.empty(2, dtype=torch.int64)
+        self._functions["horizon_enter"](
+            keys.data_ptr(),
+            keys.numel(),
+            first_code,
+            sequence,
+            map_keys.data_ptr(),
+            map_values.data_ptr(),
+            map_keys.numel() - 1,
+            ring.data_ptr(),
+            ring.numel() - 1,
+            ctypes.byref(tier),
+            out.data_ptr(),
+        )
+        return int(out[0]), int(out[1])
+
+    def consume(
+        self, keys: torch.Tensor, first_code: int, links: tuple, tier: HorizonTier, next_keys: torch.Tensor
+    ) -> tuple[int, int, int]:
+        """``horizon_consume``: ``(pins added less dropped, ids that left the map, slots the next
+        batch may claim beyond the horizon's pins)``."""
+        map_keys, map_values, ring = links
+        out = torch.empty(3, dtype=torch.int64)
+        self._functions["horizon_consume"](
+            keys.data_ptr(),
+            keys.numel(),
+            first_code,
+            map_keys.data_ptr(),
+            map_values.data_ptr(),
+            map_keys.numel() - 1,
+            ring.data_ptr(),
+            ring.numel() - 1,
+            ctypes.byref(tier),
+            next_keys.data_ptr(),
+            next_keys.numel(),
+            out.data_ptr(),
+        )
+        return int(out[0]), int(out[1]), int(out[2])
+
+
+def horizon_passes_of(kernels) -> HorizonPasses | None:
+    """The horizon calls of ``kernels`` (a tier's ``HostKernels``/``CudaKernels`` or None): None
+    unless it is a tuned host build."""
+    library = getattr(kernels, "step_library", None)
+    return None if library is None else _horizon_passes(library)
+
+
+@functools.cache
+def _horizon_passes(library: ctypes.CDLL) -> HorizonPasses:
+    return HorizonPasses(library)
