@@ -24,7 +24,8 @@ class TierConfig:
         cold store's key indexes follow it (kernel hash tables unless "torch").
     device_cache_backend: "cuda" (the kernels on the GPU: a CUDA device, cuda-python, NVRTC,
         float32), "torch", "auto" (the kernels where they can run), or a backend value.
-    half_life: LFU ageing, in accesses per tier (default: 4x the tier's capacity).
+    half_life: LFU ageing, in accesses per tier (inf: plain LFU; default: chosen online by shadow
+        caches, ``tiers.ageing``).
     policy: the cache tiers' eviction policy, an ``tiers.policies.EvictionPolicy`` subclass
         (default ``None``: LFU with ageing at ``half_life``).
     """

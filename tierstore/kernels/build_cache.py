@@ -17,6 +17,7 @@ SHIM = "host_shim.h"
 STEP_SOURCE = "host_step.cpp"  # the host build's training-step passes (includes SOURCE)
 CACHE_SOURCE = "host_cache.cpp"  # the host cache tier's calls (included by STEP_SOURCE)
 HORIZON_SOURCE = "host_horizon.cpp"  # a lookahead horizon's calls (included by STEP_SOURCE)
+AGEING_SOURCE = "host_ageing.cpp"  # LFU's shadow caches (included by STEP_SOURCE)
 
 
 def source_dir() -> Path:

@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .build_cache import CACHE_SOURCE, HORIZON_SOURCE, SHIM, SOURCE, STEP_SOURCE, cached_build, source_dir
+from .build_cache import (
+    AGEING_SOURCE,
+    CACHE_SOURCE,
+    HORIZON_SOURCE,
+    SHIM,
+    SOURCE,
+    STEP_SOURCE,
+    cached_build,
+    source_dir,
+)
 from .launch import kernel_arguments
 
 _FLAGS = [
@@ -109,7 +118,7 @@ def build(parallel: bool) -> Path:
     ).stdout.splitlines()[0]
     inputs = [
         (source_dir() / name).read_bytes()
-        for name in (SOURCE, SHIM, STEP_SOURCE, CACHE_SOURCE, HORIZON_SOURCE)
+        for name in (SOURCE, SHIM, STEP_SOURCE, CACHE_SOURCE, HORIZON_SOURCE, AGEING_SOURCE)
     ]
     inputs.append(" ".join(flags + [compiler]).encode())
     if parallel:
@@ -140,3 +149,10 @@ def host_kernels(parallel: bool = True) -> tuple[HostKernels | None, str]:
         return HostKernels(build(parallel)), ""
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         return None, f"{type(error).__name__}: {error}"
+
+
+def host_step_library() -> ctypes.CDLL | None:
+    """The tuned host build's library (the training step's and the tiers' native calls), None where
+    it cannot be built here."""
+    kernels, _ = host_kernels(parallel=True)
+    return None if kernels is None else kernels.step_library

@@ -10,8 +10,8 @@
 //   victims chosen (LFU), their rows read from the mmap cold store into their slots and the
 //   victims' dirty rows staged in its log (step_admit_cold).
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
-// It also holds the host cache tier's own calls (host_cache.cpp) and a lookahead horizon's
-// (host_horizon.cpp).
+// It also holds the host cache tier's own calls (host_cache.cpp), a lookahead horizon's
+// (host_horizon.cpp) and LFU's shadow caches (host_ageing.cpp).
 
 #include <sys/mman.h>
 #include <time.h>
@@ -27,6 +27,7 @@
 
 #include "host_cache.cpp"
 #include "host_horizon.cpp"
+#include "host_ageing.cpp"
 
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
 // first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding

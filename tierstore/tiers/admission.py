@@ -83,7 +83,7 @@ class AdmissionFilter(EvictionPolicy):
 
     def __init__(self, capacity: int, device: torch.device, backend) -> None:
         super().__init__(capacity, device, backend)
-        self.ranking = LfuWithAgeing(capacity, device, backend)
+        self.ranking = LfuWithAgeing(capacity, device, backend, half_life=4.0 * capacity)  # fixed ageing
         self.sketch = FrequencySketch(SKETCH_WIDTH * capacity, AGE_EVERY * capacity, device)
         self.transient = torch.zeros(capacity, dtype=torch.bool, device=device)
         self._marked = torch.zeros(capacity, dtype=torch.int64, device=device)  # when made transient

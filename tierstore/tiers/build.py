@@ -85,7 +85,7 @@ def _cache_tier(
     row_width, dtype = metadata.row_width, metadata.torch_dtype
 
     def nbytes(count: int) -> int:
-        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy)
+        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy, config.half_life)
 
     rows = rows_for_budget(budget, nbytes, memory)
     if not rows:

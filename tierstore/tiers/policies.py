@@ -16,6 +16,8 @@ import torch
 
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
+from ..kernels.host import host_step_library
+from .ageing import AgeingTuner, tuner_nbytes
 
 _RENORMALISE_AT = 2.0**20
 POOL_SHARE = 1 / 32  # of the capacity: victims ranked ahead by one scan of every slot
@@ -33,6 +35,12 @@ class EvictionPolicy(abc.ABC):
     """Per-slot state of one tier's policy; slots are int64 ``[N]`` positions in its row buffer."""
 
     bytes_per_slot = 0  # what the policy allocates per slot (the tier's byte budget counts it)
+
+    @staticmethod
+    def fixed_nbytes(capacity: int, half_life: float | None = None) -> int:
+        """What the policy allocates beyond ``bytes_per_slot`` (the byte budget counts it too)."""
+        return 0
+
     needs_keys = False  # touch is also given the rows' keys and which rows were just admitted
 
     def __init__(self, capacity: int, device: torch.device, backend) -> None:
@@ -66,7 +74,9 @@ class LfuWithAgeing(EvictionPolicy):
     """LFU with ageing: an access adds ``increment`` to its slot's score, and ``increment`` grows by
     ``2 ** (1 / half_life)`` per access, which is the same as halving every older score each
     ``half_life`` accesses (so a shifted distribution is followed) at O(batch) cost.
-    ``half_life``: accesses (default 4x the capacity); ``inf`` is plain LFU.
+    ``half_life``: accesses; ``inf`` is plain LFU; None (the default): chosen online from the
+    tier's lookups (``observe``) by shadow caches (``tiers.ageing``), starting at 4x the capacity
+    (where the tuned host build cannot be built, it stays there).
 
     Victims are not found by a scan of every slot per batch: a scan (counted in ``scans``) ranks
     ``pool_share`` of the capacity beyond the victims it needs, in ascending score, and the next
@@ -77,6 +87,14 @@ class LfuWithAgeing(EvictionPolicy):
     score above the pool). ``pool_share=0`` scans at every batch (exact LFU)."""
 
     bytes_per_slot = 4 + 1  # the score, and at most 1 for the pool
+
+    @staticmethod
+    def fixed_nbytes(capacity: int, half_life: float | None = None) -> int:
+        """Bytes beyond ``bytes_per_slot`` a tier of ``capacity`` rows allocates: the shadow caches
+        that choose its ageing when ``half_life`` is None (where the tuned host build runs)."""
+        if half_life is not None or host_step_library() is None:
+            return 0
+        return tuner_nbytes(capacity)
 
     def __init__(
         self,
@@ -89,6 +107,8 @@ class LfuWithAgeing(EvictionPolicy):
         super().__init__(capacity, device, backend)
         self.score = torch.zeros(capacity, dtype=torch.float32, device=device)
         self._increment = 1.0
+        library = host_step_library() if half_life is None and tuner_nbytes(capacity) else None
+        self.tuner = None if library is None else AgeingTuner(capacity, library)
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
         self._pool_size = int(capacity * pool_share)
         self._pool = torch.zeros(0, dtype=torch.int64, device=device)  # ranked slots, lowest first
@@ -99,7 +119,14 @@ class LfuWithAgeing(EvictionPolicy):
 
     @property
     def nbytes(self) -> int:
-        return self.score.nbytes + self.capacity  # the pool's bound
+        tuner = 0 if self.tuner is None else self.tuner.nbytes
+        return self.score.nbytes + self.capacity + tuner  # the pool's bound
+
+    def observe(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Distinct ``keys`` were looked up in the tier ``counts`` times each: the shadow caches
+        replay the sampled ones, and the ageing follows their choice."""
+        if self.tuner is not None and keys.device.type == "cpu" and self.tuner.observe(keys, counts):
+            self._growth = 2.0 ** (1.0 / self.tuner.half_life)  # inf: 1, plain LFU
 
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         if counts is None:

@@ -84,11 +84,14 @@ class RowCache:
         dtype: torch.dtype,
         backend=None,
         policy: type[EvictionPolicy] | None = None,
+        half_life: float | None = None,
     ) -> int:
         """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy)."""
         backend = backend if backend is not None else TorchRows()
-        per_slot = row_width * dtype.itemsize + _SLOT_BYTES + (policy or LfuWithAgeing).bytes_per_slot
-        return capacity * per_slot + backend.index_nbytes(capacity)
+        policy = policy or LfuWithAgeing
+        per_slot = row_width * dtype.itemsize + _SLOT_BYTES + policy.bytes_per_slot
+        fixed = policy.fixed_nbytes(capacity, half_life)
+        return capacity * per_slot + backend.index_nbytes(capacity) + fixed
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,95 @@
+// Shadow caches for LFU's ageing chosen online (tierstore/tiers/ageing.py; included by host_step.cpp
+// into the tuned host build): a spatial sample of a tier's lookups (ids whose hash falls under a
+// threshold) replayed through small LFU caches, one per candidate half-life, each access at a time
+// on one thread, counting their hits. Each shadow: slots of keys and scores (an access adds
+// `increment`, which grows by `growth` per access, as tierstore/tiers/policies.py's LfuWithAgeing
+// weighs them), a map key -> slot (linear probing, erase by backward shifting) and a min-heap of
+// (score, slot) whose stale entries (a score since raised, a slot since refilled) pops skip; the heap
+// is rebuilt from the slots when it fills, and the scores renormalised when `increment` grows large.
+
+struct ShadowEntry {
+    double score;
+    i64 slot;
+};
+
+static inline bool shadow_later(const ShadowEntry& a, const ShadowEntry& b) {
+    return a.score > b.score || (a.score == b.score && a.slot > b.slot);  // a min-heap's order
+}
+
+struct AgeingShadow {
+    i64* slot_keys;  // [capacity], -1: free
+    double* scores;  // [capacity]
+    i64* map_keys;   // [map_mask + 1], EMPTY_KEY: free
+    i64* map_slots;  // [map_mask + 1]
+    i64 map_mask;
+    ShadowEntry* heap;  // [heap_limit]
+    i64 heap_size, heap_limit;
+    i64 capacity, used;
+    double increment, growth;
+    i64 hits;  // hits since the caller last took them
+};
+
+static void shadow_rebuild_heap(AgeingShadow& shadow) {
+    shadow.heap_size = 0;
+    for (i64 slot = 0; slot < shadow.used; ++slot)
+        shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
+    std::make_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+}
+
+// The slot of the lowest score, its key removed from the map.
+static i64 shadow_evict(AgeingShadow& shadow) {
+    while (true) {
+        std::pop_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+        const ShadowEntry top = shadow.heap[--shadow.heap_size];
+        if (shadow.scores[top.slot] != top.score) continue;  // stale: raised since
+        i64 former = 0;
+        erase_shifting(shadow.map_keys, shadow.map_slots, shadow.map_mask, &shadow.slot_keys[top.slot], 1,
+                       &former);
+        return top.slot;
+    }
+}
+
+static void shadow_access(AgeingShadow& shadow, i64 key, i64 count) {
+    u64 position = mix((u64)key) & (u64)shadow.map_mask;
+    while (shadow.map_keys[position] != EMPTY_KEY && shadow.map_keys[position] != key) {
+        position = (position + 1) & (u64)shadow.map_mask;
+    }
+    i64 slot;
+    if (shadow.map_keys[position] == key) {
+        slot = shadow.map_slots[position];
+        shadow.hits += count;
+    } else {
+        shadow.hits += count - 1;  // the first lookup brings the row in, the batch's others hit
+        slot = shadow.used < shadow.capacity ? shadow.used++ : shadow_evict(shadow);
+        // the eviction may have shifted entries: find the key's empty position again
+        position = mix((u64)key) & (u64)shadow.map_mask;
+        while (shadow.map_keys[position] != EMPTY_KEY) position = (position + 1) & (u64)shadow.map_mask;
+        shadow.map_keys[position] = key;
+        shadow.map_slots[position] = slot;
+        shadow.slot_keys[slot] = key;
+        shadow.scores[slot] = 0.0;
+    }
+    shadow.scores[slot] += (double)count * shadow.increment;
+    shadow.increment *= std::pow(shadow.growth, (double)count);
+    if (shadow.heap_size == shadow.heap_limit) shadow_rebuild_heap(shadow);
+    shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
+    std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+    if (shadow.increment > 1e30) {
+        for (i64 s = 0; s < shadow.used; ++s) shadow.scores[s] /= shadow.increment;
+        shadow.increment = 1.0;
+        shadow_rebuild_heap(shadow);
+    }
+}
+
+// keys[0..n) (distinct), each looked up counts[i] times: those sampled (the top 53 bits of their
+// hash below `threshold`) are replayed through shadows[0..count). Returns the lookups sampled.
+extern "C" i64 ageing_replay(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                             u64 threshold, AgeingShadow* shadows, i64 count) {
+    i64 sampled = 0;
+    for (i64 i = 0; i < n; ++i) {
+        if ((mix((u64)keys[i]) >> 11) >= threshold) continue;
+        sampled += counts[i];
+        for (i64 s = 0; s < count; ++s) shadow_access(shadows[s], keys[i], counts[i]);
+    }
+    return sampled;
+}
