@@ -15,7 +15,16 @@ import tierstore.cli.bench as bench
 from tierstore import TieredStore
 from tierstore.cli.traces import load_trace
 from tierstore.kernels.host import host_step_library
-from tierstore.tiers.ageing import MEMORY, RUNGS, AgeingTuner, shadow_rows_for, tuner_nbytes
+from tierstore.tiers.ageing import (
+    MEMORY,
+    MIN_SHADOW_ROWS,
+    RUNGS,
+    SHADOW_ROWS,
+    SHADOW_SHARE,
+    AgeingTuner,
+    shadow_rows_for,
+    tuner_nbytes,
+)
 
 
 class LfuInPython:
@@ -66,8 +75,8 @@ def library():
 )
 def test_the_shadow_caches_count_the_hits_of_lfu_at_each_ageing(library, batches):
     shadow_rows = 20
-    tuner = AgeingTuner(16 * shadow_rows, library)
-    assert tuner.rate == 1 / 16
+    tuner = AgeingTuner(SHADOW_SHARE * shadow_rows, library)
+    assert tuner.rate == 1 / SHADOW_SHARE
     tuner._threshold = 1 << 53  # every id sampled
     oracles = [
         LfuInPython(shadow_rows, 1.0 if math.isinf(rung) else 2.0 ** (1.0 / (rung * shadow_rows)))
@@ -113,9 +122,10 @@ def test_the_default_follows_the_better_ageing(spec):
 
 
 def test_small_tiers_get_no_shadows_and_the_budget_counts_them():
-    assert shadow_rows_for(16 * 16 - 1) == 0 and tuner_nbytes(255) == 0
-    assert shadow_rows_for(16 * 100) == 100 and shadow_rows_for(10**8) == 512
-    with TieredStore(None, dim=8, host_cache=200) as store:
+    smallest = MIN_SHADOW_ROWS * SHADOW_SHARE  # the smallest tier with shadows
+    assert shadow_rows_for(smallest - 1) == 0 and tuner_nbytes(smallest - 1) == 0
+    assert shadow_rows_for(SHADOW_SHARE * 100) == 100 and shadow_rows_for(10**8) == SHADOW_ROWS
+    with TieredStore(None, dim=8, host_cache=smallest - 1) as store:
         assert store.stack.top.policy.tuner is None
     with TieredStore(None, dim=8, host_cache="2MiB") as store:
         top = store.stack.top

@@ -12,9 +12,11 @@ struct ShadowEntry {
     i64 slot;
 };
 
-static inline bool shadow_later(const ShadowEntry& a, const ShadowEntry& b) {
-    return a.score > b.score || (a.score == b.score && a.slot > b.slot);  // a min-heap's order
-}
+struct ShadowLater {  // a min-heap's order: a functor, so the heap's comparisons inline
+    bool operator()(const ShadowEntry& a, const ShadowEntry& b) const {
+        return a.score > b.score || (a.score == b.score && a.slot > b.slot);
+    }
+};
 
 struct AgeingShadow {
     i64* slot_keys;  // [capacity], -1: free
@@ -33,13 +35,13 @@ static void shadow_rebuild_heap(AgeingShadow& shadow) {
     shadow.heap_size = 0;
     for (i64 slot = 0; slot < shadow.used; ++slot)
         shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
-    std::make_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+    std::make_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
 }
 
 // The slot of the lowest score, its key removed from the map.
 static i64 shadow_evict(AgeingShadow& shadow) {
     while (true) {
-        std::pop_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+        std::pop_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
         const ShadowEntry top = shadow.heap[--shadow.heap_size];
         if (shadow.scores[top.slot] != top.score) continue;  // stale: raised since
         i64 former = 0;
@@ -70,10 +72,10 @@ static void shadow_access(AgeingShadow& shadow, i64 key, i64 count) {
         shadow.scores[slot] = 0.0;
     }
     shadow.scores[slot] += (double)count * shadow.increment;
-    shadow.increment *= std::pow(shadow.growth, (double)count);
+    shadow.increment *= count == 1 ? shadow.growth : std::pow(shadow.growth, (double)count);
     if (shadow.heap_size == shadow.heap_limit) shadow_rebuild_heap(shadow);
     shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
-    std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, shadow_later);
+    std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
     if (shadow.increment > 1e30) {
         for (i64 s = 0; s < shadow.used; ++s) shadow.scores[s] /= shadow.increment;
         shadow.increment = 1.0;
@@ -81,15 +83,23 @@ static void shadow_access(AgeingShadow& shadow, i64 key, i64 count) {
     }
 }
 
-// keys[0..n) (distinct), each looked up counts[i] times: those sampled (the top 53 bits of their
-// hash below `threshold`) are replayed through shadows[0..count). Returns the lookups sampled.
+// keys[0..n) (distinct), each looked up counts[i] times: those sampled (a multiply-shift hash of the
+// key below `threshold`, out of 2^53) are replayed through shadows[0..count). Each shadow's hits
+// fade: hits[s] = hits[s] x 2^(-sampled / memory) + its hits now. Returns the lookups sampled.
 extern "C" i64 ageing_replay(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
-                             u64 threshold, AgeingShadow* shadows, i64 count) {
+                             u64 threshold, AgeingShadow* shadows, i64 count, double memory,
+                             double* __restrict__ hits) {
     i64 sampled = 0;
     for (i64 i = 0; i < n; ++i) {
-        if ((mix((u64)keys[i]) >> 11) >= threshold) continue;
+        if ((((u64)keys[i] * 0x9E3779B97F4A7C15ULL) >> 11) >= threshold) continue;
         sampled += counts[i];
         for (i64 s = 0; s < count; ++s) shadow_access(shadows[s], keys[i], counts[i]);
+    }
+    if (sampled == 0) return 0;
+    const double fade = std::exp2(-(double)sampled / memory);
+    for (i64 s = 0; s < count; ++s) {
+        hits[s] = hits[s] * fade + (double)shadows[s].hits;
+        shadows[s].hits = 0;
     }
     return sampled;
 }

@@ -24,7 +24,7 @@ from ..kernels.step_passes import typed
 RUNGS = (1.0, 4.0, 16.0, 64.0, math.inf)  # candidate half-lives, in multiples of the capacity
 START = 1  # today's default: 4x the capacity
 SHADOW_ROWS = 512  # most rows of a shadow
-SHADOW_SHARE = 16  # of the tier's rows: a shadow's rows at most (its memory counts in the budget)
+SHADOW_SHARE = 64  # of the tier's rows: a shadow's rows at most (its memory counts in the budget)
 MIN_SHADOW_ROWS = 16  # fewer and the shadows are noise: the ageing stays at START
 MEMORY = 16  # shadow capacities of sampled lookups over which their hits fade by half
 MARGIN = 0.01  # a shadow leads when it hits this much (relatively) more than the current choice
@@ -75,11 +75,15 @@ class AgeingTuner:
 
     def __init__(self, capacity: int, library: ctypes.CDLL) -> None:
         shadow_rows = shadow_rows_for(capacity)
+        if not shadow_rows:
+            raise ValueError(f"a tier of {capacity} rows is too small for shadow caches (shadow_rows_for)")
         self.capacity = capacity
         self.rate = shadow_rows / capacity
         self._threshold = min(1 << 53, math.ceil(self.rate * (1 << 53)))
         self._replay = typed(
-            library.ageing_replay, _I64, [_POINTER, _POINTER, _I64, ctypes.c_uint64, _POINTER, _I64]
+            library.ageing_replay,
+            _I64,
+            [_POINTER, _POINTER, _I64, ctypes.c_uint64, _POINTER, _I64, ctypes.c_double, _POINTER],
         )
         positions = 1 << (2 * shadow_rows - 1).bit_length()
         self._arrays = []  # the shadows' memory, kept alive
@@ -104,7 +108,7 @@ class AgeingTuner:
             shadow.capacity, shadow.increment = shadow_rows, 1.0
             shadow.growth = 1.0 if math.isinf(rung) else 2.0 ** (1.0 / (rung * shadow_rows))
         self._memory = MEMORY * shadow_rows
-        self.hits = np.zeros(len(RUNGS))  # each shadow's hits, fading
+        self.hits = np.zeros(len(RUNGS))  # each shadow's hits, fading (the native replay adds them)
         self.sampled = 0  # lookups sampled so far
         self.choice = START
 
@@ -123,16 +127,19 @@ class AgeingTuner:
         keys = keys.contiguous()
         counts = counts.to(torch.int64).contiguous()
         sampled = self._replay(
-            keys.data_ptr(), counts.data_ptr(), keys.numel(), self._threshold, self._shadows, len(RUNGS)
+            keys.data_ptr(),
+            counts.data_ptr(),
+            keys.numel(),
+            self._threshold,
+            self._shadows,
+            len(RUNGS),
+            self._memory,
+            self.hits.ctypes.data,
         )
         if sampled == 0:
             return False
-        fresh = np.array([shadow.hits for shadow in self._shadows], dtype=np.float64)
-        for shadow in self._shadows:
-            shadow.hits = 0
-        self.hits = self.hits * 0.5 ** (sampled / self._memory) + fresh
         self.sampled += sampled
-        best = int(np.argmax(self.hits))
+        best = int(self.hits.argmax())
         if self.sampled < self._memory or self.hits[best] <= self.hits[self.choice] * (1 + MARGIN):
             return False
         self.choice = best
