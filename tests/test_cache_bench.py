@@ -119,6 +119,8 @@ def test_criteo_layout_uses_the_hex_categorical_columns(tmp_path):
         (["{csv}", "--columns", "user", "--sizes", "lots"], "cache size 'lots' does not parse"),
         (["{csv}", "--columns", "user", "--policy", "lru,arc"], "unknown --policy arc"),
         (["{csv}", "--columns", "user", "--lookahead", "65"], "--lookahead must be in [0, 64]"),
+        (["{csv}", "--columns", "user", "--horizon", "tenx"], "--horizon must be a multiple of each cache"),
+        (["{csv}", "--columns", "user", "--horizon", "0"], "--horizon must be a multiple of each cache"),
     ],
 )
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
@@ -182,6 +184,25 @@ def test_bench_replays_through_a_lookahead_pipeline_beside_lfu(tmp_path, capsys)
     assert ahead["hit_rate"] <= entry["belady"]["hit_rate"]  # nothing moves fewer rows than MIN
     assert ahead["tiers"]["prefetch"]["pinned_batches"] > 0
     assert plain["waited"] > 0.05 and ahead["waited"] == 0  # every batch found the rows it held resident
+
+
+def test_bench_replays_evicting_by_next_use_and_with_each_fixed_ageing(tmp_path, capsys):
+    keys = load_trace("zipf:alpha=0.9,n=20000,length=40000,seed=4").keys
+    np.save(tmp_path / "trace.npy", keys)
+    arguments = ["bench", str(tmp_path / "trace.npy"), "--sizes", "1600,3200", "--policy", "belady"]
+    assert main([*arguments, "--horizon", "10x", "--ageing", "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "horizon 10x" in table and "no ageing" in table and "aged 4x" in table
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["horizon"] == "10x" and report["ageing"]
+    for entry in report["sizes"]:
+        foreseen, optimal = entry["tierstore_horizon"], entry["belady"]["hit_rate"]
+        assert foreseen["tiers"]["prefetch"]["horizon"] == 10 * entry["rows"]
+        assert 0.97 * optimal <= foreseen["hit_rate"] <= optimal  # MIN stays the ceiling
+        assert foreseen["hit_rate"] > entry["tierstore_lfu"]["hit_rate"]
+        assert foreseen["hit_rate"] == pytest.approx(1 - foreseen["tiers"]["host"]["rows_in"] / keys.size)
+        fixed = max(entry["lfu_no_ageing"]["hit_rate"], entry["lfu_aged_4x"]["hit_rate"])
+        assert entry["tierstore_lfu"]["hit_rate"] >= fixed - 0.005
 
 
 def test_separate_tables_give_each_column_back_its_own_ids(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """``tierstore bench``: replay a key trace through a store at several host-cache sizes.
 
-For each size: our store (LFU with ageing, batched: a batch's distinct ids are made resident
-together) with throughput and per-batch latency; per tier hits, rows and bytes moved, evictions;
+For each size: our store (LFU, its ageing chosen online, batched: a batch's distinct ids are made
+resident together) with throughput and per-batch latency; per tier hits, rows and bytes moved, evictions;
 optionally the store evicting by next use within a horizon; and the hit rates of LRU, FIFO and
 Belady's MIN caches of the same size on the same trace, replayed one access at a time
 (``reference_policies``, native loops). MIN is the ceiling for any cache of that size, so the
@@ -16,6 +16,7 @@ its batch started as a miss, which is lower where an id repeats within a batch.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -77,8 +78,10 @@ def run_store(
     held: bool = False,
     warm: torch.Tensor | None = None,
     horizon: int | str | None = None,
+    half_life: float | None = None,
 ) -> dict:
-    """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows, through a
+    """Replay ``trace`` through a temporary store whose host cache holds ``rows`` rows (LFU aged
+    at ``half_life`` lookups; None: the default, its ageing chosen online), through a
     lookahead pipeline (``tierstore.prefetch``) of ``lookahead`` batches if that is not 0, behind
     an admission filter of ``admission`` lookups if that is not 0, evicting by next use within
     ``horizon`` (``prefetch(horizon=)``; inline, or with the window's worker where ``lookahead``
@@ -90,7 +93,7 @@ def run_store(
     latencies = []
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-") as directory:
         path = Path(directory) / "store"
-        settings = {"dim": dim, "backend": backend, "host_cache": rows}
+        settings = {"dim": dim, "backend": backend, "host_cache": rows, "half_life": half_life}
         if admission:
             settings["policy"] = admission_filter(admission)
         if held:
@@ -163,13 +166,16 @@ def run_bench(
     admission: int = 0,
     warm: torch.Tensor | None = None,
     horizon: str | None = None,
+    ageing: bool = False,
 ) -> dict:
     """Every figure of the benchmark, as a JSON-ready dict. Batches hold at most an eighth of the
     cache's rows (``BATCH_SHARE``; as in training, a batch is a small part of what the cache
     holds, so a policy has rows to choose among). ``lookahead``: also replay through a lookahead
     pipeline of that many batches (``tierstore_lookahead``); ``horizon`` (``"10x"``: a multiple of
     each cache size, or a number of lookups): also evicting by next use within it
-    (``tierstore_horizon``, with the lookahead's window if one is given); ``admission``: also
+    (``tierstore_horizon``, with the lookahead's window if one is given); ``ageing``: also with
+    LFU's two fixed ageings the default chooses among at its ends, plain LFU (``lfu_no_ageing``)
+    and LFU aged at 4x the cache (``lfu_aged_4x``, the default before it adapted); ``admission``: also
     behind an admission filter of that many lookups (``tierstore_admission``); ``warm`` (hot
     ids): also replay a table that holds every id, from a cold cache (``tierstore_held``) and
     warm-started with them (``tierstore_warm``)."""
@@ -185,6 +191,7 @@ def run_bench(
         "backend": backend,
         "lookahead": lookahead,
         "horizon": horizon,
+        "ageing": ageing,
         "admission": admission,
         "warm": warm is not None,
         "sizes": [],
@@ -202,6 +209,9 @@ def run_bench(
         }
         if lookahead:
             entry["tierstore_lookahead"] = run_store(trace, rows, batch, dim, backend, progress, lookahead)
+        if ageing:
+            entry["lfu_no_ageing"] = run_store(trace, rows, batch, dim, backend, progress, half_life=math.inf)
+            entry["lfu_aged_4x"] = run_store(trace, rows, batch, dim, backend, progress, half_life=4.0 * rows)
         if horizon is not None:
             entry["tierstore_horizon"] = run_store(
                 trace, rows, batch, dim, backend, progress, lookahead, horizon=horizon_lookups(horizon)
@@ -225,7 +235,9 @@ def format_table(report: dict, policies: list[str]) -> str:
     """The report as a readable text table, one line per cache size."""
     lookahead, admission = report.get("lookahead", 0), report.get("admission", 0)
     horizon = report.get("horizon")
-    names = ["tierstore LFU"] + ([f"lookahead {lookahead}"] if lookahead else [])
+    ageing = report.get("ageing", False)
+    names = ["tierstore LFU"] + (["no ageing", "aged 4x"] if ageing else [])
+    names += [f"lookahead {lookahead}"] if lookahead else []
     names += [f"horizon {horizon}"] if horizon else []
     names += [f"admission {admission}"] if admission else []
     names += [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
@@ -254,6 +266,7 @@ def format_table(report: dict, policies: list[str]) -> str:
         admitted = entry.get("tierstore_admission")
         rates = (
             [ours["hit_rate"]]
+            + ([entry["lfu_no_ageing"]["hit_rate"], entry["lfu_aged_4x"]["hit_rate"]] if ageing else [])
             + ([ahead["hit_rate"]] if ahead else [])
             + ([foreseen["hit_rate"]] if foreseen else [])
             + ([admitted["hit_rate"]] if admitted else [])
@@ -288,7 +301,9 @@ def format_table(report: dict, policies: list[str]) -> str:
 def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
     """Hit rate against cache size per policy, as a PNG; False when matplotlib is not installed."""
     entries = report["sizes"]
-    ours = [("tierstore_lfu", "tierstore LFU")]
+    ours = [("tierstore_lfu", "tierstore LFU (ageing chosen online)")]
+    if report.get("ageing"):
+        ours += [("lfu_no_ageing", "LFU, no ageing"), ("lfu_aged_4x", "LFU aged at 4x the cache")]
     if report.get("lookahead"):
         ours.append(("tierstore_lookahead", f"tierstore LFU, lookahead {report['lookahead']}"))
     if report.get("horizon"):

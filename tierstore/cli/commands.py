@@ -246,6 +246,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also replay through a lookahead pipeline (tierstore.prefetch) of N batches (1-64)",
     )
     command.add_argument(
+        "--ageing",
+        action="store_true",
+        help="also replay with plain LFU and with LFU aged at 4x the cache: the fixed ageings the "
+        "default (chosen online) is measured against",
+    )
+    command.add_argument(
         "--horizon",
         metavar="H",
         help="also replay evicting by next use within H row lookups ahead (tierstore.prefetch's "
@@ -486,6 +492,7 @@ def _bench(args) -> int:
             args.admission,
             warm,
             args.horizon,
+            args.ageing,
         )
         print(format_table(report, policies))
         png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
