@@ -11,10 +11,11 @@ an id's latest entry is found in a hash map and given the new batch as its next 
 row whose id has a next use in the horizon is pinned in the top tier (one pin of the horizon's);
 a row with none is not, so victims come first from rows not used within the horizon, by the
 tier's own policy (LFU with ageing). The horizon's pins are capped at what leaves room for the
-largest batch and the pinned window: past the cap, the pinned rows whose next use is farthest
-are unpinned (a slack's worth more, so that this happens every few batches, not at each), and
-they become victims like the rest. A row moves only where the store moves it, so training is the
-same, bit for bit, with or without the horizon.
+next batch (its ids the horizon does not pin: its misses) and the pinned window: past the cap,
+the pinned rows whose next use is farthest are unpinned (a slack's worth more, so that this
+happens every few batches, not at each), and they become victims like the rest. A row moves
+only where the store moves it, so training is the same, bit for bit, with or without the
+horizon.
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ class Foresight:
             self._map_codes = torch.zeros(2048, dtype=torch.int64)
             self._map_live = 0
         self._sequence = 0  # number of the next batch to enter
-        self._consumed = 0  # number of the next batch to consume
         self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
         self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int64, device=top.device)
 
@@ -132,7 +132,6 @@ class Foresight:
         """The oldest batch entered has run: its rows' next uses move on to their next entries."""
         with self._lock:
             keys, first_code = self._batches.popleft()
-            self._consumed += 1
             self.ahead -= keys.numel()
             if self._passes is not None:
                 self._consume_natively(keys, first_code)

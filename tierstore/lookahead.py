@@ -170,7 +170,7 @@ def _inline(
         for batch in batches:
             yield batch
             if ahead is not None:
-                ahead.ran(lambda store: 0)
+                ahead.ran()
             if chunks:
                 store, chunk = chunks.pop(0)
                 stats[id(store)].warmed_rows += store.preload(chunk)
@@ -200,6 +200,7 @@ class _Horizon:
         self._source = None if horizon_ids is None else iter(horizon_ids)
         self._held: collections.deque = collections.deque()  # batches read ahead (no horizon_ids)
         self._entered: collections.deque = collections.deque()  # per batch entered: its Foresights
+        self.window_rows: Callable[[Any], int] = lambda store: 0  # rows a window may pin in a store
         self._handed = 0  # batches handed on
         self._consumed = 0  # batches run (consumed from every Foresight they entered)
         self._ended = False  # the horizon's source is exhausted
@@ -257,15 +258,14 @@ class _Horizon:
             sight = self.sights.get(id(store))
             if sight is None:
                 sight = self.sights[id(store)] = Foresight(store, self._horizon)
-            sight.enter(keys)
+            sight.enter(keys, self.window_rows(store))
             sights.append(sight)
         self._entered.append(sights)
 
-    def ran(self, window_rows: Callable[[Any], int]) -> None:
-        """The oldest batch handed on has run. ``window_rows(store)``: rows the pinned window may
-        hold in ``store`` meanwhile (left to it by the horizon's pins)."""
+    def ran(self) -> None:
+        """The oldest batch handed on has run."""
         for sight in self._entered.popleft():
-            sight.consume(window_rows(sight.store))
+            sight.consume(self.window_rows(sight.store))
             stats = sight.store.prefetch_stats
             if stats is None or stats.horizon != sight.accesses:
                 stats = sight.store.prefetch_stats = stats or PrefetchStats(self._lookahead)
@@ -293,6 +293,8 @@ class _Pipeline:
     ) -> None:
         self._batches = batches
         self._ahead = ahead
+        if ahead is not None:  # the horizon's pins leave the window its room
+            ahead.window_rows = self._window_rows
         self._module = module
         self._lookahead = lookahead
         self._ids = ids
@@ -342,7 +344,7 @@ class _Pipeline:
                 self._release(current)
                 current = []
                 if self._ahead is not None:
-                    self._ahead.ran(self._window_rows)
+                    self._ahead.ran()
         finally:
             self._stop(current)
 
