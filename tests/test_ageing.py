@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tierstore.cli.bench as bench
 from tierstore import TieredStore
+from tierstore.cli.bench import run_store
 from tierstore.cli.traces import load_trace
 from tierstore.kernels.host import host_step_library
 from tierstore.tiers.ageing import (
@@ -94,14 +94,9 @@ def test_the_shadow_caches_count_the_hits_of_lfu_at_each_ageing(library, batches
     assert np.allclose(tuner.hits, expected, rtol=1e-12, atol=0)
 
 
-def hit_rate(trace, rows, half_life="adaptive"):
-    settings = {} if half_life == "adaptive" else {"half_life": half_life}
-    made = bench.TieredStore
-    bench.TieredStore = lambda *args, **kwargs: made(*args, **settings, **kwargs)
-    try:
-        return bench.run_store(trace, rows, rows // 8, 4, "mmap", progress=False)["hit_rate"]
-    finally:
-        bench.TieredStore = made
+def hit_rate(trace, rows, half_life=None):
+    """The hit rate of a store replaying ``trace`` (LFU aged at ``half_life``; None: the default)."""
+    return run_store(trace, rows, rows // 8, 4, "mmap", progress=False, half_life=half_life)["hit_rate"]
 
 
 @pytest.mark.parametrize(
