@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_prefetch import ROWS, bag_batches, preloaded_table, train
+from test_prefetch import ROWS, bag_batches, preloaded_table, train, train_collection, two_feature_batches
 
 import tierstore
-from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBagCollection, TieredStore, optim
+from tierstore import TieredStore, optim
 from tierstore.cli.reference_policies import belady_hits
 from tierstore.horizon import horizon_accesses
 
@@ -75,46 +75,11 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
 
 
 def test_the_collection_trains_the_same_with_a_horizon(tmp_path):
-    tables = [
-        EmbeddingBagConfig(50, 8, name="user", feature_names=["user_id"]),
-        EmbeddingBagConfig(40, 4, name="item", feature_names=["item_id"], pooling="mean"),
-    ]
-    rng = np.random.default_rng(9)
-    batches = []
-    for _ in range(30):
-        lengths = rng.integers(0, 3, (2, 6))
-        values = np.concatenate(
-            [rng.zipf(1.3, int(lengths[0].sum())) % 50, rng.zipf(1.3, int(lengths[1].sum())) % 40]
-        )
-        batches.append(
-            KeyedJaggedTensor(
-                ["user_id", "item_id"],
-                torch.from_numpy(values),
-                lengths=torch.from_numpy(lengths.reshape(-1)),
-            )
-        )
-    results = []
-    for name, horizon in (("plain", None), ("foreseen", "8x")):
-        collection = TieredEmbeddingBagCollection(
-            tables, tmp_path / name, host_cache=40, optimizer=optim.Adagrad(lr=0.1)
-        )
-        loop = batches if horizon is None else tierstore.prefetch(batches, collection, 2, horizon=horizon)
-        outputs = []
-        for kjt in loop:
-            out = collection(kjt).values()
-            (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-            outputs.append(out.detach())
-        stored = {
-            group: {
-                key: row
-                for keys, rows in collection.groups[group].store.iter_rows(with_state=True)
-                for key, row in zip(keys.tolist(), rows.tolist())
-            }
-            for group in collection.groups
-        }
-        results.append((outputs, stored, collection.stats()))
-        collection.close()
-    (outputs, stored, plain), (foreseen_outputs, foreseen_stored, stats) = results
+    batches = two_feature_batches(30, lambda rng, rows, n: rng.zipf(1.3, n) % rows)
+    outputs, stored, plain = train_collection(tmp_path / "plain", batches, 40)
+    foreseen_outputs, foreseen_stored, stats = train_collection(
+        tmp_path / "foreseen", batches, 40, lambda b, c: tierstore.prefetch(b, c, 2, horizon="8x")
+    )
     assert all(torch.equal(a, b) for a, b in zip(outputs, foreseen_outputs))
     assert stored == foreseen_stored
     for group in ("dim8", "dim4"):

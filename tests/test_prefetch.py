@@ -113,18 +113,20 @@ def test_rows_pinned_in_a_device_tier_over_a_host_tier_train_the_same(tmp_path, 
     assert plain["host"]["rows_in"] > 20 and stats["prefetch"]["pinned_batches"] > 0  # rows moved all along
 
 
-def test_the_collection_trains_the_same_with_the_pipeline(tmp_path):
-    tables = [
-        EmbeddingBagConfig(50, 8, name="user", feature_names=["user_id"]),
-        EmbeddingBagConfig(40, 4, name="item", feature_names=["item_id"], pooling="mean"),
-    ]
+TWO_TABLES = [
+    EmbeddingBagConfig(50, 8, name="user", feature_names=["user_id"]),
+    EmbeddingBagConfig(40, 4, name="item", feature_names=["item_id"], pooling="mean"),
+]
+
+
+def two_feature_batches(count, draw):
+    """``count`` KeyedJaggedTensors of ``TWO_TABLES``' features, 0-2 ids a bag, 6 samples, the ids
+    ``draw(rows, n)``."""
     rng = np.random.default_rng(5)
     batches = []
-    for _ in range(15):
+    for _ in range(count):
         lengths = rng.integers(0, 3, (2, 6))
-        values = np.concatenate(
-            [rng.integers(0, 50, int(lengths[0].sum())), rng.integers(0, 40, int(lengths[1].sum()))]
-        )
+        values = np.concatenate([draw(rng, 50, int(lengths[0].sum())), draw(rng, 40, int(lengths[1].sum()))])
         batches.append(
             KeyedJaggedTensor(
                 ["user_id", "item_id"],
@@ -132,28 +134,35 @@ def test_the_collection_trains_the_same_with_the_pipeline(tmp_path):
                 lengths=torch.from_numpy(lengths.reshape(-1)),
             )
         )
-    results = []
-    for name, lookahead in (("plain", None), ("prefetched", 4)):
-        collection = TieredEmbeddingBagCollection(
-            tables, tmp_path / name, host_cache=30, optimizer=optim.Adagrad(lr=0.1)
-        )
-        loop = (
-            batches
-            if lookahead is None
-            else tierstore.prefetch(batches, collection, lookahead, background=True)
-        )
-        outputs = []
-        for kjt in loop:
-            out = collection(kjt).values()
-            (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-            outputs.append(out.detach())
-        stored = {
-            group: dict(zip(*(t.tolist() for t in _all_rows(collection.groups[group].store))))
-            for group in collection.groups
-        }
-        results.append((outputs, stored, collection.stats()))
-        collection.close()
-    (outputs, stored, _), (prefetched_outputs, prefetched_stored, stats) = results
+    return batches
+
+
+def train_collection(path, batches, host_cache, loop_of=None):
+    """``(outputs, {group: {key: row}}, stats)`` of a collection of ``TWO_TABLES`` trained on
+    ``batches``, through ``loop_of(batches, collection)`` if given."""
+    collection = TieredEmbeddingBagCollection(
+        TWO_TABLES, path, host_cache=host_cache, optimizer=optim.Adagrad(lr=0.1)
+    )
+    outputs = []
+    for kjt in batches if loop_of is None else loop_of(batches, collection):
+        out = collection(kjt).values()
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        outputs.append(out.detach())
+    stored = {
+        group: dict(zip(*(t.tolist() for t in _all_rows(collection.groups[group].store))))
+        for group in collection.groups
+    }
+    stats = collection.stats()
+    collection.close()
+    return outputs, stored, stats
+
+
+def test_the_collection_trains_the_same_with_the_pipeline(tmp_path):
+    batches = two_feature_batches(15, lambda rng, rows, n: rng.integers(0, rows, n))
+    outputs, stored, _ = train_collection(tmp_path / "plain", batches, 30)
+    prefetched_outputs, prefetched_stored, stats = train_collection(
+        tmp_path / "prefetched", batches, 30, lambda b, c: tierstore.prefetch(b, c, 4, background=True)
+    )
     assert all(torch.equal(a, b) for a, b in zip(outputs, prefetched_outputs))
     assert stored == prefetched_stored
     assert all(stats["groups"][group]["prefetch"]["pinned_batches"] > 0 for group in ("dim8", "dim4"))
