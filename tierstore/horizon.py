@@ -30,7 +30,7 @@ from .kernels.cache_passes import cache_passes_of
 from .kernels.horizon_passes import horizon_passes_of, horizon_tier
 from .tiers.hash_index import HashIndex
 
-NEVER = torch.iinfo(torch.int64).max
+NEVER = torch.iinfo(torch.int32).max  # a next use (a batch number, int32) of none
 SLACK_SHARE = 1 / 64  # of the top tier's capacity: pins dropped beyond the cap, so caps are rare
 
 
@@ -69,7 +69,7 @@ class Foresight:
         self._lock = threading.Lock()
         self._batches: collections.deque = collections.deque()  # (keys, first code)
         self._next_code = 0  # entry numbers: an entry's next use lives at code % ring size
-        self._next_use = torch.full((1024,), NEVER, dtype=torch.int64)
+        self._next_use = torch.full((1024,), NEVER, dtype=torch.int32)
         # the tuned host build's calls where the top tier runs on it, else torch ops
         self._passes = horizon_passes_of(top.kernels) if top.index.keys.dim() == 1 else None
         if self._passes is None:
@@ -80,7 +80,7 @@ class Foresight:
             self._map_live = 0
         self._sequence = 0  # number of the next batch to enter
         self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
-        self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int64, device=top.device)
+        self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +104,8 @@ class Foresight:
         with self._lock:
             count = keys.numel()
             sequence = self._sequence
+            if sequence == NEVER:
+                raise OverflowError(f"a horizon numbers its batches in int32: {NEVER:,} batches entered")
             self._sequence += 1
             self.ahead += count
             self.largest = max(self.largest, count)
@@ -186,7 +188,7 @@ class Foresight:
 
     def _enter_natively(self, keys: torch.Tensor, sequence: int) -> None:
         if 2 * (self._map_live + keys.numel()) > self._map_keys.numel():
-            self._grow_map(2 * (self._map_live + keys.numel()))
+            self._grow_map(self._map_live + keys.numel())
         first_code = self._next_code
         self._next_code += keys.numel()
         self._batches.append((keys, first_code))
@@ -212,7 +214,8 @@ class Foresight:
         self.store.with_top_tier(move_on)
 
     def _grow_map(self, wanted: int) -> None:
-        """The native map at a power of two of positions >= 2 x ``wanted``, its ids placed anew."""
+        """The native map at a power of two of positions >= 2 x ``wanted`` ids (loaded at most half),
+        its ids placed anew."""
         size = 1 << (2 * wanted - 1).bit_length()
         live = self._map_keys >= 0
         keys, codes = self._map_keys[live], self._map_codes[live]
@@ -231,7 +234,7 @@ class Foresight:
             grown *= 2
         codes = torch.arange(self._next_code - live, self._next_code, dtype=torch.int64)
         values = self._next_use[codes % size]
-        self._next_use = torch.full((grown,), NEVER, dtype=torch.int64)
+        self._next_use = torch.full((grown,), NEVER, dtype=torch.int32)
         self._next_use[codes % grown] = values
 
     def _pin(self, top, keys: torch.Tensor, next_uses: torch.Tensor) -> None:
@@ -242,7 +245,7 @@ class Foresight:
         new = ~self._held(top, slots, keys)
         top.pin(slots[new])
         self._pinned_key[slots[new]] = keys[new]
-        self._pinned_next[slots] = next_uses.to(top.device)
+        self._pinned_next[slots] = next_uses.to(top.device, torch.int32)
         self.protected += int(new.sum())
 
     def _unpin(self, top, keys: torch.Tensor) -> None:

@@ -11,7 +11,7 @@
 // in the horizon). The horizon's pin of a slot: pinned_key[slot] holds the slot's key and pins[slot]
 // (the tier's pin count, which the window's pins share) counts it once.
 
-#define HORIZON_NEVER 0x7fffffffffffffffLL
+#define HORIZON_NEVER 0x7fffffff  // a next use (a batch number, int) of none
 
 // The top tier and the horizon's per-slot record of it.
 struct HorizonTier {
@@ -20,7 +20,7 @@ struct HorizonTier {
     i64 index_mask;
     unsigned char* pins;
     i64* pinned_key;   // [capacity]: the key the horizon pinned at a slot, -1: none
-    i64* pinned_next;  // [capacity]: that row's next use (a batch number)
+    int* pinned_next;  // [capacity]: that row's next use (a batch number)
 };
 
 static inline i64 horizon_slot(const HorizonTier& tier, i64 key) {
@@ -34,7 +34,7 @@ static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
 
 // Pin the row of `key` at `slot` for the horizon (once), its next use `next`. Returns 1 if pinned now.
 static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 next) {
-    tier.pinned_next[slot] = next;
+    tier.pinned_next[slot] = (int)next;
     if (horizon_holds(tier, slot, key)) return 0;
     tier.pins[slot] = (unsigned char)(tier.pins[slot] + 1);
     tier.pinned_key[slot] = key;
@@ -45,7 +45,7 @@ static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 ne
 // room for them (the caller sizes it). out[0]: the pins added; out[1]: the ids new to the map.
 extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_code, i64 sequence,
                               i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
-                              i64* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
+                              int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                               i64* __restrict__ out) {
     i64 pinned = 0, added = 0;
     for (i64 i = 0; i < n; ++i) {
@@ -61,7 +61,7 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
             position = (position + 1) & (u64)map_mask;
         }
         if (map_keys[position] == key) {  // its latest entry now has a next use: this batch
-            next_use[map_values[position] & ring_mask] = sequence;
+            next_use[map_values[position] & ring_mask] = (int)sequence;
             map_values[position] = code;
             continue;
         }
@@ -81,7 +81,7 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
 // slots it may claim beyond the horizon's pins.
 extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_code,
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
-                                const i64* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
+                                const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                                 const i64* __restrict__ next_keys, i64 next_n, i64* __restrict__ out) {
     i64 change = 0, removed = 0, removed_value = 0;
     for (i64 i = 0; i < n; ++i) {
