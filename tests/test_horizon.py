@@ -13,8 +13,8 @@ from test_prefetch import ROWS, bag_batches, preloaded_table, train, train_colle
 
 import tierstore
 from tierstore import TieredStore, optim
+from tierstore.budget import horizon_accesses
 from tierstore.cli.reference_policies import belady_hits
-from tierstore.horizon import horizon_accesses
 
 
 def train_with_horizon(table, batches, horizon, lookahead, background):
@@ -201,3 +201,31 @@ def test_bad_horizons_are_named_before_anything_starts(tmp_path, arguments, mess
         with pytest.raises(ValueError, match=message):
             tierstore.prefetch(iter([]), table, 2, **arguments)
         assert table.store.stack.top.pinned_count() == 0
+
+
+def test_a_store_budgets_for_its_horizon_and_the_horizon_stays_within_it():
+    from tierstore.budget import horizon_nbytes, parse_bytes
+
+    budget = "1MiB"
+    with closing(TieredStore(None, dim=16, host_cache=budget)) as plain:
+        rows_without = plain.stack.top.capacity
+        assert plain.stack.top.horizon_budget is None
+    with closing(TieredStore(None, dim=16, host_cache=budget, horizon="10x")) as store:
+        top = store.stack.top
+        assert top.capacity < rows_without / 2  # the horizon's memory is taken from the rows
+        assert top.horizon_budget == horizon_nbytes("10x", top.capacity)
+        assert 0.9 * parse_bytes(budget) < top.nbytes + top.horizon_budget <= parse_bytes(budget)
+        keys = torch.from_numpy(zipf_trace(6, 60000, 40000))
+        loop = tierstore.prefetch(keys.split(top.capacity // 8), store, 1, background=False, horizon="10x")
+        for ids in loop:
+            store.get(ids)
+            stats = store.stats().get("prefetch")
+            assert stats is None or stats["horizon_bytes"] <= top.horizon_budget
+        assert stats["horizon"] == 10 * top.capacity
+    with closing(TieredStore(None, dim=16, host_cache=4000, horizon="10x")) as counted:
+        assert counted.stack.top.capacity == 4000 and counted.stack.top.horizon_budget is None  # rows
+
+
+def test_a_bad_budgeted_horizon_is_named():
+    with pytest.raises(ValueError, match="horizon must be a positive int"):
+        TieredStore(None, dim=4, host_cache="1MiB", horizon="many")

@@ -96,3 +96,31 @@ def rows_for_budget(
         else:
             high = mid
     return low
+
+
+HORIZON_BYTES_PER_LOOKUP = 48  # a lookahead horizon's memory per row lookup it spans (ids, next uses, id map)
+HORIZON_BYTES_PER_SLOT = 12  # and per top-tier slot (the key it pinned there, that row's next use)
+
+
+def horizon_accesses(horizon: int | str, capacity: int) -> int:
+    """Row lookups a lookahead ``horizon`` spans: an int (lookups) or ``"<k>x"`` (k times a top
+    tier's ``capacity`` rows)."""
+    if isinstance(horizon, str) and horizon.strip().lower().endswith("x"):
+        try:
+            factor = float(horizon.strip()[:-1])
+        except ValueError:
+            factor = -1.0
+        if factor > 0:
+            return max(1, round(factor * capacity))
+    elif isinstance(horizon, int) and not isinstance(horizon, bool) and horizon > 0:
+        return horizon
+    raise ValueError(
+        f"horizon must be a positive int (row lookups) or a multiple of the top tier's capacity "
+        f"such as '10x', got {horizon!r}"
+    )
+
+
+def horizon_nbytes(horizon: int | str, capacity: int) -> int:
+    """Bytes a top tier of ``capacity`` rows reserves for a lookahead ``horizon`` (``TierConfig``):
+    the most the horizon then holds (``tierstore.horizon`` reads no further ahead)."""
+    return HORIZON_BYTES_PER_SLOT * capacity + HORIZON_BYTES_PER_LOOKUP * horizon_accesses(horizon, capacity)

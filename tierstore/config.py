@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .budget import Budget, check_budget
+from .budget import Budget, check_budget, horizon_accesses
 from .tiers.backends import check_setting
 from .tiers.policies import EvictionPolicy
 from .validation import integral
@@ -28,6 +28,10 @@ class TierConfig:
         caches, ``tiers.ageing``).
     policy: the cache tiers' eviction policy, an ``tiers.policies.EvictionPolicy`` subclass
         (default ``None``: LFU with ageing at ``half_life``).
+    horizon: a lookahead horizon (``prefetch(horizon=)``: row lookups, or ``"10x"`` the top tier's
+        capacity) whose memory the top tier's byte budget holds beside its rows: the tier takes
+        ``budget.horizon_nbytes`` less, and a horizon on this store reads no further ahead than
+        that memory allows. None: nothing reserved (a horizon's memory is then outside the budget).
     """
 
     host_cache: Budget = "256MiB"
@@ -36,6 +40,7 @@ class TierConfig:
     device_cache_backend: object = "auto"
     half_life: float | None = None
     policy: type[EvictionPolicy] | None = None
+    horizon: int | str | None = None
 
     def __post_init__(self) -> None:
         """Every setting is checked here, so a bad one is refused before anything is created."""
@@ -54,6 +59,8 @@ class TierConfig:
             raise ValueError(
                 f"half_life must be a positive number of accesses (inf: no ageing) or None, got {half_life!r}"
             )
+        if self.horizon is not None:
+            horizon_accesses(self.horizon, 1)  # raises naming the horizon
         if self.policy is not None and not (
             isinstance(self.policy, type) and issubclass(self.policy, EvictionPolicy)
         ):

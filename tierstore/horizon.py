@@ -26,29 +26,13 @@ from typing import Any
 
 import torch
 
+from .budget import horizon_accesses
 from .kernels.cache_passes import cache_passes_of
 from .kernels.horizon_passes import horizon_passes_of, horizon_tier
 from .tiers.hash_index import HashIndex
 
 NEVER = torch.iinfo(torch.int32).max  # a next use (a batch number, int32) of none
 SLACK_SHARE = 1 / 64  # of the top tier's capacity: pins dropped beyond the cap, so caps are rare
-
-
-def horizon_accesses(horizon: int | str, capacity: int) -> int:
-    """Row lookups a ``horizon`` spans: an int (lookups) or ``"<k>x"`` (k times ``capacity``)."""
-    if isinstance(horizon, str) and horizon.strip().lower().endswith("x"):
-        try:
-            factor = float(horizon.strip()[:-1])
-        except ValueError:
-            factor = -1.0
-        if factor > 0:
-            return max(1, round(factor * capacity))
-    elif isinstance(horizon, int) and not isinstance(horizon, bool) and horizon > 0:
-        return horizon
-    raise ValueError(
-        f"horizon must be a positive int (row lookups) or a multiple of the top tier's capacity "
-        f"such as '10x', got {horizon!r}"
-    )
 
 
 class Foresight:
@@ -79,23 +63,37 @@ class Foresight:
             self._map_codes = torch.zeros(2048, dtype=torch.int64)
             self._map_live = 0
         self._sequence = 0  # number of the next batch to enter
+        self._ids_bytes = 0  # of the batches' ids it holds
         self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
         self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
     @property
     def nbytes(self) -> int:
         """Memory the horizon holds (its batches' ids, next uses, map and per-slot arrays)."""
-        ids = sum(keys.nbytes for keys, _ in self._batches)
-        arrays = (self._next_use, self._pinned_key, self._pinned_next)
-        if self._passes is None:
-            arrays += (self._latest.keys, self._latest.values)
-        else:
-            arrays += (self._map_keys, self._map_codes)
-        return ids + sum(array.nbytes for array in arrays)
+        return self._nbytes_with(0)
 
     def wants_more(self) -> bool:
-        """Whether the horizon spans fewer lookups than it should."""
-        return self.ahead < self.accesses
+        """Whether the horizon spans fewer lookups than it should and, where the store's budget
+        holds its memory (``TierConfig.horizon``), one more batch as large as the largest yet
+        would stay within it."""
+        budget = self.store.stack.top.horizon_budget
+        return self.ahead < self.accesses and (budget is None or self._nbytes_with(self.largest) <= budget)
+
+    def _nbytes_with(self, count: int) -> int:
+        """Memory the horizon would hold with a batch of ``count`` ids more (its arrays grown)."""
+        ring = self._next_use.numel()
+        while self.ahead + count > ring:  # the ring's live entries are the lookups ahead
+            ring *= 2
+        if self._passes is None:
+            map_bytes = self._latest.keys.nbytes + self._latest.values.nbytes
+        else:
+            positions, wanted = self._map_keys.numel(), self._map_live + count
+            if 2 * wanted > positions:
+                positions = 1 << (2 * wanted - 1).bit_length()
+            map_bytes = positions * (self._map_keys.element_size() + self._map_codes.element_size())
+        ids = self._ids_bytes + count * 8
+        slots = self._pinned_key.nbytes + self._pinned_next.nbytes
+        return ids + ring * self._next_use.element_size() + map_bytes + slots
 
     def enter(self, keys: torch.Tensor, room: int = 0) -> None:
         """The next batch read ahead looks up distinct ``keys`` (int64 CPU). ``room``: rows the
@@ -126,6 +124,7 @@ class Foresight:
             first = keys[~seen]
             self._latest.insert(first, codes[~seen])
             self._batches.append((keys, int(codes[0]) if count else self._next_code))
+            self._ids_bytes += keys.nbytes
             # ids new to the horizon: a resident row now has a next use
             self.store.with_top_tier(lambda top: self._pin(top, first, torch.full_like(first, sequence)))
             self._cap(room)
@@ -134,6 +133,7 @@ class Foresight:
         """The oldest batch entered has run: its rows' next uses move on to their next entries."""
         with self._lock:
             keys, first_code = self._batches.popleft()
+            self._ids_bytes -= keys.nbytes
             self.ahead -= keys.numel()
             if self._passes is not None:
                 self._consume_natively(keys, first_code)
@@ -192,6 +192,7 @@ class Foresight:
         first_code = self._next_code
         self._next_code += keys.numel()
         self._batches.append((keys, first_code))
+        self._ids_bytes += keys.nbytes
 
         def link(top) -> None:
             tier = horizon_tier(top, self._pinned_key, self._pinned_next)

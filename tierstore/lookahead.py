@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from .horizon import Foresight, horizon_accesses
+from .budget import horizon_accesses
+from .horizon import Foresight
 from .kernels.host import openmp_runtime
 
 INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default

@@ -15,9 +15,8 @@ import numpy as np
 import psutil
 import torch
 
-from ..budget import parse_bytes
+from ..budget import horizon_accesses, parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
-from ..horizon import horizon_accesses
 from ..lookahead import MAX_LOOKAHEAD
 from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..budget import rows_for_budget
+from ..budget import horizon_nbytes, rows_for_budget
 from ..config import TierConfig
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata
@@ -37,7 +37,8 @@ def build_caches(metadata: StoreMetadata, config: TierConfig, device: torch.devi
     caches = []
     for name, budget, tier_device, requested, memory in tiers:
         backend = backends.resolve(name, requested, device, metadata.torch_dtype)
-        cache = _cache_tier(name, budget, memory, tier_device, backend, metadata, config, on_cuda)
+        horizon = config.horizon if not caches else None  # the top tier holds a horizon's pins
+        cache = _cache_tier(name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon)
         if cache is not None:
             caches.append(cache)
     if not caches:
@@ -80,17 +81,23 @@ def _cache_tier(
     metadata: StoreMetadata,
     config: TierConfig,
     on_cuda: bool,
+    horizon: int | str | None,
 ) -> RowCache | None:
-    """The ``name`` cache tier on ``device`` with as many rows as ``budget`` pays for (None: none)."""
+    """The ``name`` cache tier on ``device`` with as many rows as ``budget`` pays for (None: none),
+    beside the memory of a lookahead ``horizon`` where the budget is bytes (see ``TierConfig``)."""
     row_width, dtype = metadata.row_width, metadata.torch_dtype
+    reserve = horizon is not None and isinstance(budget, str)
 
     def nbytes(count: int) -> int:
-        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy, config.half_life)
+        held = horizon_nbytes(horizon, count) if reserve else 0
+        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy, config.half_life) + held
 
     rows = rows_for_budget(budget, nbytes, memory)
     if not rows:
         return None
     pin_memory = on_cuda and name == "host"  # page-locked rows copy to the GPU asynchronously
-    return RowCache(
+    cache = RowCache(
         name, rows, row_width, dtype, device, config.half_life, pin_memory, backend, config.policy
     )
+    cache.horizon_budget = horizon_nbytes(horizon, rows) if reserve else None
+    return cache

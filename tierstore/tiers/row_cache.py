@@ -69,6 +69,7 @@ class RowCache:
             self.policy = policy(capacity, self.device, self.backend)
         self.stats = TierStats()
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
+        self.horizon_budget = None  # bytes its budget holds for a lookahead horizon (None: none)
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
 
