@@ -26,7 +26,7 @@ def train_with_horizon(table, batches, horizon, lookahead, background):
     outputs = []
     for step, (ids, offsets) in enumerate(loop):
         out = table(ids, offsets)
-        (out * targets[step]).sum().backward()
+        (out * targets[step].to(out.device)).sum().backward()
         outputs.append(out.detach())
     return outputs
 
@@ -72,6 +72,38 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
     assert all(torch.equal(a, b) for a, b in zip(outputs, foreseen_outputs))
     assert torch.equal(rows, foreseen_rows) and size == foreseen_size
     assert stats["prefetch"]["horizon"] == horizon_accesses(horizon, host_rows)
+
+
+@pytest.mark.parametrize("host_backend", ["openmp", "torch"])
+def test_a_horizon_over_a_device_tier_trains_the_same(tmp_path, device_tier, host_backend):
+    """The horizon pins in the top tier, here a device tier (on a GPU where there is one) over a
+    host tier: its ids move to the tier's device, its pins and next uses live there."""
+    batches = bag_batches(6, 30, 4)
+    runs = []
+    for horizon in (None, "6x"):
+        table = tierstore.TieredEmbeddingBag(
+            None,
+            4,
+            mode="sum",
+            path=tmp_path / f"t{horizon}",
+            host_cache=24,
+            device_cache=16,
+            optimizer=optim.Adagrad(lr=0.1),
+            host_cache_backend=host_backend,
+            **device_tier,
+        )
+        if horizon is None:
+            outputs = [out.cpu() for out in train(table, batches)]
+        else:
+            outputs = [out.cpu() for out in train_with_horizon(table, batches, horizon, 1, False)]
+        rows = table.store.get(torch.arange(ROWS), with_state=True, grow=False).cpu()
+        runs.append((outputs, rows, table.store.stats()))
+        assert table.store.stack.top.pinned_count() == 0
+        table.close()
+    (outputs, rows, _), (foreseen_outputs, foreseen_rows, stats) = runs
+    assert all(torch.equal(a, b) for a, b in zip(outputs, foreseen_outputs))
+    assert torch.equal(rows, foreseen_rows)
+    assert stats["prefetch"]["horizon"] == 6 * 16
 
 
 def test_the_collection_trains_the_same_with_a_horizon(tmp_path):

@@ -157,10 +157,10 @@ class Foresight:
         hits on rows the cap unpinned (its other hits are pinned by the horizon already)."""
         if not self._batches:
             return self.largest
-        keys = self._batches[0][0]
+        keys = self._batches[0][0].to(top.device)
         slots = top.find(keys)
         resident = slots >= 0
-        held = self._held(top, slots[resident], keys[resident].to(top.device))
+        held = self._held(top, slots[resident], keys[resident])
         return keys.numel() - int(held.sum())
 
     def make_room(self, room: int) -> None:
@@ -240,19 +240,21 @@ class Foresight:
 
     def _pin(self, top, keys: torch.Tensor, next_uses: torch.Tensor) -> None:
         """Pin the resident rows of ``keys`` not pinned by the horizon yet; record their next uses."""
+        keys, next_uses = keys.to(top.device), next_uses.to(top.device, torch.int32)
         slots = top.find(keys)
         resident = slots >= 0
-        slots, keys, next_uses = slots[resident], keys[resident].to(top.device), next_uses[resident]
+        slots, keys, next_uses = slots[resident], keys[resident], next_uses[resident]
         new = ~self._held(top, slots, keys)
         top.pin(slots[new])
         self._pinned_key[slots[new]] = keys[new]
-        self._pinned_next[slots] = next_uses.to(top.device, torch.int32)
+        self._pinned_next[slots] = next_uses
         self.protected += int(new.sum())
 
     def _unpin(self, top, keys: torch.Tensor) -> None:
+        keys = keys.to(top.device)
         slots = top.find(keys)
         resident = slots >= 0
-        slots, keys = slots[resident], keys[resident].to(top.device)
+        slots, keys = slots[resident], keys[resident]
         held = self._held(top, slots, keys)
         slots, keys = slots[held], keys[held]
         top.unpin(slots, keys)
