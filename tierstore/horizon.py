@@ -64,6 +64,7 @@ class Foresight:
             self._map_live = 0
         self._sequence = 0  # number of the next batch to enter
         self._ids_bytes = 0  # of the batches' ids it holds
+        self._scratch = None  # the native cap's slots (int32 [capacity]), made at its first use
         self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
         self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
@@ -92,7 +93,11 @@ class Foresight:
                 positions = 1 << (2 * wanted - 1).bit_length()
             map_bytes = positions * (self._map_keys.element_size() + self._map_codes.element_size())
         ids = self._ids_bytes + count * 8
-        slots = self._pinned_key.nbytes + self._pinned_next.nbytes
+        slots = (
+            self._pinned_key.nbytes
+            + self._pinned_next.nbytes
+            + 4 * self.capacity * (self._passes is not None)
+        )
         return ids + ring * self._next_use.element_size() + map_bytes + slots
 
     def enter(self, keys: torch.Tensor, room: int = 0) -> None:
@@ -275,11 +280,24 @@ class Foresight:
         if self.protected <= limit:
             return
 
+        keep = max(0, limit - int(self.capacity * SLACK_SHARE))
+        if self._passes is not None:
+
+            def drop_natively(top) -> None:
+                if self._scratch is None:
+                    self._scratch = torch.empty(self.capacity, dtype=torch.int32)
+                tier = horizon_tier(top, self._pinned_key, self._pinned_next)
+                self.protected, dropped = self._passes.drop_farthest(tier, top.slot_keys, keep, self._scratch)
+                self.unpinned_far += dropped
+
+            self.store.with_top_tier(drop_natively)
+            return
+
         def drop_farthest(top) -> None:
             mine = self._mine(top)
             self._pinned_key[~mine] = -1
             slots = mine.nonzero().squeeze(1)
-            excess = slots.numel() - max(0, limit - int(self.capacity * SLACK_SHARE))
+            excess = slots.numel() - keep
             if excess > 0:
                 far = torch.topk(self._pinned_next[slots], min(excess, slots.numel())).indices
                 dropped = slots[far]

@@ -17,6 +17,7 @@ _SIGNATURES = {
         None,
         [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64] + [_POINTER] * 2,
     ),
+    "horizon_drop_farthest": (None, [_POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER]),
     "horizon_consume": (
         None,
         [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER],
@@ -100,6 +101,21 @@ class HorizonPasses:
             out.data_ptr(),
         )
         return int(out[0]), int(out[1]), int(out[2])
+
+    def drop_farthest(
+        self, tier: HorizonTier, slot_keys: torch.Tensor, keep: int, scratch: torch.Tensor
+    ) -> tuple[int, int]:
+        """``horizon_drop_farthest``: ``(pins held now, pins dropped)``; ``scratch``: int32 [capacity]."""
+        out = torch.empty(2, dtype=torch.int64)
+        self._functions["horizon_drop_farthest"](
+            ctypes.byref(tier),
+            slot_keys.data_ptr(),
+            slot_keys.numel(),
+            keep,
+            scratch.data_ptr(),
+            out.data_ptr(),
+        )
+        return int(out[0]), int(out[1])
 
 
 def horizon_passes_of(kernels) -> HorizonPasses | None:

@@ -118,3 +118,35 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
     out[1] = removed;
     out[2] = needed;
 }
+
+// The horizon's pins past `keep` dropped, the farthest next use first (ties: the lower slot first),
+// over a tier of `capacity` slots whose keys are slot_keys; records of rows taken out of the tier
+// since (another key there, or no pin left) are cleared. scratch: capacity ints. out[0]: the pins
+// it holds now; out[1]: how many it dropped.
+extern "C" void horizon_drop_farthest(const HorizonTier* tier, const i64* __restrict__ slot_keys,
+                                      i64 capacity, i64 keep, int* __restrict__ scratch,
+                                      i64* __restrict__ out) {
+    i64 held = 0;
+    for (i64 slot = 0; slot < capacity; ++slot) {
+        const i64 key = tier->pinned_key[slot];
+        if (key < 0) continue;
+        if (slot_keys[slot] != key || tier->pins[slot] == 0) {
+            tier->pinned_key[slot] = -1;
+            continue;
+        }
+        scratch[held++] = (int)slot;
+    }
+    const i64 dropped = held > keep ? held - keep : 0;
+    if (dropped) {
+        const int* next = tier->pinned_next;
+        std::nth_element(scratch, scratch + dropped - 1, scratch + held,
+                         [next](int a, int b) { return next[a] > next[b] || (next[a] == next[b] && a < b); });
+        for (i64 i = 0; i < dropped; ++i) {
+            const int slot = scratch[i];
+            tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
+            tier->pinned_key[slot] = -1;
+        }
+    }
+    out[0] = held - dropped;
+    out[1] = dropped;
+}
