@@ -185,8 +185,13 @@ def test_horizon_ids_that_end_early_are_named():
         assert store.stack.top.pinned_count() == 0
 
 
-def test_the_horizon_pins_within_the_room_a_batch_needs_and_reports_its_memory(tmp_path):
-    with closing(preloaded_table(tmp_path / "t", host_rows=24)) as table:
+@pytest.mark.parametrize("backend", ["openmp", "torch"])
+def test_the_horizon_pins_within_the_room_a_batch_needs_and_reports_its_memory(tmp_path, backend):
+    table = tierstore.TieredEmbeddingBag(
+        None, 4, mode="sum", path=tmp_path / "t", host_cache=24, host_cache_backend=backend
+    )
+    table.load_weights(torch.arange(ROWS), torch.randn(ROWS, 4))
+    with closing(table):
         batches = bag_batches(8, 60, 4)
         top = table.store.stack.top
         loop = tierstore.prefetch(batches, table, 1, ids=lambda b: b[0], background=False, horizon=400)
