@@ -53,6 +53,12 @@ def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
         assert entries.tolist() == (rows == row).nonzero().squeeze(1).tolist()
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-(2**62), 2**62) | st.integers(0, 30), max_size=300))
+def test_the_lean_dedupe_gives_the_ids_in_first_appearance_order(passes, ids):
+    assert passes.unique(torch.tensor(ids, dtype=torch.int64)).tolist() == list(dict.fromkeys(ids))
+
+
 def _train(monkeypatch, native: bool, optimizer, steps, **settings):
     """Rows of a table trained on ``steps`` ((forward args), upstream gradient), native or not."""
     monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda store: None)

@@ -78,6 +78,28 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
     return distinct;
 }
 
+// The distinct ids of ids[0..n) into unique[0..U), in first-appearance order, U returned: the
+// dedupe of step_distinct without its per-entry rows and grouping (a lookahead's keys). `table`:
+// scratch of mask + 1 >= 2n int32 positions, as step_distinct's.
+extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__ table, i64 mask,
+                           i64* __restrict__ unique) {
+    for (i64 p = 0; p <= mask; ++p) table[p] = 0;
+    i64 distinct = 0;
+    for (i64 e = 0; e < n; ++e) {
+        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
+        const i64 key = ids[e];
+        u64 position = mix((u64)key) & (u64)mask;
+        while (table[position] != 0 && unique[table[position] - 1] != key) {
+            position = (position + 1) & (u64)mask;
+        }
+        if (table[position] == 0) {
+            table[position] = (int)(distinct + 1);
+            unique[distinct++] = key;
+        }
+    }
+    return distinct;
+}
+
 // out[b, :dim] (bag b's output at out + b * out_stride) = the sum, or the mean (`mean`), of its
 // entries' rows rows[slots[entry_rows[e]], :dim], each times weights[e] when weights is not null;
 // entries reading `padding_row` are left out (an empty bag pools to zeros). Bag b holds entries

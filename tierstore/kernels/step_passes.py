@@ -25,6 +25,7 @@ _MAX_OPTIMIZER_ARGUMENTS = 6
 _POINTER, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "step_distinct": (_I64, [_POINTER, _I64, _I64, _INT, _POINTER, _I64] + [_POINTER] * 5),
+    "step_unique": (_I64, [_POINTER, _I64, _POINTER, _I64, _POINTER]),
     "step_pooled_forward": (
         None,
         [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _I64, _I64, _I64, _INT]
@@ -227,6 +228,16 @@ class StepPasses:
         kept = int(starts[count])
         padding_row = count if padding is not None else -1
         return Distinct(out[0, :count], out[1, :count], out[2], starts[: rows + 1], order[:kept], padding_row)
+
+    def unique(self, ids: torch.Tensor) -> torch.Tensor:
+        """The distinct values of ``ids`` (int64 CPU), in first-appearance order (``step_unique``)."""
+        flat = ids.reshape(-1).contiguous()
+        table, mask = self._hash_table(flat.numel())
+        unique = torch.empty(flat.numel(), dtype=torch.int64)
+        count = self._functions["step_unique"](
+            flat.data_ptr(), flat.numel(), table.data_ptr(), mask, unique.data_ptr()
+        )
+        return unique[:count]
 
     def pooled(
         self,
@@ -545,4 +556,4 @@ def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
     passes = host_passes()
     if passes is None or ids.device.type != "cpu":
         return torch.unique(ids)
-    return passes.distinct(ids, None).unique
+    return passes.unique(ids)
