@@ -63,7 +63,7 @@ class HorizonPasses:
     ) -> tuple[int, int]:
         """``horizon_enter``: ``(pins added, ids new to the map)``."""
         map_keys, map_values, ring = links
-        out = torch.empty(2, dtype=torch.int64)
+        out = (ctypes.c_int64 * 2)()
         self._functions["horizon_enter"](
             keys.data_ptr(),
             keys.numel(),
@@ -75,9 +75,9 @@ class HorizonPasses:
             ring.data_ptr(),
             ring.numel() - 1,
             ctypes.byref(tier),
-            out.data_ptr(),
+            out,
         )
-        return int(out[0]), int(out[1])
+        return out[0], out[1]
 
     def consume(
         self, keys: torch.Tensor, first_code: int, links: tuple, tier: HorizonTier, next_keys: torch.Tensor
@@ -85,7 +85,7 @@ class HorizonPasses:
         """``horizon_consume``: ``(pins added less dropped, ids that left the map, slots the next
         batch may claim beyond the horizon's pins)``."""
         map_keys, map_values, ring = links
-        out = torch.empty(3, dtype=torch.int64)
+        out = (ctypes.c_int64 * 3)()
         self._functions["horizon_consume"](
             keys.data_ptr(),
             keys.numel(),
@@ -98,24 +98,24 @@ class HorizonPasses:
             ctypes.byref(tier),
             next_keys.data_ptr(),
             next_keys.numel(),
-            out.data_ptr(),
+            out,
         )
-        return int(out[0]), int(out[1]), int(out[2])
+        return out[0], out[1], out[2]
 
     def drop_farthest(
         self, tier: HorizonTier, slot_keys: torch.Tensor, keep: int, scratch: torch.Tensor
     ) -> tuple[int, int]:
         """``horizon_drop_farthest``: ``(pins held now, pins dropped)``; ``scratch``: int32 [capacity]."""
-        out = torch.empty(2, dtype=torch.int64)
+        out = (ctypes.c_int64 * 2)()
         self._functions["horizon_drop_farthest"](
             ctypes.byref(tier),
             slot_keys.data_ptr(),
             slot_keys.numel(),
             keep,
             scratch.data_ptr(),
-            out.data_ptr(),
+            out,
         )
-        return int(out[0]), int(out[1])
+        return out[0], out[1]
 
 
 def horizon_passes_of(kernels) -> HorizonPasses | None:
