@@ -4,8 +4,8 @@
 // on one thread, counting their hits. Each shadow: slots of keys and scores (an access adds
 // `increment`, which grows by `growth` per access, as tierstore/tiers/policies.py's LfuWithAgeing
 // weighs them), a map key -> slot (linear probing, erase by backward shifting) and a min-heap of
-// (score, slot) whose stale entries (a score since raised, a slot since refilled) pops skip; the heap
-// is rebuilt from the slots when it fills, and the scores renormalised when `increment` grows large.
+// (score when pushed, slot), one entry a slot; the scores are renormalised (and the heap rebuilt)
+// when `increment` grows large.
 
 struct ShadowEntry {
     double score;
@@ -24,8 +24,8 @@ struct AgeingShadow {
     i64* map_keys;   // [map_mask + 1], EMPTY_KEY: free
     i64* map_slots;  // [map_mask + 1]
     i64 map_mask;
-    ShadowEntry* heap;  // [heap_limit]
-    i64 heap_size, heap_limit;
+    ShadowEntry* heap;  // [capacity]
+    i64 heap_size;
     i64 capacity, used;
     double increment, growth;
     i64 hits;  // hits since the caller last took them
@@ -38,12 +38,19 @@ static void shadow_rebuild_heap(AgeingShadow& shadow) {
     std::make_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
 }
 
-// The slot of the lowest score, its key removed from the map.
+// The slot of the lowest (score, slot), its key removed from the map. Each slot has one heap entry,
+// its score when pushed: scores only grow, so an entry whose slot scores more now is pushed again
+// with its score, and the first entry that still holds its slot's score is the lowest.
 static i64 shadow_evict(AgeingShadow& shadow) {
     while (true) {
         std::pop_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
-        const ShadowEntry top = shadow.heap[--shadow.heap_size];
-        if (shadow.scores[top.slot] != top.score) continue;  // stale: raised since
+        ShadowEntry& top = shadow.heap[shadow.heap_size - 1];
+        if (shadow.scores[top.slot] != top.score) {  // raised since it was pushed
+            top.score = shadow.scores[top.slot];
+            std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
+            continue;
+        }
+        --shadow.heap_size;
         i64 former = 0;
         erase_shifting(shadow.map_keys, shadow.map_slots, shadow.map_mask, &shadow.slot_keys[top.slot], 1,
                        &former);
@@ -56,26 +63,23 @@ static void shadow_access(AgeingShadow& shadow, i64 key, i64 count) {
     while (shadow.map_keys[position] != EMPTY_KEY && shadow.map_keys[position] != key) {
         position = (position + 1) & (u64)shadow.map_mask;
     }
-    i64 slot;
-    if (shadow.map_keys[position] == key) {
-        slot = shadow.map_slots[position];
+    if (shadow.map_keys[position] == key) {  // a hit: the score grows, its heap entry stays
         shadow.hits += count;
+        shadow.scores[shadow.map_slots[position]] += (double)count * shadow.increment;
     } else {
         shadow.hits += count - 1;  // the first lookup brings the row in, the batch's others hit
-        slot = shadow.used < shadow.capacity ? shadow.used++ : shadow_evict(shadow);
+        const i64 slot = shadow.used < shadow.capacity ? shadow.used++ : shadow_evict(shadow);
         // the eviction may have shifted entries: find the key's empty position again
         position = mix((u64)key) & (u64)shadow.map_mask;
         while (shadow.map_keys[position] != EMPTY_KEY) position = (position + 1) & (u64)shadow.map_mask;
         shadow.map_keys[position] = key;
         shadow.map_slots[position] = slot;
         shadow.slot_keys[slot] = key;
-        shadow.scores[slot] = 0.0;
+        shadow.scores[slot] = 0.0 + (double)count * shadow.increment;
+        shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
+        std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
     }
-    shadow.scores[slot] += (double)count * shadow.increment;
     shadow.increment *= count == 1 ? shadow.growth : std::pow(shadow.growth, (double)count);
-    if (shadow.heap_size == shadow.heap_limit) shadow_rebuild_heap(shadow);
-    shadow.heap[shadow.heap_size++] = {shadow.scores[slot], slot};
-    std::push_heap(shadow.heap, shadow.heap + shadow.heap_size, ShadowLater());
     if (shadow.increment > 1e30) {
         for (i64 s = 0; s < shadow.used; ++s) shadow.scores[s] /= shadow.increment;
         shadow.increment = 1.0;

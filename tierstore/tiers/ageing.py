@@ -31,9 +31,6 @@ MARGIN = 0.01  # a shadow leads when it hits this much (relatively) more than th
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-HEAP_ROWS = 2  # heap entries per shadow row: stale ones pile up to this, then it is rebuilt
-
-
 def shadow_rows_for(capacity: int) -> int:
     """Rows of each shadow of a tier of ``capacity`` rows; 0: too few to tune it."""
     rows = min(SHADOW_ROWS, capacity // SHADOW_SHARE)
@@ -46,7 +43,7 @@ def tuner_nbytes(capacity: int) -> int:
     if rows == 0:
         return 0
     positions = 1 << (2 * rows - 1).bit_length()
-    return len(RUNGS) * (rows * (8 + 8 + 16 * HEAP_ROWS) + positions * (8 + 8))
+    return len(RUNGS) * (rows * (8 + 8 + 16) + positions * (8 + 8))
 
 
 class _Shadow(ctypes.Structure):
@@ -60,7 +57,6 @@ class _Shadow(ctypes.Structure):
         ("map_mask", _I64),
         ("heap", _POINTER),
         ("heap_size", _I64),
-        ("heap_limit", _I64),
         ("capacity", _I64),
         ("used", _I64),
         ("increment", ctypes.c_double),
@@ -94,7 +90,7 @@ class AgeingTuner:
                 torch.zeros(shadow_rows, dtype=torch.float64),  # scores
                 torch.full((positions,), -1, dtype=torch.int64),  # map keys
                 torch.zeros(positions, dtype=torch.int64),  # map slots
-                torch.zeros(2 * HEAP_ROWS * shadow_rows, dtype=torch.float64),  # heap: (score, slot)
+                torch.zeros(2 * shadow_rows, dtype=torch.float64),  # heap: (score, slot), one a slot
             )
             self._arrays.append(arrays)
             slot_keys, scores, map_keys, map_slots, heap = arrays
@@ -104,7 +100,7 @@ class AgeingTuner:
                 map_slots.data_ptr(),
                 positions - 1,
             )
-            shadow.heap, shadow.heap_limit = heap.data_ptr(), HEAP_ROWS * shadow_rows
+            shadow.heap = heap.data_ptr()
             shadow.capacity, shadow.increment = shadow_rows, 1.0
             shadow.growth = 1.0 if math.isinf(rung) else 2.0 ** (1.0 / (rung * shadow_rows))
         self._memory = MEMORY * shadow_rows
