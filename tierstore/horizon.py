@@ -115,23 +115,8 @@ class Foresight:
             self._grow_ring(count)
             if self._passes is not None:
                 self._enter_natively(keys, sequence)
-                self._cap(room)
-                return
-            codes = self._next_code + torch.arange(count, dtype=torch.int64)
-            self._next_code += count
-            self._next_use[codes % self._next_use.numel()] = NEVER
-            positions = self._latest.positions(keys)
-            seen = positions >= 0
-            flat = self._latest.values.view(-1)
-            earlier = flat[positions[seen]]
-            self._next_use[earlier % self._next_use.numel()] = sequence
-            flat[positions[seen]] = codes[seen]
-            first = keys[~seen]
-            self._latest.insert(first, codes[~seen])
-            self._batches.append((keys, int(codes[0]) if count else self._next_code))
-            self._ids_bytes += keys.nbytes
-            # ids new to the horizon: a resident row now has a next use
-            self.store.with_top_tier(lambda top: self._pin(top, first, torch.full_like(first, sequence)))
+            else:
+                self._enter_with_torch(keys, sequence)
             self._cap(room)
 
     def consume(self, room: int = 0) -> None:
@@ -142,19 +127,8 @@ class Foresight:
             self.ahead -= keys.numel()
             if self._passes is not None:
                 self._consume_natively(keys, first_code)
-                self._cap(room)
-                return
-            codes = first_code + torch.arange(keys.numel(), dtype=torch.int64)
-            following = self._next_use[codes % self._next_use.numel()]
-            last = following == NEVER
-            self._latest.remove(keys[last])
-
-            def move_on(top) -> None:
-                self._unpin(top, keys[last])
-                self._pin(top, keys[~last], following[~last])
-                self._need = self._next_needs(top)
-
-            self.store.with_top_tier(move_on)
+            else:
+                self._consume_with_torch(keys, first_code)
             self._cap(room)
 
     def _next_needs(self, top) -> int:
@@ -190,6 +164,37 @@ class Foresight:
 
     def _links(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._map_keys, self._map_codes, self._next_use
+
+    def _enter_with_torch(self, keys: torch.Tensor, sequence: int) -> None:
+        count = keys.numel()
+        codes = self._next_code + torch.arange(count, dtype=torch.int64)
+        self._next_code += count
+        self._next_use[codes % self._next_use.numel()] = NEVER
+        positions = self._latest.positions(keys)
+        seen = positions >= 0
+        flat = self._latest.values.view(-1)
+        earlier = flat[positions[seen]]
+        self._next_use[earlier % self._next_use.numel()] = sequence  # their next use: this batch
+        flat[positions[seen]] = codes[seen]
+        first = keys[~seen]
+        self._latest.insert(first, codes[~seen])
+        self._batches.append((keys, int(codes[0]) if count else self._next_code))
+        self._ids_bytes += keys.nbytes
+        # ids new to the horizon: a resident row now has a next use
+        self.store.with_top_tier(lambda top: self._pin(top, first, torch.full_like(first, sequence)))
+
+    def _consume_with_torch(self, keys: torch.Tensor, first_code: int) -> None:
+        codes = first_code + torch.arange(keys.numel(), dtype=torch.int64)
+        following = self._next_use[codes % self._next_use.numel()]
+        last = following == NEVER
+        self._latest.remove(keys[last])
+
+        def move_on(top) -> None:
+            self._unpin(top, keys[last])
+            self._pin(top, keys[~last], following[~last])
+            self._need = self._next_needs(top)
+
+        self.store.with_top_tier(move_on)
 
     def _enter_natively(self, keys: torch.Tensor, sequence: int) -> None:
         if 2 * (self._map_live + keys.numel()) > self._map_keys.numel():
