@@ -10,6 +10,9 @@ a fixed random upstream gradient per step) by:
 - ``tiered``: ``TieredEmbeddingBag`` on an mmap store, host cache ``--host-cache`` (default a quarter
   of the limit), in a memory cgroup of ``--limit``;
 - ``tiered_lmdb``: the same on an LMDB store;
+- ``tiered_horizon``: ``tiered`` trained through ``tierstore.prefetch(..., horizon="10x")`` (evicting
+  by next use ten caches ahead, fed the batches' ids from their file), its store budgeting the
+  horizon's memory (``horizon="10x"``): the same bytes, fewer rows cached;
 - ``memmap``: the hand-written baseline, the table a ``numpy.memmap``: gather the batch's distinct
   rows, ``F.embedding_bag``, SGD on the gathered rows, write them back; in the same cgroup;
 - ``in_ram``: ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` with the whole table in RAM and
@@ -47,8 +50,9 @@ from pathlib import Path
 import numpy as np
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-METHODS = ("tiered", "tiered_lmdb", "memmap", "in_ram")
-LIMITED = {"tiered", "tiered_lmdb", "memmap"}
+METHODS = ("tiered", "tiered_lmdb", "tiered_horizon", "memmap", "in_ram")
+LIMITED = {"tiered", "tiered_lmdb", "tiered_horizon", "memmap"}
+HORIZON = "10x"  # tiered_horizon's, in host caches
 LEARNING_RATE = 0.05
 BUILD_CHUNK = 1 << 18  # rows generated and written at once
 CHECKED_ROWS = 50_000  # rows compared with in_ram's at the end, evenly spaced over the batches' ids
@@ -142,7 +146,7 @@ def _build(args, methods: list[str], work: Path) -> None:
     table = np.lib.format.open_memmap(work / "table.npy", "w+", np.float32, (args.rows, args.dim))
     stores = [
         TieredStore(work / name, dim=args.dim, backend=backend, host_cache=1024)
-        for name, backend in (("tiered", "mmap"), ("tiered_lmdb", "lmdb"))
+        for name, backend in (("tiered", "mmap"), ("tiered_lmdb", "lmdb"), ("tiered_horizon", "mmap"))
         if name in methods
     ]
     for start in range(0, args.rows, BUILD_CHUNK):
@@ -203,9 +207,9 @@ def _child(args) -> None:
     batches = np.load(work / "batches.npy", mmap_mode="r")
     offsets = torch.arange(0, args.batch_size * args.bag, args.bag)
     gradients = torch.Generator().manual_seed(SEED)
-    step, finish, flush = _method(method, args, work)
+    step, finish, flush, order = _method(method, args, work)
     timed = None
-    for number in range(len(batches)):
+    for number in order(range(len(batches)), lambda number: torch.from_numpy(np.array(batches[number]))):
         if number == args.warm_up:
             timed = _counters()
         ids = torch.from_numpy(np.array(batches[number]))
@@ -224,14 +228,20 @@ def _child(args) -> None:
 
 
 def _method(method: str, args, work: Path):
-    """``(step(ids, offsets, upstream grad), finish(ids) -> (their rows, extra figures), flush())``."""
+    """``(step(ids, offsets, upstream grad), finish(ids) -> (their rows, extra figures), flush(),
+    order(batch numbers, ids of a number) -> the numbers as the loop takes them)``."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    if method in ("tiered", "tiered_lmdb"):
+    def in_turn(numbers, ids_of):
+        return numbers
+
+    if method in ("tiered", "tiered_lmdb", "tiered_horizon"):
+        import tierstore
         from tierstore import TieredEmbeddingBag, optim
 
+        foreseeing = method == "tiered_horizon"
         table = TieredEmbeddingBag(
             args.rows,
             args.dim,
@@ -239,7 +249,11 @@ def _method(method: str, args, work: Path):
             path=work / method,
             host_cache=args.host_cache,
             optimizer=optim.SGD(lr=LEARNING_RATE),
+            horizon=HORIZON if foreseeing else None,
         )
+
+        def foreseen(numbers, ids_of):
+            return tierstore.prefetch(numbers, table, 1, ids=ids_of, background=False, horizon=HORIZON)
 
         def step(ids, offsets, grad):
             table(ids, offsets).backward(grad)
@@ -247,9 +261,14 @@ def _method(method: str, args, work: Path):
         def finish(ids):
             table.flush()
             host = table.store.stats()["host"]
-            return table.store.get(ids), {"hit_rate": host["hits"] / max(1, host["hits"] + host["misses"])}
+            extra = {
+                "hit_rate": host["hits"] / max(1, host["hits"] + host["misses"]),
+                "host_rows": host["capacity_rows"],
+                "rows_in": host["rows_in"],
+            }
+            return table.store.get(ids), extra
 
-        return step, finish, table.flush
+        return step, finish, table.flush, foreseen if foreseeing else in_turn
     if method == "memmap":
         weights = np.load(work / "table.npy", mmap_mode="r+")
 
@@ -264,7 +283,7 @@ def _method(method: str, args, work: Path):
             weights.flush()
             return torch.from_numpy(weights[ids.numpy()]), {}
 
-        return step, finish, weights.flush
+        return step, finish, weights.flush, in_turn
     from tierstore import initial_weights
 
     table = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True)
@@ -282,7 +301,7 @@ def _method(method: str, args, work: Path):
     def finish(ids):
         return table.weight.detach()[ids].clone(), {}
 
-    return step, finish, lambda: None
+    return step, finish, lambda: None, in_turn
 
 
 def _counters() -> dict:
