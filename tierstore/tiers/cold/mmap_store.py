@@ -72,8 +72,8 @@ from .disk_index import INDEX_FILE, DiskIndex
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 READERS_FILE = "readers.lock"
-APPLY_CHUNK_ROWS = 65536  # log records copied into rows.bin at once
-ADVISED_CHUNK_ROWS = 8192  # ... when their pages are asked for first: what the page cache holds at once
+KEYS_CHUNK_ROWS = 1 << 20  # committed ids read at once
+ADVISED_CHUNK_ROWS = 8192  # rows whose pages are asked for, copied and written out at once
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
@@ -211,6 +211,14 @@ class GrowableArray:
     def sync(self) -> None:
         if isinstance(self.array, np.memmap):
             self.array.flush()
+
+    def sync_items(self, first: int, end: int) -> None:
+        """Write items ``first..end`` to disk now (``msync`` of their pages): a long copy through
+        the map then holds few dirty pages, which a memory limit could not reclaim."""
+        if isinstance(self.array, np.memmap) and end > first:
+            item = self.width * self.dtype.itemsize
+            start = first * item // mmap.PAGESIZE * mmap.PAGESIZE
+            self.array._mmap.flush(start, end * item - start)
 
     def write(self, start: int, items: np.ndarray) -> None:
         """Store ``items [n, width]`` at items ``start..start+n`` (reserved) with ``pwrite``: faster
@@ -417,7 +425,7 @@ class MmapColdStore(ColdStore):
 
     def _committed_keys(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first row, its ids int64 [n])`` over ``keys.bin``'s committed ids, a chunk at a time."""
-        chunk = APPLY_CHUNK_ROWS * 16
+        chunk = KEYS_CHUNK_ROWS
         for start in range(0, self._count, chunk):
             yield (
                 start,
@@ -802,14 +810,15 @@ class MmapColdStore(ColdStore):
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
         passes = self._advising_passes()
-        if passes is None:
-            for part in torch.arange(records.numel()).split(APPLY_CHUNK_ROWS):  # bounded copies
-                self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
-        else:  # in the rows' order, each chunk's pages of both files asked for first
-            for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS):
+        # in the rows' order, a chunk at a time (where reads are advised, each chunk's pages of both
+        # files asked for first), each chunk's pages written out before the next: the copy's dirty
+        # pages stay a chunk's, not the whole log's (a memory limit counts them and cannot reclaim them)
+        for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS):
+            if passes is not None:
                 passes.will_need_rows(self._rows.array, position[part])
                 passes.will_need_rows(self._wal_rows.array, torch.sort(records[part]).values)
-                self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
+            self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
+            self._rows.sync_items(int(position[part[0]]), int(position[part[-1]]) + 1)
         self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
         self._rows.sync()
         self._keys.sync()
