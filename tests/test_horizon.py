@@ -17,20 +17,6 @@ from tierstore.budget import horizon_accesses
 from tierstore.cli.reference_policies import belady_hits
 
 
-def train_with_horizon(table, batches, horizon, lookahead, background):
-    torch.manual_seed(0)
-    targets = [torch.randn(offsets.numel(), table.embedding_dim) for _, offsets in batches]
-    loop = tierstore.prefetch(
-        batches, table, lookahead, ids=lambda b: b[0], background=background, horizon=horizon
-    )
-    outputs = []
-    for step, (ids, offsets) in enumerate(loop):
-        out = table(ids, offsets)
-        (out * targets[step].to(out.device)).sum().backward()
-        outputs.append(out.detach())
-    return outputs
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -62,7 +48,7 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
             )
         ) as table:
             if foreseeing:
-                outputs = train_with_horizon(table, batches, horizon, lookahead, background)
+                outputs = train(table, batches, lookahead, background, horizon)
             else:
                 outputs = train(table, batches)
             rows = table.store.get(torch.arange(ROWS), with_state=True, grow=False)
@@ -95,7 +81,7 @@ def test_a_horizon_over_a_device_tier_trains_the_same(tmp_path, device_tier, hos
         if horizon is None:
             outputs = [out.cpu() for out in train(table, batches)]
         else:
-            outputs = [out.cpu() for out in train_with_horizon(table, batches, horizon, 1, False)]
+            outputs = [out.cpu() for out in train(table, batches, 1, False, horizon)]
         rows = table.store.get(torch.arange(ROWS), with_state=True, grow=False).cpu()
         runs.append((outputs, rows, table.store.stats()))
         assert table.store.stack.top.pinned_count() == 0

@@ -39,14 +39,17 @@ def bag_batches(seed, count, batch, rows=ROWS):
     return batches
 
 
-def train(table, batches, lookahead=None):
-    """Outputs of each step of ``table`` trained on ``batches`` (with the pipeline if ``lookahead``)."""
+def train(table, batches, lookahead=None, background=True, horizon=None):
+    """Outputs of each step of ``table`` trained on ``batches`` (with the pipeline if ``lookahead``,
+    run as ``background`` and ``horizon`` say)."""
     torch.manual_seed(0)
     targets = [torch.randn(offsets.numel(), table.embedding_dim) for _, offsets in batches]
     loop = (
         batches
         if lookahead is None
-        else tierstore.prefetch(batches, table, lookahead, ids=lambda b: b[0], background=True)
+        else tierstore.prefetch(
+            batches, table, lookahead, ids=lambda b: b[0], background=background, horizon=horizon
+        )
     )
     outputs = []
     for step, (ids, offsets) in enumerate(loop):
