@@ -29,6 +29,21 @@
 #include "host_horizon.cpp"
 #include "host_ageing.cpp"
 
+// The row of `key` among unique[0..distinct) (first-appearance order), found through `table` (scratch
+// of int32 positions, each 0 or a row + 1); a new key is written as row `distinct` (the caller counts
+// it: the returned row equals `distinct`).
+static inline i64 distinct_row(int* __restrict__ table, i64 mask, i64* __restrict__ unique, i64 distinct,
+                               i64 key) {
+    u64 position = mix((u64)key) & (u64)mask;
+    while (table[position] != 0 && unique[table[position] - 1] != key) position = (position + 1) & (u64)mask;
+    if (table[position] == 0) {
+        table[position] = (int)(distinct + 1);
+        unique[distinct] = key;
+        return distinct;
+    }
+    return table[position] - 1;
+}
+
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
 // first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding
 // entries); starts[U + 1] (U + 2 with padding: the padding row has no entries) and order[M]: the
@@ -48,17 +63,8 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
             entry_rows[e] = -1;
             continue;
         }
-        u64 position = mix((u64)key) & (u64)mask;
-        while (table[position] != 0 && unique[table[position] - 1] != key) {
-            position = (position + 1) & (u64)mask;
-        }
-        if (table[position] == 0) {
-            table[position] = (int)(distinct + 1);
-            unique[distinct] = key;
-            counts[distinct] = 0;
-            ++distinct;
-        }
-        const i64 row = table[position] - 1;
+        const i64 row = distinct_row(table, mask, unique, distinct, key);
+        if (row == distinct) counts[distinct++] = 0;  // a new row
         counts[row] += 1;
         entry_rows[e] = row;
     }
@@ -87,15 +93,7 @@ extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__
     i64 distinct = 0;
     for (i64 e = 0; e < n; ++e) {
         if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
-        const i64 key = ids[e];
-        u64 position = mix((u64)key) & (u64)mask;
-        while (table[position] != 0 && unique[table[position] - 1] != key) {
-            position = (position + 1) & (u64)mask;
-        }
-        if (table[position] == 0) {
-            table[position] = (int)(distinct + 1);
-            unique[distinct++] = key;
-        }
+        distinct += distinct_row(table, mask, unique, distinct, ids[e]) == distinct;
     }
     return distinct;
 }
