@@ -58,6 +58,11 @@ class EvictionPolicy(abc.ABC):
         ``needs_keys`` is called as ``touch(slots, counts, keys, missed)``: the rows' keys [N], and
         bool [N] set for rows admitted for these accesses (None: none)."""
 
+    def observe(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Distinct ``keys`` were looked up in the tier ``counts`` times each (before any touch):
+        what a policy that learns from the lookups themselves sees. Default: nothing."""
+        return None
+
     @abc.abstractmethod
     def reset(self, slots: torch.Tensor) -> None:
         """``slots`` were just filled or emptied: forget their history."""

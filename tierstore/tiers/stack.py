@@ -44,9 +44,7 @@ class TierStack:
                 f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
                 f"{top.capacity} rows; raise {top.name}_cache or split the batch"
             )
-        observe = getattr(top.policy, "observe", None)
-        if observe is not None:
-            observe(unique, counts)
+        top.policy.observe(unique, counts)
         if self._admits_directly():  # one native call: found, victims chosen, misses read in
             return self.cold.make_resident_in(top, unique, counts, None, self._native_initial())
         resolved = top.resolve(unique, counts)
@@ -144,9 +142,7 @@ class TierStack:
         """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below
         (each cache tier and the rows taken from it are appended to ``taken``)."""
         if level < len(self.caches):
-            observe = getattr(self.caches[level].policy, "observe", None)
-            if observe is not None:
-                observe(keys, counts)
+            self.caches[level].policy.observe(keys, counts)
             found, rows = self.caches[level].take(keys, counts)
             taken.append((self.caches[level], rows))
             if bool(found.all()):
