@@ -1,11 +1,18 @@
 """Shared test helpers: the dict oracle's view of a row nobody has written, a store's random puts
-and gets against a dict, and random hash-table operation sequences."""
+and gets against a dict, random hash-table operation sequences, and a script's peak memory under a cgroup's limit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
 
 from tierstore import initial_weights
+
+CGROUP = Path("/sys/fs/cgroup/memory")  # the cgroup v1 memory controller
 
 
 def initial(id_, dim, seed=0):
@@ -36,3 +43,37 @@ def puts_and_gets_against_a_dict(store, rng, steps, ids_below, dim):
             if id_ in oracle:
                 assert torch.equal(row, oracle[id_])
     return oracle
+
+
+def cgroup_problem():
+    if not (CGROUP / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {CGROUP}"
+    if not os.access(CGROUP, os.W_OK):
+        return f"{CGROUP} is not writable (not root)"
+    return None
+
+
+def peak_in_cgroup(tmp_path, script, limit, *arguments) -> int:
+    """Peak memory (page cache included) of ``python -c script`` run in a new cgroup of ``limit``
+    bytes; fails if it does not finish."""
+    group = CGROUP / f"tierstore-test-{os.getpid()}-{len(list(tmp_path.iterdir()))}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if (group / "memory.memsw.limit_in_bytes").exists():
+            (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
+
+        def enter():
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        run = subprocess.run(
+            [sys.executable, "-c", script, *arguments],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+        return int((group / "memory.max_usage_in_bytes").read_text())
+    finally:
+        group.rmdir()

@@ -7,17 +7,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import cgroup_problem, peak_in_cgroup
 
 from tierstore import TieredStore
 from tierstore.tiers.cold import mmap_store
 from tierstore.tiers.cold.disk_index import INDEX_FILE
 
 DIM = 4
-CGROUP = Path("/sys/fs/cgroup/memory")
 
 
 def rows_of(ids):
@@ -118,14 +117,6 @@ print("ok")
 """
 
 
-def cgroup_problem():
-    if not (CGROUP / "memory.limit_in_bytes").exists():
-        return f"no cgroup v1 memory controller at {CGROUP}"
-    if not os.access(CGROUP, os.W_OK):
-        return f"{CGROUP} is not writable (not root)"
-    return None
-
-
 @pytest.mark.skipif(cgroup_problem() is not None, reason=str(cgroup_problem()))
 def test_a_store_whose_index_is_larger_than_the_memory_limit_opens_and_reads_under_it(tmp_path):
     """4M ids: an index in RAM would take about 180 MiB of anonymous memory; the process runs in a
@@ -135,37 +126,11 @@ def test_a_store_whose_index_is_larger_than_the_memory_limit_opens_and_reads_und
     with TieredStore(tmp_path / "s", dim=DIM, host_cache=1024) as store:
         for part in ids.split(1 << 20):
             store.load(part, rows_of(part))
-    baseline = _peak_in_cgroup(tmp_path, "import torch, tierstore", 1 << 40)
+    baseline = peak_in_cgroup(tmp_path, "import torch, tierstore", 1 << 40)
     limit = baseline + (64 << 20)
     script = textwrap.dedent(OPEN_UNDER_A_LIMIT)
-    peak = _peak_in_cgroup(tmp_path, script, limit, str(tmp_path / "s"), str(count))
+    peak = peak_in_cgroup(tmp_path, script, limit, str(tmp_path / "s"), str(count))
     assert peak <= limit
-
-
-def _peak_in_cgroup(tmp_path, script, limit, *arguments) -> int:
-    """Peak memory (page cache included) of ``python -c script`` run in a new cgroup of ``limit``
-    bytes; fails if it does not finish."""
-    group = CGROUP / f"tierstore-test-{os.getpid()}-{len(list(tmp_path.iterdir()))}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        if (group / "memory.memsw.limit_in_bytes").exists():
-            (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
-
-        def enter():
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-
-        run = subprocess.run(
-            [sys.executable, "-c", script, *arguments],
-            preexec_fn=enter,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
-        return int((group / "memory.max_usage_in_bytes").read_text())
-    finally:
-        group.rmdir()
 
 
 def test_a_read_that_asks_for_its_pages_first_reads_the_same_rows(tmp_path):

@@ -65,6 +65,9 @@ class TieredStore:
         warm: a hot-set ranking (a ``.npy`` path as ``tierstore profile --out`` writes, or ids, most
             wanted first) whose rows the table holds are loaded into the cache tiers at open, top
             tier first (``warm_start``); ``warmed_rows`` says how many.
+        most_rows: the most distinct ids the table will look up (a bounded table's rows), or None
+            (any). No cache tier takes more slots than that, whatever its budget: a small table's
+            caches cost what it can hold, and a table that fits its budget is held whole.
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -87,6 +90,7 @@ class TieredStore:
         read_only: bool = False,
         tiers: TierConfig | None = None,
         warm: Any = None,
+        most_rows: int | None = None,
         **tier_settings,
     ) -> None:
         self._lock = threading.RLock()
@@ -97,6 +101,11 @@ class TieredStore:
         self.device = as_device(device)
         check_backends(config, self.device, dtype or torch.float32)
         dim, optimizer_state_width, seed = (integral(value) for value in (dim, optimizer_state_width, seed))
+        most_rows = integral(most_rows)
+        if most_rows is not None and (isinstance(most_rows, bool) or not isinstance(most_rows, int)):
+            raise TypeError(f"most_rows must be an int (ids) or None (any), got {most_rows!r}")
+        if most_rows is not None and most_rows < 0:
+            raise ValueError(f"most_rows must be a non-negative number of ids or None (any), got {most_rows}")
         requested = {
             "dim": dim,
             "dtype": None if dtype is None else dtype_name(dtype),
@@ -107,7 +116,7 @@ class TieredStore:
         }
         path = as_path(path)
         self.metadata, new = resolve_metadata(path, requested, read_only)
-        caches = build_caches(self.metadata, config, self.device)
+        caches = build_caches(self.metadata, config, self.device, most_rows)
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else path
         # A temporary store goes when it is closed, collected, or at interpreter exit.

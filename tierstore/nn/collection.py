@@ -119,6 +119,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                     if auto
                     else _group_keys(replicated, f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
                     access_sample=_group_keys(samples, f"dim{dim}", []),
+                    most_rows=_most_rows(
+                        table for table in self._tables.values() if table["embedding_dim"] == dim
+                    ),
                 )
         except BaseException:
             _release(groups.values())  # a group that cannot open leaves none open
@@ -483,6 +486,12 @@ def _release(groups) -> None:
     """Close the stores of ``groups`` opened only to be refused, writing nothing."""
     for group in groups:
         group.store.release_unflushed()
+
+
+def _most_rows(tables) -> int | None:
+    """The most distinct keys a group of ``tables`` looks up: their rows, None if one grows on demand."""
+    rows = [table["num_embeddings"] for table in tables]
+    return None if None in rows else sum(rows)
 
 
 def _group_name(table: dict) -> str:

@@ -136,7 +136,7 @@ class _TieredTable(nn.Module):
                 optimizer=self.optimizer.name,
                 seed=seed,
                 tiers=tiers,
-                **tier_settings,
+                **{"most_rows": num_embeddings, **tier_settings},  # a collection's group passes its own
             )
 
         if self.sharding is None:

@@ -24,9 +24,12 @@ def check_backends(config: TierConfig, device: torch.device, dtype: torch.dtype)
     backends.resolve("host", config.host_cache_backend, device, dtype)
 
 
-def build_caches(metadata: StoreMetadata, config: TierConfig, device: torch.device) -> list[RowCache]:
-    """The device tier (on ``device``, if budgeted) and the host tier (if budgeted), top first;
-    raises ``ValueError`` when no cache tier has a budget. Touches no file."""
+def build_caches(
+    metadata: StoreMetadata, config: TierConfig, device: torch.device, most_rows: int | None = None
+) -> list[RowCache]:
+    """The device tier (on ``device``, if budgeted) and the host tier (if budgeted), top first, each
+    with no more slots than ``most_rows`` (the most distinct ids the table looks up; None: no
+    bound); raises ``ValueError`` when no cache tier has a budget. Touches no file."""
     on_cuda = device.type == "cuda"
     device_memory = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
     ram = psutil.virtual_memory().total
@@ -38,7 +41,9 @@ def build_caches(metadata: StoreMetadata, config: TierConfig, device: torch.devi
     for name, budget, tier_device, requested, memory in tiers:
         backend = backends.resolve(name, requested, device, metadata.torch_dtype)
         horizon = config.horizon if not caches else None  # the top tier holds a horizon's pins
-        cache = _cache_tier(name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon)
+        cache = _cache_tier(
+            name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon, most_rows
+        )
         if cache is not None:
             caches.append(cache)
     if not caches:
@@ -82,9 +87,11 @@ def _cache_tier(
     config: TierConfig,
     on_cuda: bool,
     horizon: int | str | None,
+    most_rows: int | None,
 ) -> RowCache | None:
     """The ``name`` cache tier on ``device`` with as many rows as ``budget`` pays for (None: none),
-    beside the memory of a lookahead ``horizon`` where the budget is bytes (see ``TierConfig``)."""
+    beside the memory of a lookahead ``horizon`` where the budget is bytes (see ``TierConfig``),
+    and no more than ``most_rows`` (at least one: a budget a table cannot use is not allocated)."""
     row_width, dtype = metadata.row_width, metadata.torch_dtype
     reserve = horizon is not None and isinstance(budget, str)
 
@@ -95,6 +102,8 @@ def _cache_tier(
     rows = rows_for_budget(budget, nbytes, memory)
     if not rows:
         return None
+    if most_rows is not None:
+        rows = max(1, min(rows, most_rows))
     pin_memory = on_cuda and name == "host"  # page-locked rows copy to the GPU asynchronously
     cache = RowCache(
         name, rows, row_width, dtype, device, config.half_life, pin_memory, backend, config.policy
