@@ -1,5 +1,6 @@
 """Shared test helpers: the dict oracle's view of a row nobody has written, a store's random puts
-and gets against a dict, random hash-table operation sequences, and a script's peak memory under a cgroup's limit."""
+and gets against a dict, random hash-table operation sequences, and a script's peak memory under
+a cgroup's limit."""
 
 import os
 import subprocess

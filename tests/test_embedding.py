@@ -5,7 +5,16 @@ import pytest
 import torch
 from torch import nn
 
-from tierstore import TieredEmbedding, TieredEmbeddingBag, TieredStore, initial_weights, optim
+from tierstore import (
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    TieredEmbedding,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+    TieredStore,
+    initial_weights,
+    optim,
+)
 
 NUM, DIM = 64, 8
 
@@ -230,8 +239,44 @@ def test_embedding_training_matches_torch(store_path):
     expected = torch_table.weight.detach().clone()
     with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
         got = reopened.get(torch.arange(NUM))
-    got[2] = 0  # the padding row: never looked up by us, zero in torch
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)  # the padding row: zero in both
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_embedding_reads_its_padding_row_as_stored_and_never_updates_it(optimizer):
+    """``nn.Embedding``'s padding_idx only stops that row's gradient: after ``from_pretrained`` or a
+    write, the output for it is the stored row, in training and in eval."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(4))
+    ours = TieredEmbedding.from_pretrained(
+        weight.clone(), freeze=False, padding_idx=2, host_cache=8, optimizer=OPTIMIZERS[optimizer][0]()
+    )
+    torch_table = nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=2, sparse=True)
+    reference_optimizer = OPTIMIZERS[optimizer][1](torch_table.parameters())
+    rng = np.random.default_rng(5)
+    for _ in range(6):
+        ids = torch.from_numpy(rng.integers(0, NUM, (2, 3)))  # rows move through a cache of 8
+        ids[0, :2] = 2
+        target = torch.from_numpy(rng.standard_normal((2, 3, DIM)).astype(np.float32))
+        output = ours(ids)
+        torch.testing.assert_close(output, torch_table(ids), rtol=1e-5, atol=1e-6)
+        (output * target).sum().backward()
+        reference_optimizer.zero_grad()
+        (torch_table(ids) * target).sum().backward()
+        reference_optimizer.step()
+    torch.testing.assert_close(
+        ours.store.get(torch.arange(NUM)), torch_table.weight.detach(), rtol=1e-5, atol=1e-6
+    )
+    assert torch.equal(ours.store.get(torch.tensor([2]))[0], weight[2])
+    ours.load_weights(torch.tensor([2]), torch.full((1, DIM), 7.0))
+    with torch.no_grad():
+        assert torch.equal(ours(torch.tensor([[2]])), torch.full((1, 1, DIM), 7.0))
+    ours.close()
+
+
+def test_a_new_tables_padding_row_starts_at_zero_as_torchs():
+    for table in (TieredEmbedding(NUM, DIM, padding_idx=3), TieredEmbeddingBag(NUM, DIM, padding_idx=3)):
+        assert torch.equal(table.store.get(torch.tensor([3])), torch.zeros(1, DIM))
+        table.close()
 
 
 def rowwise_adagrad_reference(weights, momentum, grad, lr, eps):
@@ -352,9 +397,11 @@ def test_state_dict_resumes_the_same_store_and_copies_into_another(tmp_path):
         module.close()
 
 
-def test_module_has_no_parameters_and_follows_to_and_train_eval():
+def test_module_holds_no_weights_and_follows_to_and_train_eval():
     ours = TieredEmbeddingBag(None, DIM, host_cache=8)
-    assert list(ours.parameters()) == []
+    assert [name for name, _ in ours.named_parameters()] == ["trainable"]  # the freezing switch
+    assert sum(parameter.numel() for parameter in ours.parameters()) == 0
+    assert "trainable" not in ours.state_dict()
     assert ours.to("cpu") is ours and ours.eval().training is False
     ours.close()
 
@@ -426,3 +473,94 @@ def test_bad_constructor_arguments(kwargs, error):
     arguments = {"num_embeddings": NUM, "embedding_dim": DIM} | kwargs
     with pytest.raises(error, match=next(iter(kwargs))):
         TieredEmbeddingBag(**arguments, host_cache=8)
+
+
+def test_dtype_none_follows_torchs_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        tables = [(TieredEmbeddingBag(NUM, DIM, mode="sum"), nn.EmbeddingBag(NUM, DIM, mode="sum"))]
+        tables.append((TieredEmbedding(NUM, DIM), nn.Embedding(NUM, DIM)))
+        ids = torch.tensor([[1, 5], [7, 7]])
+        for ours, theirs in tables:
+            assert theirs.weight.dtype == torch.float64
+            ours.load_weights(torch.arange(NUM), theirs.weight.detach())
+            output = ours(ids)
+            assert output.dtype == torch.float64 and ours.store.dtype == torch.float64
+            assert torch.equal(output, theirs(ids))
+            output.sum().backward()  # trains in float64 (the torch backend)
+            ours.close()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_freezing_the_torch_ways_stops_and_resumes_training_as_torchs():
+    """``requires_grad_`` on a table, a collection or a model holding them freezes the tables (their
+    rows unchanged by a backward, as a frozen ``nn.EmbeddingBag``'s) and unfreezes them; unfrozen,
+    a table trains as torch's."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(6))
+    ours = TieredEmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum", host_cache=8)
+    collection = TieredEmbeddingBagCollection([EmbeddingBagConfig(NUM, DIM, name="t", feature_names=["f"])])
+    group = collection.groups[f"dim{DIM}"]
+    model = nn.ModuleDict({"table": ours, "other": collection})
+    head = nn.Linear(DIM, 1)  # trains on: the loss needs a gradient
+    features = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    ids = torch.tensor([[1, 4], [4, 6]])
+
+    def rows():
+        return torch.cat([ours.store.get(torch.arange(NUM)), group.store.get(torch.arange(NUM))])
+
+    freezings = [lambda: ours.requires_grad_(False) and collection.requires_grad_(False)]
+    freezings.append(lambda: model.requires_grad_(False))
+    for freeze in freezings:
+        freeze()
+        assert ours.frozen and group.frozen
+        before = rows()
+        (head(ours(ids)).sum() + head(collection(features).values()).sum()).backward()
+        assert torch.equal(rows(), before)
+        model.requires_grad_(True)
+    assert not ours.frozen and not group.frozen
+    theirs = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum")
+    reference_optimizer = torch.optim.SGD(theirs.parameters(), lr=ours.optimizer.lr)
+    for _ in range(3):
+        reference_optimizer.zero_grad()
+        (theirs(ids) * 2).sum().backward()
+        reference_optimizer.step()
+        (ours(ids) * 2).sum().backward()
+    torch.testing.assert_close(ours.store.get(torch.arange(NUM)), theirs.weight.detach())
+    assert ours.trainable.grad is not None and ours.trainable.grad.numel() == 0  # used, as DDP expects
+    frozen = TieredEmbedding.from_pretrained(weight.clone(), host_cache=8)  # freeze=True, torch's default
+    assert frozen.frozen and not frozen(torch.tensor([1])).requires_grad
+    for table in (ours, collection, frozen):
+        table.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("module", ["bag", "embedding"])
+def test_a_low_precision_outputs_gradient_is_summed_per_row_in_float32(dtype, module):
+    """A module cast to half precision keeps float32 rows: each row's gradient is summed in float32
+    (torch's ``sparse=True`` gradient of float32 weights, given the same half-precision gradient),
+    not in the output's dtype, which loses whole units over a thousand entries."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(7))
+    ids = torch.tensor([1] * 1000 + [2, 3]).reshape(-1, 2)
+    grad = torch.rand(
+        ids.shape[0], *([2] if module == "embedding" else []), DIM, generator=torch.Generator().manual_seed(8)
+    )
+    grad = (grad * 4).to(dtype)
+    if module == "bag":
+        ours = TieredEmbeddingBag.from_pretrained(
+            weight.clone(), freeze=False, mode="sum", optimizer=optim.SGD(lr=1.0)
+        )
+        theirs = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum", sparse=True)
+    else:
+        ours = TieredEmbedding.from_pretrained(weight.clone(), freeze=False, optimizer=optim.SGD(lr=1.0))
+        theirs = nn.Embedding.from_pretrained(weight.clone(), freeze=False, sparse=True)
+    ours.to(dtype)
+    output = ours(ids)
+    assert output.dtype == dtype
+    torch.testing.assert_close(output, theirs(ids).to(dtype))
+    output.backward(grad)
+    theirs(ids).backward(grad.float())
+    expected = weight - theirs.weight.grad.to_dense()
+    torch.testing.assert_close(ours.store.get(torch.arange(NUM)), expected, rtol=1e-5, atol=1e-4)
+    ours.close()

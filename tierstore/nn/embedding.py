@@ -8,8 +8,9 @@ forward gathers the batch's distinct ids from the store into a small local weigh
 outputs (and gradients w.r.t. ``per_sample_weights``) are torch's. In training, a hook on that
 local weight receives its gradient — already reduced to one row per distinct id — during
 ``backward`` and applies the fused optimizer to those rows and their state in the top cache
-tier. The modules expose **no** ``nn.Parameter``: build the dense optimizer from the rest of
-the model, and do not expect ``optimizer.step()`` to touch the embeddings.
+tier. The modules hold no weight among their parameters: their one parameter, ``trainable``
+(zero elements), is the switch torch's freezing idioms set; ``optimizer.step()`` of a dense
+optimizer does not touch the embeddings.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ _STATE_FORMAT = "tierstore-table/1"
 class _TieredTable(nn.Module):
     """What both modules share: the store, the optimizer, local weights and the update hook."""
 
+    padding_left_out = True  # padding entries are left out of the lookup (bags), or read their row
+
     def __init__(
         self,
         num_embeddings: int | None,
@@ -129,7 +132,7 @@ class _TieredTable(nn.Module):
             return TieredStore(
                 path,
                 dim=embedding_dim,
-                dtype=dtype or torch.float32,
+                dtype=dtype if dtype is not None else torch.get_default_dtype(),  # as torch's modules
                 backend=backend,
                 device=device,
                 optimizer_state_width=self.optimizer.state_width(embedding_dim),
@@ -152,12 +155,22 @@ class _TieredTable(nn.Module):
             self.step = self.sharding.last_flushed_step()
             digest = hashlib.sha256(self.sharding.replicated.numpy().tobytes()).hexdigest()
             self.sharding.agree("replicated keys or last flushed steps", [digest, self.step])
-        self.frozen = False  # from_pretrained(freeze=True): lookups only, the rows never change
+        # Zero elements: its requires_grad says whether the table trains, so that torch's ways of
+        # freezing (requires_grad_, on the table or the model; from_pretrained(freeze=True)) work.
+        self.trainable = nn.Parameter(torch.empty(0, device=device))
         # An empty buffer that follows .to(device) and .to(dtype) / .double() / .half(): where
         # outputs go and their dtype. The rows keep the store's dtype.
         self.register_buffer(
             "_output_like", torch.empty(0, dtype=self.store.dtype, device=device), persistent=False
         )
+        if self.padding_idx is not None and self.sharding is None:
+            self._start_padding_row_at_zero()
+
+    def _start_padding_row_at_zero(self) -> None:
+        """As torch's modules start: the padding row zero, where the store does not hold it yet."""
+        key = torch.tensor([self.padding_idx])
+        if not bool(self.store.contains(key)[0]):
+            self.store.put(key, torch.zeros(1, self.embedding_dim, dtype=self.store.dtype))
 
     def __prepare_scriptable__(self):
         raise RuntimeError(
@@ -185,10 +198,13 @@ class _TieredTable(nn.Module):
     def _local_weight(self, ids: torch.Tensor) -> tuple[torch.Tensor, pooled_lookup.LocalIds]:
         """``(weight [U (+1), dim], the ids as rows of weight)``.
 
-        ``ids``: int64, any shape, validated. Padding entries map to an extra zero row that gets
-        no update; every other id maps to its distinct row.
+        ``ids``: int64, any shape, validated. Each id maps to its distinct row; the padding row
+        gets no update. Where ``padding_left_out`` (bags), padding entries map to an extra zero row
+        instead; else (``nn.Embedding``) they read the stored row.
         """
-        padding = ids.reshape(-1) == self.padding_idx if self.padding_idx is not None else None
+        padding = None
+        if self.padding_idx is not None and self.padding_left_out:
+            padding = ids.reshape(-1) == self.padding_idx
         unique, counts, local = pooled_lookup.distinct(ids, padding)
         training = self.training and torch.is_grad_enabled() and not self.frozen
         slots = None
@@ -202,12 +218,15 @@ class _TieredTable(nn.Module):
             weight = self._rows_without_growing(unique)
         if padding is not None:
             weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
-        weight = weight.to(self._output_like.device, self.output_dtype)
+        # Computed in the rows' dtype, or the outputs' where it is wider: a half-precision output's
+        # gradient is still summed per row in float32, as torch's sparse gradient of float32 rows.
+        weight = weight.to(self._output_like.device, torch.promote_types(weight.dtype, self.output_dtype))
         if training:
             weight.requires_grad_(True)
             weight.register_hook(
                 lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()].to(self.store.dtype))
             )
+            weight = native_step.tied_to(self.trainable, weight)
         return weight, local.to(weight.device)
 
     def store_keys(self, input: Any) -> list[tuple[TieredStore, torch.Tensor]]:
@@ -215,7 +234,7 @@ class _TieredTable(nn.Module):
         (``tierstore.prefetch``); bad input raises as ``forward`` would."""
         refuse_prefetch(self.sharding)
         ids = check_lookup_ids(input, self.num_embeddings).reshape(-1)
-        if self.padding_idx is not None:
+        if self.padding_idx is not None and self.padding_left_out:
             ids = ids[ids != self.padding_idx]
         return [(self.store, distinct_ids(ids))]
 
@@ -255,7 +274,20 @@ class _TieredTable(nn.Module):
 
     def _apply_gradient(self, unique: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:
         """Fused optimizer step on the rows of ``unique`` (int64 [U]), found at ``slots`` of the top
-        tier by the forward (sharded: the forward's exchange), with ``grad [U, dim]``."""
+        tier by the forward (sharded: the forward's exchange), with ``grad [U, dim]``; the padding
+        row is left as it is (sharded: its gradient is zero, as torch's)."""
+        if self.padding_idx is not None:
+            padding = unique == self.padding_idx
+            if bool(padding.any()):
+                if self.sharding is None:
+                    kept = ~padding
+                    unique, slots, grad = (
+                        unique[kept],
+                        slots[kept.to(slots.device)],
+                        grad[kept.to(grad.device)],
+                    )
+                else:
+                    grad = grad.masked_fill(padding.to(grad.device).unsqueeze(1), 0)
         if self.sharding is not None:  # every rank takes part, whatever its batch held
             self.step += 1
             self.sharding.apply_gradients(self.store, slots, grad, self.optimizer, self.step)
@@ -295,7 +327,7 @@ class _TieredTable(nn.Module):
         except BaseException:
             table.close()
             raise
-        table.frozen = bool(freeze)
+        table.requires_grad_(not freeze)
         return table
 
     # -- store life cycle and state ------------------------------------------------------------------
@@ -324,6 +356,20 @@ class _TieredTable(nn.Module):
             if self.sharding is None:
                 raise
             self.sharding.refuse(error)
+
+    @property
+    def frozen(self) -> bool:
+        """Lookups only, the rows never change: ``requires_grad_(False)`` on the table or its model."""
+        return not self.trainable.requires_grad
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        del destination[prefix + "trainable"]  # a switch, not a weight: state_dicts hold no tensor of it
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        if prefix + "trainable" in missing:
+            missing.remove(prefix + "trainable")
 
     def get_extra_state(self) -> dict:
         """The table's part of ``state_dict()``: the store's location and layout, the optimizer
@@ -524,8 +570,8 @@ class TieredEmbeddingBag(_TieredTable):
         if offsets is not None:
             offsets = offsets.to(weight.device)
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(weight.device)
-        return pooled_lookup.embedding_bag(
+            per_sample_weights = per_sample_weights.to(weight.device, weight.dtype)
+        pooled = pooled_lookup.embedding_bag(
             local,
             weight,
             offsets,
@@ -534,14 +580,18 @@ class TieredEmbeddingBag(_TieredTable):
             self.include_last_offset,
             self._gradient_kernels(weight),
         )
+        return pooled.to(self.output_dtype)
 
 
 class TieredEmbedding(_TieredTable):
     """``nn.Embedding`` whose table lives in a ``TieredStore`` and grows on demand.
 
     Arguments as ``TieredEmbeddingBag`` (no ``mode``, ``include_last_offset``).
-    ``forward(input)``: int ids of any shape -> ``[*input.shape, embedding_dim]``.
+    ``forward(input)``: int ids of any shape -> ``[*input.shape, embedding_dim]``; ``padding_idx``
+    reads its row as stored (zero as the table starts) and never updates it, as ``nn.Embedding``.
     """
+
+    padding_left_out = False
 
     def __init__(
         self,
@@ -614,7 +664,7 @@ class TieredEmbedding(_TieredTable):
         self._refuse_tracing()
         input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
         weight, local = self._local_weight(input)
-        return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight))
+        return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight)).to(self.output_dtype)
 
 
 def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:

@@ -75,19 +75,38 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
             store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots.to(torch.int64))
 
-    anchor = torch.empty(0, requires_grad=True)  # what ties the output to the backward
-    return _UpdateInBackward.apply(anchor, [pooled], backward)
+    return _UpdateInBackward.apply(table.trainable, [pooled], backward)  # the output's backward
+
+
+def tied_to(parameter: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as it is, its gradient passed through, and ``parameter`` (a table's ``trainable``,
+    zero elements) given a zero-element gradient: used by the forward, as data-parallel wrappers
+    expect of every parameter that requires a gradient."""
+    return _Tied.apply(parameter, weight)
 
 
 class _UpdateInBackward(torch.autograd.Function):
-    """``outputs[0]`` as an output whose backward runs ``backward(grad)`` (the anchor gets no gradient)."""
+    """``outputs[0]`` as an output whose backward runs ``backward(grad)``; ``anchor`` (a table's
+    ``trainable``) gets a zero-element gradient."""
 
     @staticmethod
     def forward(ctx, anchor, outputs, backward):
         ctx.run_backward = backward
+        ctx.anchor = anchor.detach()
         return outputs[0]
 
     @staticmethod
     def backward(ctx, grad):
         ctx.run_backward(grad)
-        return None, None, None
+        return torch.zeros_like(ctx.anchor), None, None
+
+
+class _Tied(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, parameter, weight):
+        ctx.parameter = parameter.detach()
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(ctx.parameter), grad
