@@ -441,12 +441,32 @@ def test_bad_bag_input_names_the_argument(call, error, message):
     ours.close()
 
 
-def test_include_last_offset_needs_the_last_offset_at_the_end_of_input():
-    """torch's forward leaves entries past the last offset out, but its backward gives them gradient."""
-    ours = TieredEmbeddingBag(NUM, DIM, mode="sum", host_cache=16, include_last_offset=True)
-    with pytest.raises(ValueError, match="last offset .* must equal the input length 3"):
-        ours(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
-    assert len(ours.store) == 0
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_include_last_offset_leaves_the_entries_past_the_last_offset_out(mode):
+    """As torch's forward (pytorch issue 89677), in forward and backward: the rows after one SGD step
+    of lr 1 are torch's on the input cut at the last offset (for "sum", torch's on the whole input
+    too; its "mean" and "max" give the left-out entries gradient, and "max" reads them)."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(9))
+    ids, offsets = torch.tensor([1, 2, 3, 4, 99]), torch.tensor([0, 2, 3, 3])  # 4, 99: past the last offset
+    weights = torch.tensor([0.5, 2.0, 3.0, 4.0, 5.0]) if mode == "sum" else None
+    ours = TieredEmbeddingBag.from_pretrained(
+        weight.clone(), freeze=False, mode=mode, include_last_offset=True, optimizer=optim.SGD(lr=1.0)
+    )
+    theirs = nn.EmbeddingBag.from_pretrained(
+        weight.clone(), freeze=False, mode=mode, include_last_offset=True
+    )
+    cut = (ids[:3], offsets, None if weights is None else weights[:3])
+    output = ours(ids, offsets, weights)
+    expected = theirs(*cut)
+    torch.testing.assert_close(output, expected)
+    if mode == "sum":
+        torch.testing.assert_close(output, theirs(ids, offsets, weights))  # 99: out of range, unread
+    grad = torch.randn(output.shape, generator=torch.Generator().manual_seed(10))
+    output.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(ours.store.get(torch.arange(NUM)), weight - theirs.weight.grad)
+    with pytest.raises(ValueError, match="at least one offset"):
+        ours(ids, torch.tensor([], dtype=torch.int64))
     ours.close()
 
 

@@ -205,15 +205,28 @@ def check_bag_input(
     num_embeddings: int | None,
     dtype: torch.dtype,
     include_last_offset: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """``nn.EmbeddingBag.forward``'s arguments, checked as torch does and more clearly.
 
-    Returns ``(input as int64 CPU ids, offsets as int64 CPU or None)``. Errors name the argument.
+    Returns ``(input as int64 CPU ids, offsets as int64 CPU or None, per_sample_weights)``. With
+    ``include_last_offset``, entries past the last offset are left out of both, unchecked, as
+    torch leaves them. Errors name the argument.
     """
     if isinstance(input, torch.Tensor) and input.dim() not in (1, 2):
         raise ValueError(
             f"input must be 1-D (with offsets) or 2-D (fixed-length bags), got shape {tuple(input.shape)}"
         )
+    if include_last_offset and isinstance(input, torch.Tensor) and input.dim() == 1 and offsets is not None:
+        offsets = _checked_offsets(offsets, input.numel())
+        if offsets.numel() == 0:
+            raise ValueError(
+                "with include_last_offset=True offsets must hold at least one offset: the last one "
+                "ends the last bag"
+            )
+        kept = int(offsets[-1])
+        whole = isinstance(per_sample_weights, torch.Tensor) and per_sample_weights.shape == input.shape
+        input = input[:kept]
+        per_sample_weights = per_sample_weights[:kept] if whole else per_sample_weights
     ids = check_lookup_ids(input, num_embeddings)
     if ids.dim() == 2:
         if offsets is not None:
@@ -223,35 +236,7 @@ def check_bag_input(
             raise ValueError(
                 "offsets is required when input is 1-D: offsets[i] is where bag i starts in input"
             )
-        if (
-            not isinstance(offsets, torch.Tensor)
-            or offsets.dim() != 1
-            or offsets.is_floating_point()
-            or offsets.dtype == torch.bool
-        ):
-            raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets!r:.80}")
-        offsets = offsets.to(device="cpu", dtype=torch.int64)
-        if offsets.numel():
-            if int(offsets[0]) != 0:
-                raise ValueError(
-                    "offsets[0] must be 0 (the first bag starts at the start of input), "
-                    f"got {int(offsets[0])}"
-                )
-            if bool((offsets[1:] < offsets[:-1]).any()):
-                raise ValueError(
-                    "offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])"
-                )
-            if int(offsets[-1]) > ids.numel():
-                raise ValueError(
-                    f"offsets point past the end of input: last offset {int(offsets[-1])} > "
-                    f"input length {ids.numel()}"
-                )
-        if include_last_offset and (offsets.numel() == 0 or int(offsets[-1]) != ids.numel()):
-            last = int(offsets[-1]) if offsets.numel() else None
-            raise ValueError(
-                f"with include_last_offset=True the last offset ends the last bag and must equal the "
-                f"input length {ids.numel()} (as torch documents), got {last}"
-            )
+        offsets = _checked_offsets(offsets, ids.numel())
     if per_sample_weights is not None:
         if mode != "sum":
             raise ValueError(
@@ -268,4 +253,30 @@ def check_bag_input(
             raise TypeError(
                 f"per_sample_weights must have the table's dtype {dtype}, got {per_sample_weights.dtype}"
             )
-    return ids, offsets
+    return ids, offsets, per_sample_weights
+
+
+def _checked_offsets(offsets: Any, entries: int) -> torch.Tensor:
+    """Bag offsets into ``entries`` ids, as int64 CPU: a 1-D integer tensor from 0, non-decreasing,
+    none past the end."""
+    if (
+        not isinstance(offsets, torch.Tensor)
+        or offsets.dim() != 1
+        or offsets.is_floating_point()
+        or offsets.dtype == torch.bool
+    ):
+        raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets!r:.80}")
+    offsets = offsets.to(device="cpu", dtype=torch.int64)
+    if offsets.numel():
+        if int(offsets[0]) != 0:
+            raise ValueError(
+                f"offsets[0] must be 0 (the first bag starts at the start of input), got {int(offsets[0])}"
+            )
+        if bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError("offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])")
+        if int(offsets[-1]) > entries:
+            raise ValueError(
+                f"offsets point past the end of input: last offset {int(offsets[-1])} > "
+                f"input length {entries}"
+            )
+    return offsets

@@ -546,7 +546,7 @@ class TieredEmbeddingBag(_TieredTable):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._refuse_tracing()
-        input, offsets = self._checked(
+        input, offsets, per_sample_weights = self._checked(
             check_bag_input,
             input,
             offsets,
