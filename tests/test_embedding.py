@@ -480,7 +480,8 @@ def test_per_sample_weights_need_sum_mode():
 @pytest.mark.parametrize(
     "kwargs, error",
     [
-        ({"num_embeddings": 0}, ValueError),
+        ({"num_embeddings": -1}, ValueError),
+        ({"embedding_dim": 0}, ValueError),
         ({"embedding_dim": -1}, ValueError),
         ({"mode": "median"}, ValueError),
         ({"padding_idx": NUM}, ValueError),
@@ -584,3 +585,52 @@ def test_a_low_precision_outputs_gradient_is_summed_per_row_in_float32(dtype, mo
     expected = weight - theirs.weight.grad.to_dense()
     torch.testing.assert_close(ours.store.get(torch.arange(NUM)), expected, rtol=1e-5, atol=1e-4)
     ours.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8])
+def test_from_pretrained_integers_is_a_frozen_lookup_of_exactly_those_integers(dtype):
+    """``nn.Embedding.from_pretrained`` of integers (an id -> id table): every bit pattern comes back,
+    those that are NaN or Inf as floats of that width too, in eval and in training mode."""
+    info = torch.iinfo(dtype)
+    special = [info.min, info.max, -1 if info.min < 0 else 1, 0]
+    if dtype == torch.int64:
+        special += [0x7FF0000000000001, 0x7FF0000000000000, -(2**52)]  # a signalling NaN, +Inf
+    elif dtype == torch.int32:
+        special += [0x7F800001, 0x7F800000]
+    values = torch.tensor(special * 3, dtype=torch.int64)[:12].to(dtype).reshape(6, 2)
+    ours = TieredEmbedding.from_pretrained(values, host_cache=4)
+    theirs = nn.Embedding.from_pretrained(values)
+    ids = torch.tensor([[5, 0, 1], [2, 3, 4]])
+    for training in (True, False):
+        ours.train(training)
+        output = ours(ids)
+        assert output.dtype == dtype and torch.equal(output, theirs(ids))
+    ours.close()
+
+
+def test_integer_weights_refuse_to_train_or_to_pool_as_torchs_do():
+    values = torch.tensor([[1, 2], [3, 4]])
+    with pytest.raises(TypeError, match="frozen lookup"):
+        TieredEmbedding.from_pretrained(values, freeze=False)
+    with pytest.raises(TypeError, match="frozen lookup"):
+        TieredEmbeddingBag.from_pretrained(values)
+
+
+def test_a_table_of_no_rows_looks_up_nothing_as_torchs():
+    for ours, theirs in (
+        (TieredEmbeddingBag(0, DIM, mode="sum"), nn.EmbeddingBag(0, DIM, mode="sum")),
+        (
+            TieredEmbeddingBag.from_pretrained(torch.zeros(0, DIM)),
+            nn.EmbeddingBag.from_pretrained(torch.zeros(0, DIM)),
+        ),
+    ):
+        empty = torch.zeros(0, dtype=torch.int64)
+        assert torch.equal(ours(empty, torch.tensor([0, 0])), theirs(empty, torch.tensor([0, 0])))
+        with pytest.raises(IndexError, match="num_embeddings=0"):
+            ours(torch.tensor([0]), torch.tensor([0]))
+        ours.close()
+    embedding = TieredEmbedding(0, DIM)
+    assert embedding(torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0, DIM)
+    embedding.close()
+    with pytest.raises(ValueError, match="embedding_dim must be a positive int.*zero-width"):
+        TieredEmbeddingBag(4, 0)

@@ -40,17 +40,20 @@ def as_path(path: Any, name: str = "path") -> Path | None:
 
 
 def check_table_shape(num_embeddings: Any, embedding_dim: Any, table: str = "") -> None:
-    """``ValueError`` unless ``num_embeddings`` is a positive int or None (unbounded) and
+    """``ValueError`` unless ``num_embeddings`` is a non-negative int or None (unbounded) and
     ``embedding_dim`` a positive int; ``table`` (a name) prefixes the message."""
     prefix = f"table {table!r}: " if table else ""
     if num_embeddings is not None and (
-        isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0
+        isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings < 0
     ):
         raise ValueError(
-            f"{prefix}num_embeddings must be a positive int or None (unbounded), got {num_embeddings!r}"
+            f"{prefix}num_embeddings must be a non-negative int or None (unbounded), got {num_embeddings!r}"
         )
     if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
-        raise ValueError(f"{prefix}embedding_dim must be a positive int, got {embedding_dim!r}")
+        raise ValueError(
+            f"{prefix}embedding_dim must be a positive int, got {embedding_dim!r} (a table of zero-width "
+            "rows stores nothing, and torch's own EmbeddingBag cannot look one up on the CPU)"
+        )
 
 
 def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:

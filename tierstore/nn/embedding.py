@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..config import TierConfig
 from ..kernels.step_passes import distinct_ids
@@ -155,6 +156,7 @@ class _TieredTable(nn.Module):
             self.step = self.sharding.last_flushed_step()
             digest = hashlib.sha256(self.sharding.replicated.numpy().tobytes()).hexdigest()
             self.sharding.agree("replicated keys or last flushed steps", [digest, self.step])
+        self.integers = None  # from_pretrained of integers: their dtype (the rows hold their bits)
         # Zero elements: its requires_grad says whether the table trains, so that torch's ways of
         # freezing (requires_grad_, on the table or the model; from_pretrained(freeze=True)) work.
         self.trainable = nn.Parameter(torch.empty(0, device=device))
@@ -315,18 +317,25 @@ class _TieredTable(nn.Module):
                 "embeddings must be a 2-D tensor [num_embeddings, embedding_dim], got "
                 f"{getattr(embeddings, 'shape', type(embeddings).__name__)}"
             )
-        if embeddings.shape[0] == 0:
-            raise ValueError("embeddings must hold at least one row")
+        integers = None
+        if not (embeddings.is_floating_point() or embeddings.is_complex()):
+            integers, embeddings = embeddings.dtype, _as_float_bits(embeddings.detach(), cls, freeze)
         settings.setdefault("dtype", embeddings.dtype)
         rows = as_rows(  # checked before the table is created: bad weights leave nothing behind
-            embeddings.detach(), embeddings.shape[0], (embeddings.shape[1],), settings["dtype"], "embeddings"
+            embeddings.detach(),
+            embeddings.shape[0],
+            (embeddings.shape[1],),
+            settings["dtype"],
+            "embeddings",
+            allow_nonfinite=integers is not None,
         )
         table = cls(embeddings.shape[0], embeddings.shape[1], **settings)
         try:
-            table.store.load(torch.arange(embeddings.shape[0]), rows)
+            table.store.load(torch.arange(embeddings.shape[0]), rows, allow_nonfinite=integers is not None)
         except BaseException:
             table.close()
             raise
+        table.integers = integers
         table.requires_grad_(not freeze)
         return table
 
@@ -664,6 +673,8 @@ class TieredEmbedding(_TieredTable):
         self._refuse_tracing()
         input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
         weight, local = self._local_weight(input)
+        if self.integers is not None:  # a frozen lookup of integers, stored as their bits
+            return _from_float_bits(F.embedding(local.rows, weight), self.integers)
         return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight)).to(self.output_dtype)
 
 
@@ -688,3 +699,28 @@ def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) 
     if not -num_embeddings <= padding_idx < num_embeddings:
         raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
     return padding_idx % num_embeddings
+
+
+_BITS_OF = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # integer width -> float of that width
+
+
+def _as_float_bits(embeddings: torch.Tensor, cls: type, freeze: bool) -> torch.Tensor:
+    """Integer ``embeddings`` (``TieredEmbedding.from_pretrained``: a frozen lookup of integers) as
+    floats of the same width holding their bits (8-bit integers widened to 16 first)."""
+    if cls is not TieredEmbedding or not freeze:
+        raise TypeError(
+            f"embeddings of {embeddings.dtype} cannot train (only floating-point weights can require "
+            "gradients, as torch says): an integer table is a frozen lookup, "
+            "TieredEmbedding.from_pretrained(weights, freeze=True)"
+        )
+    if embeddings.dtype == torch.bool:
+        raise TypeError("embeddings must be numbers, not bool")
+    if embeddings.element_size() == 1:
+        embeddings = embeddings.to(torch.int16)
+    return embeddings.contiguous().view(_BITS_OF[embeddings.element_size()])
+
+
+def _from_float_bits(rows: torch.Tensor, integers: torch.dtype) -> torch.Tensor:
+    """``rows`` read from a table of integers (``_as_float_bits``) as those integers."""
+    wide = {1: torch.int16}.get(torch.empty(0, dtype=integers).element_size(), integers)
+    return rows.view(wide).to(integers)
