@@ -634,3 +634,60 @@ def test_a_table_of_no_rows_looks_up_nothing_as_torchs():
     embedding.close()
     with pytest.raises(ValueError, match="embedding_dim must be a positive int.*zero-width"):
         TieredEmbeddingBag(4, 0)
+
+
+def _bag(module, mode="sum", **settings):
+    return module(NUM, DIM, mode=mode, **settings)
+
+
+BAD_INPUTS = {
+    "id past num_embeddings": (_bag, lambda m: m(torch.tensor([1, NUM]), torch.tensor([0])), "input"),
+    "negative id": (_bag, lambda m: m(torch.tensor([1, -1]), torch.tensor([0])), "input"),
+    "float ids": (_bag, lambda m: m(torch.tensor([1.0, 2.0]), torch.tensor([0])), "input"),
+    "offsets not from 0": (_bag, lambda m: m(torch.tensor([1, 2]), torch.tensor([1])), "offsets"),
+    "decreasing offsets": (_bag, lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])), "offsets"),
+    "offsets past input": (_bag, lambda m: m(torch.tensor([1, 2, 3]), torch.tensor([0, 4])), "offsets"),
+    "float offsets": (_bag, lambda m: m(torch.tensor([1, 2]), torch.tensor([0.0])), "offsets"),
+    "weights of another dtype": (
+        _bag,
+        lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2, dtype=torch.float64)),
+        "per_sample_weights",
+    ),
+    "weights with mean": (
+        lambda module: _bag(module, "mean"),
+        lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2)),
+        "per_sample_weights",
+    ),
+    "weights with max": (
+        lambda module: _bag(module, "max"),
+        lambda m: m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2)),
+        "per_sample_weights",
+    ),
+    "padding_idx past the table": (lambda module: _bag(module, padding_idx=NUM), None, "padding_idx"),
+    "embedding id past the table": (
+        lambda module: module(NUM, DIM),
+        lambda m: m(torch.tensor([NUM])),
+        "input",
+    ),
+    "embedding negative id": (lambda module: module(NUM, DIM), lambda m: m(torch.tensor([-1])), "input"),
+    "embedding float ids": (lambda module: module(NUM, DIM), lambda m: m(torch.tensor([1.0])), "input"),
+    "embedding padding_idx": (lambda module: module(NUM, DIM, padding_idx=-NUM - 1), None, "padding_idx"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_the_type_torch_raises_with_our_message(case):
+    """For each bad input, torch's own module is the oracle of the type: ours is an instance of it
+    (and of the builtin the message's kind names), its message naming the argument."""
+    make, call, argument = BAD_INPUTS[case]
+    theirs_module = nn.EmbeddingBag if "embedding " not in case else nn.Embedding
+    ours_module = TieredEmbeddingBag if "embedding " not in case else TieredEmbedding
+    with pytest.raises(Exception) as theirs:
+        call(make(theirs_module)) if call is not None else make(theirs_module)
+    with pytest.raises(type(theirs.value), match=argument) as ours:
+        table = make(ours_module)
+        try:
+            call(table)
+        finally:
+            table.close()
+    assert type(ours.value).__module__ == "tierstore.errors"

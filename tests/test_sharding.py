@@ -157,7 +157,7 @@ def test_a_refused_input_or_a_mode_mismatch_raises_on_every_rank_and_training_go
     for rank, result in enumerate(results):
         assert result["step0"] is None and result["after"] is None  # before and after: steps run
         if rank == 2:
-            assert result["refused"].startswith("ValueError: input must be non-negative")
+            assert result["refused"].startswith("NegativeIdError: input must be non-negative")
         else:
             assert (
                 result["refused"]

@@ -32,3 +32,32 @@ class StoreBusyError(RuntimeError):
 class ShardingError(RuntimeError):
     """The ranks of a sharded table disagree (settings, mode, one refused its input) or their
     process group failed; the message names the ranks, and each store keeps its last flush."""
+
+
+# Bad input to a module, raised as the builtin tierstore names and as the type torch raises for it,
+# so code written for torch's modules catches them too; the messages say what to fix.
+
+
+class NegativeIdError(ValueError, IndexError, RuntimeError):
+    """Ids below 0 (torch: ``RuntimeError`` from ``EmbeddingBag``, ``IndexError`` from ``Embedding``)."""
+
+
+class IdOutOfRangeError(IndexError, RuntimeError):
+    """Ids at or past ``num_embeddings`` (torch: ``RuntimeError`` from ``EmbeddingBag``)."""
+
+
+class WrongDtypeError(TypeError, RuntimeError):
+    """Ids or offsets that are not integers, ``per_sample_weights`` of another dtype than the
+    outputs' (torch: ``RuntimeError``)."""
+
+
+class BadOffsetsError(ValueError, RuntimeError):
+    """Offsets that do not start at 0, decrease or point past the input (torch: ``RuntimeError``)."""
+
+
+class WeightsNeedSumError(ValueError, NotImplementedError):
+    """``per_sample_weights`` with mode "mean" or "max" (torch: ``NotImplementedError``)."""
+
+
+class PaddingIdxError(ValueError, AssertionError):
+    """``padding_idx`` outside the table (torch: ``AssertionError``)."""

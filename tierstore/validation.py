@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import BadOffsetsError, IdOutOfRangeError, NegativeIdError, WeightsNeedSumError, WrongDtypeError
+
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -95,7 +97,9 @@ def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
                 f"{name} must be a 1-D integer tensor, array or sequence; got {type(ids).__name__}: {error}"
             ) from None
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise TypeError(f"{name} must have an integer dtype (torch.int64 or torch.int32), got {tensor.dtype}")
+        raise WrongDtypeError(
+            f"{name} must have an integer dtype (torch.int64 or torch.int32), got {tensor.dtype}"
+        )
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     if tensor.dim() != 1:
@@ -103,7 +107,7 @@ def as_ids(ids: Any, name: str = "ids") -> torch.Tensor:
     tensor = tensor.to(device="cpu", dtype=torch.int64)
     if tensor.numel() and bool((tensor < 0).any()):
         bad = int(tensor[tensor < 0][0])
-        raise ValueError(f"{name} must be non-negative (as in nn.EmbeddingBag), got {bad}")
+        raise NegativeIdError(f"{name} must be non-negative (as in nn.EmbeddingBag), got {bad}")
     return tensor
 
 
@@ -194,7 +198,7 @@ def check_lookup_ids(input: Any, num_embeddings: int | None, name: str = "input"
         raise TypeError(f"{name} must be a torch.Tensor of int64 or int32 ids, got {type(input).__name__}")
     ids = as_ids(input.reshape(-1), name).reshape(input.shape)
     if num_embeddings is not None and ids.numel() and int(ids.max()) >= num_embeddings:
-        raise IndexError(
+        raise IdOutOfRangeError(
             f"{name} holds id {int(ids.max())}, out of range for num_embeddings={num_embeddings}"
         )
     return ids
@@ -242,7 +246,7 @@ def check_bag_input(
         offsets = _checked_offsets(offsets, ids.numel())
     if per_sample_weights is not None:
         if mode != "sum":
-            raise ValueError(
+            raise WeightsNeedSumError(
                 f"per_sample_weights is only supported with mode='sum' (as in torch), not mode={mode!r}"
             )
         if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
@@ -253,7 +257,7 @@ def check_bag_input(
                 f"got {tuple(per_sample_weights.shape)}"
             )
         if per_sample_weights.dtype != dtype:
-            raise TypeError(
+            raise WrongDtypeError(
                 f"per_sample_weights must have the table's dtype {dtype}, got {per_sample_weights.dtype}"
             )
     return ids, offsets, per_sample_weights
@@ -268,17 +272,19 @@ def _checked_offsets(offsets: Any, entries: int) -> torch.Tensor:
         or offsets.is_floating_point()
         or offsets.dtype == torch.bool
     ):
-        raise TypeError(f"offsets must be a 1-D integer tensor, got {offsets!r:.80}")
+        raise WrongDtypeError(f"offsets must be a 1-D integer tensor, got {offsets!r:.80}")
     offsets = offsets.to(device="cpu", dtype=torch.int64)
     if offsets.numel():
         if int(offsets[0]) != 0:
-            raise ValueError(
+            raise BadOffsetsError(
                 f"offsets[0] must be 0 (the first bag starts at the start of input), got {int(offsets[0])}"
             )
         if bool((offsets[1:] < offsets[:-1]).any()):
-            raise ValueError("offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])")
+            raise BadOffsetsError(
+                "offsets must be non-decreasing (bag i spans input[offsets[i]:offsets[i + 1]])"
+            )
         if int(offsets[-1]) > entries:
-            raise ValueError(
+            raise BadOffsetsError(
                 f"offsets point past the end of input: last offset {int(offsets[-1])} > "
                 f"input length {entries}"
             )

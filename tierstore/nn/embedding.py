@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import TierConfig
+from ..errors import PaddingIdxError
 from ..kernels.step_passes import distinct_ids
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
@@ -694,10 +695,14 @@ def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) 
         raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
     if num_embeddings is None:
         if padding_idx < 0:
-            raise ValueError(f"padding_idx must be non-negative for an unbounded table, got {padding_idx}")
+            raise PaddingIdxError(
+                f"padding_idx must be non-negative for an unbounded table, got {padding_idx}"
+            )
         return padding_idx
     if not -num_embeddings <= padding_idx < num_embeddings:
-        raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+        raise PaddingIdxError(
+            f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}"
+        )
     return padding_idx % num_embeddings
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import IdOutOfRangeError
 from ..kernels.step_passes import host_passes
 from .keyed import jagged_parts
 
@@ -36,8 +37,8 @@ def checked_table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
     return (table["number"] << ID_BITS) | ids
 
 
-def _bad_id(table: dict, value: int) -> IndexError:
-    return IndexError(f"table {table['name']!r}: ids must be in [0, {id_bound(table)}), got {value}")
+def _bad_id(table: dict, value: int) -> IdOutOfRangeError:
+    return IdOutOfRangeError(f"table {table['name']!r}: ids must be in [0, {id_bound(table)}), got {value}")
 
 
 class JaggedBatch:
