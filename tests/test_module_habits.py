@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from tierstore import TieredEmbedding, TieredEmbeddingBag, TieredStore, optim
+from tierstore import (
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    TieredEmbedding,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+    TieredStore,
+    optim,
+)
 
 NUM, DIM = 64, 8
 
@@ -128,6 +136,53 @@ def test_a_compiled_model_trains_as_the_eager_one(tmp_path, compiler, backend):
     assert compiled.table.step == eager.table.step == 6
     eager.table.close()
     compiled.table.close()
+
+
+class ModelOfEveryKind(nn.Module):
+    """A bag, an embedding and a collection beside dense layers, as a model traced by torch.fx."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.bag = TieredEmbeddingBag(NUM, DIM, mode="sum", path=directory / "bag", host_cache=16)
+        self.embedding = TieredEmbedding(NUM, DIM, path=directory / "embedding", host_cache=16)
+        config = EmbeddingBagConfig(NUM, DIM, name="t", feature_names=["f"])
+        self.collection = TieredEmbeddingBagCollection([config], path=directory / "collection", host_cache=16)
+        self.top = nn.Linear(3 * DIM, 1)
+
+    def forward(self, ids, offsets, features):
+        pooled = self.collection(features).values()
+        return self.top(torch.cat([self.bag(ids, offsets), self.embedding(ids[:2]), pooled], dim=1))
+
+
+def test_torch_fx_traces_a_model_with_tiered_modules_as_leaves_and_it_trains_as_the_eager_one(tmp_path):
+    """``torch.fx.symbolic_trace`` (and tracers built on it, as TorchRec's) sees each tiered module
+    as one call, so the rest of the model traces; the traced module trains as the eager one."""
+    torch.manual_seed(0)
+    eager, traced = ModelOfEveryKind(tmp_path / "eager"), ModelOfEveryKind(tmp_path / "traced")
+    traced.top.load_state_dict(eager.top.state_dict())
+    graph_module = torch.fx.symbolic_trace(traced)
+    called = {node.target for node in graph_module.graph.nodes if node.op == "call_module"}
+    assert {"bag", "embedding", "collection", "top"} <= called
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        ids, offsets = torch.from_numpy(rng.integers(0, NUM, 4)), torch.tensor([0, 3])
+        features = KeyedJaggedTensor(
+            ["f"], torch.from_numpy(rng.integers(0, NUM, 3)), lengths=torch.tensor([1, 2])
+        )
+        outputs = [model(ids, offsets, features) for model in (eager, graph_module)]
+        assert torch.equal(outputs[0], outputs[1])
+        for output in outputs:
+            output.sum().backward()
+    for name in ("bag", "embedding"):
+        assert torch.equal(rows_of(getattr(traced, name)), rows_of(getattr(eager, name)))
+    keys = torch.arange(NUM)
+    assert torch.equal(
+        traced.collection.groups[f"dim{DIM}"].store.get(keys),
+        eager.collection.groups[f"dim{DIM}"].store.get(keys),
+    )
+    for model in (eager, traced):
+        for table in (model.bag, model.embedding, model.collection):
+            table.close()
 
 
 def test_tables_load_no_compiler_until_one_is_used_and_stay_opaque_to_it(tmp_path):

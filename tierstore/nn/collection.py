@@ -33,7 +33,7 @@ from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_path
 from ..warm_start import hot_ids
-from .embedding import TieredEmbeddingBag, opaque_to_compiler
+from .embedding import TieredEmbeddingBag, opaque_to_tracers
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
@@ -222,7 +222,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             merged[group_name] = keys[torch.sort(ranks, stable=True).indices]
         return merged
 
-    @opaque_to_compiler
+    @opaque_to_tracers
     def forward(self, features: Any) -> KeyedTensor:
         try:
             batch = JaggedBatch(features, self._table_of_feature, self._layouts)  # all checked first

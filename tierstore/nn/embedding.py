@@ -45,11 +45,30 @@ from .sharding import RowSharding, refuse_prefetch, replicated_keys
 _MISSING = ("init", "zero", "error")
 
 
-def opaque_to_compiler(method):
-    """``method`` opaque to torch.compile: it runs eagerly (a graph break), the dense layers around
-    it compile, and the update hook runs in backward as in eager mode. ``torch.compiler.disable``
-    imports torch._dynamo (about 70 MiB of memory): it is applied once a compiler is loaded, so a
-    process that never compiles never loads it."""
+def opaque_to_tracers(method):
+    """``forward`` of a tiered module, opaque to graph capture, as the store boundary must be:
+    under torch.compile it runs eagerly (a graph break: the dense layers around it compile, and the
+    update hook runs in backward as in eager mode); under torch.fx tracing (``symbolic_trace``,
+    TorchRec's tracer) its call is one leaf of the graph, so the rest of the model traces."""
+    compiled = _opaque_to_compiler(method)
+
+    @functools.wraps(method)
+    def call(module, *args, **kwargs):
+        proxy = next(
+            (value for value in (*args, *kwargs.values()) if isinstance(value, torch.fx.Proxy)), None
+        )
+        if proxy is not None:  # an fx tracer's: the call is one node of its graph
+            tracer = proxy.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
+        return compiled(module, *args, **kwargs)
+
+    return call
+
+
+def _opaque_to_compiler(method):
+    """``method`` run eagerly under torch.compile (``torch.compiler.disable``). That imports
+    torch._dynamo (about 70 MiB of memory): it is applied once a compiler is loaded, so a process
+    that never compiles never loads it."""
     reason = "a tiered table reads its rows from a store outside the graph"
     if "torch._dynamo" in sys.modules:
         return torch.compiler.disable(method, recursive=True, reason=reason)
@@ -548,7 +567,7 @@ class TieredEmbeddingBag(_TieredTable):
             return None
         return native_step.step_passes(self.store)
 
-    @opaque_to_compiler
+    @opaque_to_tracers
     def forward(
         self,
         input: torch.Tensor,
@@ -669,7 +688,7 @@ class TieredEmbedding(_TieredTable):
             **settings,
         )
 
-    @opaque_to_compiler
+    @opaque_to_tracers
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._refuse_tracing()
         input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
