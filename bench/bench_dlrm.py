@@ -153,17 +153,20 @@ def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
         store.load(part, initial_rows(part, dim, state_width, 0, torch.float32))
 
 
-def collection_step(work: Workload, args, directory: Path):
+def collection_step(work: Workload, args, directory: Path, memory: dict | None = None):
     """``(step, the collection, its host cache rows, its store)``, the host cache filled until it
-    evicts."""
+    evicts; ``memory["collection"]``: what it holds as built (``tables_memory``)."""
     configs = [
         EmbeddingBagConfig(rows, args.dim, name=f"t{index:02d}", feature_names=[feature])
         for index, (rows, feature) in enumerate(zip(work.cardinalities, work.features))
     ]
     kind = tiered_optimizer(args.optimizer)
     host_rows = max(int(sum(work.rows) * args.host_share), len(configs) * args.batch_size)
+    resident = psutil.Process().memory_info().rss
     collection = TieredEmbeddingBagCollection(configs, directory, host_cache=host_rows, optimizer=kind)
     store = collection.groups[f"dim{args.dim}"].store
+    if memory is not None:
+        memory["collection"] = tables_memory([store], resident)
     if work.preloaded:
         for rows, config in zip(
             tqdm(work.cardinalities, desc="preloading the collection", leave=False, disable=None), configs
@@ -244,8 +247,10 @@ def host_figures(totals: dict, host_rows: int) -> dict:
     }
 
 
-def separate_step(work: Workload, args, directory: Path):
+def separate_step(work: Workload, args, directory: Path, memory: dict):
+    """The step of one ``TieredEmbeddingBag`` per table; ``memory["separate"]``: what they hold."""
     kind = tiered_optimizer(args.optimizer)
+    resident = psutil.Process().memory_info().rss
     tables = [
         TieredEmbeddingBag(
             bound,
@@ -257,6 +262,7 @@ def separate_step(work: Workload, args, directory: Path):
         )
         for index, (bound, rows) in enumerate(zip(work.cardinalities, work.rows))
     ]
+    memory["separate"] = tables_memory([table.store for table in tables], resident)
     if work.preloaded:
         for rows, table in zip(
             tqdm(work.cardinalities, desc="preloading the tables", leave=False, disable=None), tables
@@ -269,6 +275,15 @@ def separate_step(work: Workload, args, directory: Path):
         torch.cat(pooled, dim=1).backward(upstream_gradient(ids.shape[1], len(tables) * args.dim))
 
     return step
+
+
+def tables_memory(stores: list, resident_before: int) -> dict:
+    """Memory of tiered tables just built: their caches' bytes (every tier) and the process's
+    resident growth since ``resident_before`` (bytes)."""
+    caches = sum(
+        tier["memory_bytes"] for store in stores for tier in store.stats().values() if "memory_bytes" in tier
+    )
+    return {"caches_bytes": caches, "rss_growth_bytes": psutil.Process().memory_info().rss - resident_before}
 
 
 def torch_step(work: Workload, args):
@@ -436,7 +451,10 @@ def main() -> None:
         return work.next_ids(args.batch_size), lengths
 
     with tempfile.TemporaryDirectory() as directory:
-        step_of_collection, _, host_rows, store = collection_step(work, args, Path(directory) / "plain")
+        memory: dict = {}  # what the collection and the separate tables hold as built
+        step_of_collection, _, host_rows, store = collection_step(
+            work, args, Path(directory) / "plain", memory
+        )
         runs = {"collection": counted(each(step_of_collection), store, host := {})}
         if args.lookahead:  # its own tables: batches the other collection ran would be resident
             step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
@@ -460,7 +478,7 @@ def main() -> None:
             step, collection, _, horizon_store = collection_step(work, args, Path(directory) / "horizon")
             foreseeing = lookahead_run(step, collection, work, max(args.lookahead, 1), horizon=args.horizon)
             runs["collection_horizon"] = counted(foreseeing, horizon_store, host_horizon := {})
-        runs["separate"] = each(separate_step(work, args, Path(directory)))
+        runs["separate"] = each(separate_step(work, args, Path(directory), memory))
         runs["nn_embedding_bag"] = each(torch_step(work, args))
         fbgemm = fbgemm_step(work, args)
         if fbgemm is not None:
@@ -501,6 +519,11 @@ def main() -> None:
             f"{figures['rows_in_per_step']:,.0f} rows moved in per step, "
             f"{figures['major_faults_per_step']:,.1f} major page faults per step (pages read from disk)"
         )
+    for name, held in memory.items():
+        print(
+            f"{name} as built: caches {held['caches_bytes'] / 2**20:,.1f} MiB, process resident memory "
+            f"+{held['rss_growth_bytes'] / 2**20:,.1f} MiB"
+        )
     names = list(breakdowns)
     print(
         "where the collection's step goes on the training thread "
@@ -534,6 +557,7 @@ def main() -> None:
                 "workload": work.description,
                 "samples_per_s": rates,
                 "host_cache": caches,
+                "memory_as_built": memory,
                 "step_costs": costs,
                 "breakdown_ms_per_step": {
                     name: {label: milliseconds for label, _, milliseconds in rows}

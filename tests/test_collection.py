@@ -66,7 +66,7 @@ def reference_outputs(bags, kjt):
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_outputs_equal_one_embedding_bag_per_table(weighted):
-    collection = TieredEmbeddingBagCollection(TABLES, host_cache=200)
+    collection = TieredEmbeddingBagCollection(TABLES, host_cache=200, is_weighted=weighted)
     bags = torch_tables()
     rng = np.random.default_rng(0)
     keys = ("user_id", "query", "ad_id") if weighted else ("user_id", "item_a", "item_b", "query", "ad_id")
@@ -232,7 +232,7 @@ def test_a_torchrec_style_kjt_with_offsets_is_taken():
     ],
 )
 def test_bad_features_are_named_and_change_nothing(make, error, message):
-    collection = TieredEmbeddingBagCollection(TABLES, host_cache=200)
+    collection = TieredEmbeddingBagCollection(TABLES, host_cache=200, is_weighted=True)
     with pytest.raises(error, match=message):
         collection(make())
     assert all(len(group.store) == 0 for group in collection.groups.values())
@@ -243,7 +243,8 @@ def test_bad_features_are_named_and_change_nothing(make, error, message):
     "tables, message",
     [
         ([TABLES[0], EmbeddingBagConfig(5, 8, name="user", feature_names=["x"])], "used twice"),
-        ([TABLES[0], EmbeddingBagConfig(5, 8, name="other", feature_names=["user_id"])], "claimed by"),
+        ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], weight_init_max=0.1)], "weight_init_max"),
+        ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], data_type="FP16")], "data_type"),
         ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], pooling="max")], "pooling"),
         ([EmbeddingBagConfig(5, 0, name="t", feature_names=["x"])], "embedding_dim"),
         ([EmbeddingBagConfig(5, 8, name="", feature_names=["x"])], "name"),

@@ -691,3 +691,39 @@ def test_bad_input_raises_the_type_torch_raises_with_our_message(case):
         finally:
             table.close()
     assert type(ours.value).__module__ == "tierstore.errors"
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_a_learning_rate_schedule_drives_the_fused_optimizer_as_torchs(name):
+    """``fused_optimizer()`` is a ``torch.optim.Optimizer``: a ``StepLR`` on it changes the rate
+    the table's updates use, as the same schedule on torch's optimizer of an ``nn.EmbeddingBag``;
+    its state_dict carries the rates, and a bad one is refused, changing nothing."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(11))
+    make_ours, make_theirs = OPTIMIZERS[name]
+    ours = TieredEmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum", optimizer=make_ours())
+    theirs = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode="sum", sparse=True)
+    fused, reference = ours.fused_optimizer(), make_theirs(theirs.parameters())
+    schedules = [
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.3) for optimizer in (fused, reference)
+    ]
+    rng = np.random.default_rng(12)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.integers(0, NUM, (3, 4)))
+        reference.zero_grad()
+        theirs(ids).sum().backward()
+        reference.step()
+        ours(ids).sum().backward()
+        fused.step()
+        for schedule in schedules:
+            schedule.step()
+    assert ours.optimizer.lr == pytest.approx(reference.param_groups[0]["lr"])
+    torch.testing.assert_close(ours.store.get(torch.arange(NUM)), theirs.weight.detach())
+    saved = fused.state_dict()
+    with pytest.raises(ValueError, match="lr must be a non-negative number"):
+        fused.param_groups[0]["lr"] = -1.0
+    assert fused.param_groups[0]["lr"] == ours.optimizer.lr >= 0
+    saved["param_groups"][0]["lr"] = 0.5
+    again = ours.fused_optimizer()
+    again.load_state_dict(saved)
+    assert ours.optimizer.lr == 0.5
+    ours.close()

@@ -33,8 +33,10 @@ from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_path
 from ..warm_start import hot_ids
+from .collection_table import CollectionTable
 from .embedding import TieredEmbeddingBag, opaque_to_tracers
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
+from .fused_optimizer import FusedOptimizer
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
 from .sharding import refuse_prefetch
@@ -58,9 +60,13 @@ class TieredEmbeddingBagCollection(nn.Module):
     group over the group's ranks as ``TieredEmbeddingBag`` does; ``replicate="auto"`` plans each
     group's replicated rows from ``access_sample``, this rank's first ``KeyedJaggedTensor`` batches.
 
+    ``is_weighted``: the features' weights weigh their ids (sum pooling); else they are ignored,
+    as TorchRec's ``EmbeddingBagCollection(is_weighted=False)`` ignores them.
+
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
-    every feature in ``features.keys()`` order. Adam's and Adagrad's step counts are per group
-    (every fused update of the group counts), as in FBGEMM's fused tables.
+    every feature in ``features.keys()`` order; a feature several tables read gives one output per
+    table, named ``feature@table`` (TorchRec's names), in the tables' order. Adam's and Adagrad's
+    step counts are per group (every fused update of the group counts), as in FBGEMM's fused tables.
     """
 
     def __init__(
@@ -78,13 +84,20 @@ class TieredEmbeddingBagCollection(nn.Module):
         process_group: Any = None,
         replicate: dict[str, Any] | str | Path | int | None = None,
         access_sample: list[Any] | None = None,
+        is_weighted: bool = False,
         **tier_settings,
     ) -> None:
         super().__init__()
         self._tables = _check_tables(tables)
+        self._configs = list(tables)  # as given (TorchRec's or ours), for embedding_bag_configs()
+        # A feature read by several tables is looked up in each, named feature@table (TorchRec's names).
+        self._shared = _shared_features(self._tables)
         self._table_of_feature = {
-            feature: table for table in self._tables.values() for feature in table["feature_names"]
+            f"{feature}@{table['name']}" if feature in self._shared else feature: table
+            for table in self._tables.values()
+            for feature in table["feature_names"]
         }
+        self._weighted = bool(is_weighted)
         self._layouts: dict = {}  # JaggedBatch's per-feature-order tensors
         warm_keys = self._warm_keys(warm)  # checked before any store is opened
         auto = isinstance(replicate, str) and replicate == "auto"
@@ -170,7 +183,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             )
         samples: dict[str, list[torch.Tensor]] = {}
         for features in access_sample:
-            batch = JaggedBatch(features, self._table_of_feature, self._layouts)
+            batch = self._batch(features)
             for group_name in {_group_name(table) for table in self._tables.values()}:
                 positions = _in_group(group_name, batch.tables)
                 if positions:
@@ -225,7 +238,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     @opaque_to_tracers
     def forward(self, features: Any) -> KeyedTensor:
         try:
-            batch = JaggedBatch(features, self._table_of_feature, self._layouts)  # all checked first
+            batch = self._batch(features)  # all checked first
         except Exception as error:
             if not self.sharded:
                 raise
@@ -266,7 +279,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         """``[(a group's store, the distinct keys forward(features) looks up there)]``, for a
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
         refuse_prefetch(self._sharding)
-        batch = JaggedBatch(features, self._table_of_feature, self._layouts)
+        batch = self._batch(features)
         stores = []
         for group_name, group in self.groups.items():
             positions = _in_group(group_name, batch.tables)
@@ -318,8 +331,41 @@ class TieredEmbeddingBagCollection(nn.Module):
             "groups": {name: group.store.stats() for name, group in self.groups.items()},
         }
 
+    def _batch(self, features: Any) -> JaggedBatch:
+        """``features`` checked and laid out (``JaggedBatch``): shared features split per table, weights
+        taken where the collection ``is_weighted``."""
+        return JaggedBatch(features, self._table_of_feature, self._layouts, self._shared, self._weighted)
+
+    @property
+    def embedding_bags(self) -> dict[str, CollectionTable]:
+        """The tables by name (TorchRec's ``embedding_bags``): their settings, and their rows read and
+        written by their own ids."""
+        return {
+            name: CollectionTable(self.groups[_group_name(table)], table)
+            for name, table in self._tables.items()
+        }
+
+    def is_weighted(self) -> bool:
+        """Whether the features' weights weigh the ids (TorchRec's ``is_weighted``)."""
+        return self._weighted
+
+    @property
+    def device(self) -> torch.device:
+        """Where the outputs go (TorchRec's ``EmbeddingBagCollection.device``)."""
+        return next(iter(self.groups.values()))._output_like.device
+
     def table_names(self) -> list[str]:
         return list(self._tables)
+
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one param group per group of
+        tables): a learning rate set in it, or by a ``torch.optim.lr_scheduler``, is the one the
+        next updates use (``FusedOptimizer``). Keep the one object you give a scheduler."""
+        return FusedOptimizer(list(self.groups.values()))
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The tables' configs, as given (TorchRec's ``EmbeddingBagCollection`` API)."""
+        return list(self._configs)
 
 
 def read_layout(root: Path) -> list[dict]:
@@ -353,8 +399,7 @@ def table_keys(table: dict, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _check_tables(tables: list[Any]) -> dict[str, dict]:
-    """``{name: its settings and its number in its group}``, refusing a name used twice or a feature
-    claimed by two tables."""
+    """``{name: its settings and its number in its group}``, refusing a name used twice."""
     if not isinstance(tables, (list, tuple)):
         raise TypeError(
             f"tables must be a list of EmbeddingBagConfig, got {type(tables).__name__}"
@@ -363,7 +408,6 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
     if not tables:
         raise ValueError("a collection needs at least one table")
     checked: dict[str, dict] = {}
-    owner: dict[str, str] = {}
     per_dim: dict[int, int] = {}
     for config in tables:
         name, num_embeddings, dim, features, pooling = table_settings(config)
@@ -375,10 +419,6 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
             )
         if name in checked:
             raise ValueError(f"table name {name!r} is used twice; every table needs its own name")
-        for feature in features:
-            if feature in owner:
-                raise ValueError(f"feature {feature!r} is claimed by tables {owner[feature]!r} and {name!r}")
-            owner[feature] = name
         number = per_dim.get(dim, 0)
         if number >= MAX_TABLES_PER_GROUP:
             raise ValueError(f"more than {MAX_TABLES_PER_GROUP} tables of dim {dim}")
@@ -492,6 +532,15 @@ def _most_rows(tables) -> int | None:
     """The most distinct keys a group of ``tables`` looks up: their rows, None if one grows on demand."""
     rows = [table["num_embeddings"] for table in tables]
     return None if None in rows else sum(rows)
+
+
+def _shared_features(tables: dict[str, dict]) -> dict[str, list[str]]:
+    """``{feature: the tables reading it}`` for the features more than one table reads."""
+    readers: dict[str, list[str]] = {}
+    for name, table in tables.items():
+        for feature in table["feature_names"]:
+            readers.setdefault(feature, []).append(name)
+    return {feature: names for feature, names in readers.items() if len(names) > 1}
 
 
 def _group_name(table: dict) -> str:

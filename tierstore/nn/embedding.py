@@ -40,6 +40,7 @@ from ..validation import (
     integral,
 )
 from . import native_step, pooled_lookup
+from .fused_optimizer import FusedOptimizer
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
 _MISSING = ("init", "zero", "error")
@@ -318,6 +319,11 @@ class _TieredTable(nn.Module):
             return
         self.step += 1
         self.store.apply_gradients(unique, grad, self.optimizer, self.step, slots)
+
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The table's fused optimizer as a ``torch.optim.Optimizer`` (``FusedOptimizer``): a learning
+        rate set in it, or by a ``torch.optim.lr_scheduler``, is the one the next update uses."""
+        return FusedOptimizer([self])
 
     # -- loading weights -----------------------------------------------------------------------
 

@@ -45,10 +45,22 @@ class JaggedBatch:
     """``keys`` (feature names), ``values`` (int64 CPU ids, feature by feature), ``lengths [F, B]``,
     ``weights`` (``[N]`` or None) and ``tables`` (each feature's table settings), checked."""
 
-    def __init__(self, features: Any, table_of_feature: dict[str, dict], layouts: dict | None = None) -> None:
+    def __init__(
+        self,
+        features: Any,
+        table_of_feature: dict[str, dict],
+        layouts: dict | None = None,
+        shared: dict[str, list[str]] | None = None,
+        weighted: bool = True,
+    ) -> None:
         """``layouts``: a dict the owner keeps across batches, where each feature order's table
-        numbers and id bounds are kept once made."""
+        numbers and id bounds are kept once made. ``shared``: ``{feature: the tables reading it}``,
+        each of which looks it up as ``feature@table``. ``weighted``: the weights are used (else
+        ignored)."""
         keys, values, lengths, weights = jagged_parts(features)
+        weights = weights if weighted else None
+        if shared and not shared.keys().isdisjoint(keys):
+            keys, values, lengths, weights = _split_shared(keys, values, lengths, weights, shared)
         if not table_of_feature.keys() >= set(keys):  # one C-level check; the names only if it fails
             unknown = [key for key in keys if key not in table_of_feature]
             raise KeyError(
@@ -125,3 +137,25 @@ class JaggedBatch:
         if weights is not None:
             weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
         return keys, starts, weights
+
+
+def _split_shared(
+    keys: list[str],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    shared: dict[str, list[str]],
+) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch with each feature in ``shared`` repeated as ``feature@table`` for every table that
+    reads it (its ids, lengths and weights copied), in place of the feature."""
+    ends = np.cumsum(lengths.numpy().sum(axis=1))
+    parts: list[tuple[str, slice, int]] = []  # (key, its entries, its row of lengths)
+    for row, key in enumerate(keys):
+        entries = slice(int(ends[row - 1]) if row else 0, int(ends[row]))
+        names = [f"{key}@{table}" for table in shared[key]] if key in shared else [key]
+        parts.extend((name, entries, row) for name in names)
+    values = torch.cat([values[entries] for _, entries, _ in parts])
+    lengths = lengths[[row for _, _, row in parts]]
+    if weights is not None:
+        weights = torch.cat([weights[entries] for _, entries, _ in parts])
+    return [key for key, _, _ in parts], values, lengths, weights

@@ -8,7 +8,9 @@ TorchRec, so code ports by changing imports; TorchRec's own objects are accepted
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -22,13 +24,35 @@ POOLINGS = ("sum", "mean")
 class EmbeddingBagConfig:
     """One table: ``num_embeddings`` (``None``: any id below 2**47, growing on demand),
     ``embedding_dim``, a unique ``name``, the ``feature_names`` looked up in it, and its
-    ``pooling`` ("sum" or "mean"; TorchRec's ``PoolingType`` is accepted too)."""
+    ``pooling`` ("sum" or "mean"; TorchRec's ``PoolingType`` is accepted too). The other fields
+    are TorchRec's (by keyword, as its code passes them); those a tiered table cannot honour must
+    keep their defaults (``UNSUPPORTED_FIELDS`` says why)."""
 
     num_embeddings: int | None
     embedding_dim: int
     name: str = ""
     feature_names: tuple[str, ...] | list[str] = ()
     pooling: Any = "sum"
+    data_type: Any = "FP32"
+    weight_init_max: float | None = None
+    weight_init_min: float | None = None
+    num_embeddings_post_pruning: int | None = None
+    init_fn: Any = None
+    need_pos: bool = False
+
+
+# A TorchRec config field -> (its default, why a tiered table keeps it), checked on every config.
+# TorchRec's own configs fill weight_init_min/max and init_fn with its default initialisation:
+# those are accepted (``_torchrecs_default_init``), and the rows start as every tiered row does.
+UNSUPPORTED_FIELDS = {
+    "weight_init_max": (None, "rows start uniform in +-1/sqrt(dim), a function of id and seed"),
+    "weight_init_min": (None, "rows start uniform in +-1/sqrt(dim), a function of id and seed"),
+    "init_fn": (None, "rows are made when first looked up, never as a whole weight to initialise"),
+    "num_embeddings_post_pruning": (None, "tables are not pruned"),
+    "need_pos": (False, "positions are not passed to tables"),
+    "use_virtual_table": (False, "every tiered table is already a virtual table"),
+    "total_num_buckets": (None, "tables are not bucketised"),
+}
 
 
 def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], str]:
@@ -51,7 +75,40 @@ def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], 
     pooling = str(getattr(pooling, "name", pooling)).lower()
     if pooling not in POOLINGS:
         raise ValueError(f"table {name!r}: pooling must be one of {POOLINGS}, got {config.pooling!r}")
+    initialisation = {"weight_init_max", "weight_init_min", "init_fn"}
+    for field, (default, reason) in UNSUPPORTED_FIELDS.items():
+        if field in initialisation and _torchrecs_default_init(config):
+            continue
+        value = getattr(config, field, default)
+        if value is not default and value != default:
+            raise ValueError(
+                f"table {name!r}: {field}={value!r} is not supported ({reason}); leave it {default!r}"
+            )
+    data_type = getattr(config, "data_type", "FP32")
+    if str(getattr(data_type, "name", data_type)).upper() != "FP32":
+        raise ValueError(
+            f"table {name!r}: data_type={data_type!r} is not supported: a collection's rows take its "
+            "dtype= (float32 by default); leave data_type FP32"
+        )
     return name, num_embeddings, dim, features, pooling
+
+
+def _torchrecs_default_init(config: Any) -> bool:
+    """Whether ``config``'s initialisation fields are the ones TorchRec's configs fill in by
+    default: ``init_fn`` uniform in +-sqrt(1 / num_embeddings), the bounds unset or those."""
+    init = getattr(config, "init_fn", None)
+    if not isinstance(init, functools.partial) or init.func is not torch.nn.init.uniform_ or init.args:
+        return False
+    if not config.num_embeddings or set(init.keywords) != {"a", "b"}:
+        return False
+    bound = math.sqrt(1 / config.num_embeddings)
+    high, low = getattr(config, "weight_init_max", None), getattr(config, "weight_init_min", None)
+    return (
+        math.isclose(init.keywords["b"], bound)
+        and math.isclose(init.keywords["a"], -bound)
+        and (high is None or math.isclose(high, bound))
+        and (low is None or math.isclose(low, -bound))
+    )
 
 
 class KeyedJaggedTensor:
@@ -115,12 +172,32 @@ class KeyedJaggedTensor:
 
 class KeyedTensor:
     """Pooled embeddings ``values [batch, sum of dims]``, features side by side in ``keys()``
-    order, each ``length_per_key()`` columns wide (as TorchRec's)."""
+    order along ``key_dim``, each ``length_per_key()`` wide (TorchRec's, method for method)."""
 
-    def __init__(self, keys: list[str], length_per_key: list[int], values: torch.Tensor) -> None:
+    def __init__(
+        self,
+        keys: list[str],
+        length_per_key: list[int],
+        values: torch.Tensor,
+        key_dim: int = 1,
+        offset_per_key: list[int] | None = None,
+        index_per_key: dict[str, int] | None = None,
+    ) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
         self._values = values
+        self._key_dim = key_dim
+        self._offset_per_key = None if offset_per_key is None else list(offset_per_key)
+        self._index_per_key = index_per_key
+
+    @staticmethod
+    def from_tensor_list(
+        keys: list[str], tensors: list[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> KeyedTensor:
+        """``tensors`` (one per key) concatenated along ``cat_dim``, each ``key_dim`` wide."""
+        return KeyedTensor(
+            keys, [tensor.shape[key_dim] for tensor in tensors], torch.cat(tensors, cat_dim), key_dim
+        )
 
     def keys(self) -> list[str]:
         return self._keys
@@ -128,15 +205,70 @@ class KeyedTensor:
     def values(self) -> torch.Tensor:
         return self._values
 
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def device(self) -> torch.device:
+        return self._values.device
+
     def length_per_key(self) -> list[int]:
         return self._length_per_key
 
+    def offset_per_key(self) -> list[int]:
+        """Where each key's columns start, and where the last ends (``len(keys()) + 1`` entries)."""
+        if self._offset_per_key is None:
+            self._offset_per_key = [0, *itertools.accumulate(self._length_per_key)]
+        return self._offset_per_key
+
+    def _key_indices(self) -> dict[str, int]:
+        if self._index_per_key is None:
+            self._index_per_key = {key: index for index, key in enumerate(self._keys)}
+        return self._index_per_key
+
     def to_dict(self) -> dict[str, torch.Tensor]:
         """``{feature: [batch, dim]}`` (views of ``values()``)."""
-        return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=1)))
+        return dict(zip(self._keys, torch.split(self._values, self._length_per_key, dim=self._key_dim)))
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self.to_dict()[key]
+        index = self._key_indices()[key]
+        start, end = self.offset_per_key()[index : index + 2]
+        return self._values.narrow(self._key_dim, start, end - start)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        values = self._values.to(device, non_blocking=non_blocking)
+        return KeyedTensor(self._keys, self._length_per_key, values, self._key_dim, self._offset_per_key)
+
+    def record_stream(self, stream: Any) -> None:
+        self._values.record_stream(stream)
+
+    def size_in_bytes(self) -> int:
+        return self._values.numel() * self._values.element_size()
+
+    @staticmethod
+    def regroup(keyed_tensors: list[KeyedTensor], groups: list[list[str]]) -> list[torch.Tensor]:
+        """Per group, its keys' columns (found in any of ``keyed_tensors``) side by side."""
+        columns = {}
+        for keyed in keyed_tensors:
+            columns.update((key, keyed[key]) for key in keyed.keys() if key not in columns)
+        missing = sorted({key for group in groups for key in group} - set(columns))
+        if missing:
+            raise KeyError(f"regroup: keys {missing} are in none of the KeyedTensors")
+        dim = keyed_tensors[0].key_dim() if keyed_tensors else 1
+        return [torch.cat([columns[key] for key in group], dim) for group in groups]
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: list[KeyedTensor], groups: list[list[str]], keys: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """``regroup``'s tensors, named by ``keys`` (one per group)."""
+        if len(keys) != len(groups):
+            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys to name them")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={self._values!r})"
+        )
 
 
 def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
