@@ -1,6 +1,7 @@
 """Small tables cost what they hold: a bounded table's cache tiers take no more slots than its rows
-(a collection's group: the rows of its tables), whatever the budget, so tens of small tables do
-not each allocate a whole default budget; a table that fits its budget is held whole."""
+(a collection's group: the rows of its tables), whatever the budget, and a table that grows on
+demand starts its host tier small and grows it as rows come, so tens of small tables do not each
+allocate a whole default budget; a table that fits its budget is held whole."""
 
 import textwrap
 
@@ -9,7 +10,15 @@ import torch
 from helpers import cgroup_problem, peak_in_cgroup
 from torch import nn
 
-from tierstore import EmbeddingBagConfig, TieredEmbeddingBag, TieredEmbeddingBagCollection, TieredStore
+from tierstore import (
+    EmbeddingBagConfig,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+    TieredStore,
+    initial_weights,
+    optim,
+)
+from tierstore.tiers.build import INITIAL_ROWS
 from tierstore.tiers.row_cache import RowCache
 
 
@@ -63,8 +72,59 @@ def test_a_collections_group_holds_its_tables_rows_and_a_growable_table_its_budg
     collection.close()
     growable = [*bounded[:2], EmbeddingBagConfig(None, 8, name="grows", feature_names=["d"])]
     collection = TieredEmbeddingBagCollection(growable, path=tmp_path / "g", host_cache=5000)
-    assert collection.groups["dim8"].store.stats()["host"]["capacity_rows"] == 5000
+    host = collection.groups["dim8"].store.stats()["host"]
+    assert (host["capacity_rows"], host["budget_rows"]) == (INITIAL_ROWS, 5000)  # grows as rows come
     collection.close()
+
+
+def test_a_growable_tables_host_tier_grows_as_rows_come_and_evicts_only_once_full(tmp_path):
+    """Its slots double as new ids arrive (never past the budget), rows keep their values through
+    every growth (a dict is the oracle), and nothing is evicted before the budget is full."""
+    budget = 3 * INITIAL_ROWS + 100
+    store = TieredStore(tmp_path / "s", dim=4, host_cache=budget)
+    oracle = {}
+    capacities = []
+    for start in range(0, 4 * INITIAL_ROWS, 1500):
+        ids = torch.arange(start, start + 1500)
+        rows = ids.to(torch.float32)[:, None].repeat(1, 4) + 0.5
+        store.put(ids, rows)
+        oracle.update(zip(ids.tolist(), rows))
+        host = store.stats()["host"]
+        capacities.append(host["capacity_rows"])
+        assert host["evictions"] == 0 or host["capacity_rows"] == budget  # evicts only when full
+        if start + 1500 <= budget:
+            assert host["evictions"] == 0 and host["resident_rows"] == start + 1500
+    assert capacities[0] == INITIAL_ROWS and capacities[-1] == budget
+    assert sorted(set(capacities)) == [INITIAL_ROWS, 2 * INITIAL_ROWS, budget]  # doubling, capped
+    keys = torch.tensor(sorted(oracle))
+    assert torch.equal(store.get(keys), torch.stack([oracle[key] for key in keys.tolist()]))
+    store.close()
+
+
+@pytest.mark.parametrize("optimizer", [optim.SGD(lr=0.5), optim.Adagrad(lr=0.5)])
+def test_a_growable_table_trains_through_its_growth_as_nn_embedding_bag(optimizer):
+    """Batches of new ids make the host tier grow under training; the rows match torch's."""
+    rows = 3 * INITIAL_ROWS
+    table = TieredEmbeddingBag(None, 4, mode="sum", optimizer=optimizer)
+    reference = nn.EmbeddingBag.from_pretrained(
+        initial_weights(torch.arange(rows), 4, 0, torch.float32), freeze=False, mode="sum"
+    )
+    make = torch.optim.SGD if isinstance(optimizer, optim.SGD) else torch.optim.Adagrad
+    reference_optimizer = make(reference.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(6):
+        ids = torch.randint(0, (step + 1) * rows // 6, (512, 3), generator=generator)
+        grad = torch.randn(512, 4, generator=generator)
+        reference_optimizer.zero_grad()
+        reference(ids).backward(grad)
+        reference_optimizer.step()
+        table(ids).backward(grad)
+    assert table.store.stats()["host"]["capacity_rows"] > INITIAL_ROWS
+    seen = torch.tensor(
+        sorted(set(table.store.stack.top.slot_keys[table.store.stack.top.slot_keys >= 0].tolist()))
+    )
+    torch.testing.assert_close(table.store.get(seen), reference.weight.detach()[seen], rtol=1e-5, atol=1e-6)
+    table.close()
 
 
 @pytest.mark.parametrize(
@@ -93,9 +153,9 @@ def test_a_stores_caches_follow_most_rows_and_it_still_holds_more_ids_in_parts(t
 MANY_SMALL_TABLES = """
 import sys, tempfile, torch
 from tierstore import TieredEmbeddingBag
-count = int(sys.argv[1])
+count, rows = int(sys.argv[1]), None if sys.argv[3] == "None" else int(sys.argv[3])
 with tempfile.TemporaryDirectory(dir=sys.argv[2]) as directory:
-    tables = [TieredEmbeddingBag(100, 16, path=f"{directory}/t{i}") for i in range(count)]
+    tables = [TieredEmbeddingBag(rows, 16, path=f"{directory}/t{i}") for i in range(count)]
     for table in tables:
         table(torch.arange(100).reshape(10, 10)).sum().backward()
     for table in tables:
@@ -105,10 +165,12 @@ print("ok")
 
 
 @pytest.mark.skipif(cgroup_problem() is not None, reason=str(cgroup_problem()))
-def test_thirty_two_small_tables_fit_in_64_MiB_beside_one(tmp_path):
-    """32 tables of 100 rows (default budgets) run in a cgroup whose limit, page cache included,
-    is what one such table takes plus 64 MiB (each allocating its whole default budget took 3 GiB)."""
+@pytest.mark.parametrize("rows", ["100", "None"])
+def test_thirty_two_small_tables_fit_in_64_MiB_beside_one(tmp_path, rows):
+    """32 tables of 100 rows used (bounded at 100, or growing on demand; default budgets) run in a
+    cgroup whose limit, page cache included, is what one such table takes plus 64 MiB (each
+    allocating its whole default budget took 3 GiB)."""
     script = textwrap.dedent(MANY_SMALL_TABLES)
-    baseline = peak_in_cgroup(tmp_path, script, 1 << 40, "1", str(tmp_path))
+    baseline = peak_in_cgroup(tmp_path, script, 1 << 40, "1", str(tmp_path), rows)
     limit = baseline + (64 << 20)
-    assert peak_in_cgroup(tmp_path, script, limit, "32", str(tmp_path)) <= limit
+    assert peak_in_cgroup(tmp_path, script, limit, "32", str(tmp_path), rows) <= limit

@@ -43,8 +43,8 @@ class Foresight:
     def __init__(self, store: Any, horizon: int | str) -> None:
         self.store = store
         top = store.stack.top
-        self.capacity = top.capacity
-        self.accesses = horizon_accesses(horizon, top.capacity)
+        self.capacity = top.max_capacity  # a tier that grows on demand is planned for its budget
+        self.accesses = horizon_accesses(horizon, top.max_capacity)
         self.ahead = 0  # row lookups of the batches entered and not yet consumed
         self.largest = 0  # most distinct ids a batch had
         self.protected = 0  # rows the horizon pins now
@@ -65,8 +65,8 @@ class Foresight:
         self._sequence = 0  # number of the next batch to enter
         self._ids_bytes = 0  # of the batches' ids it holds
         self._scratch = None  # the native cap's slots (int32 [capacity]), made at its first use
-        self._pinned_key = torch.full((top.capacity,), -1, dtype=torch.int64, device=top.device)
-        self._pinned_next = torch.full((top.capacity,), NEVER, dtype=torch.int32, device=top.device)
+        self._pinned_key = torch.full((self.capacity,), -1, dtype=torch.int64, device=top.device)
+        self._pinned_next = torch.full((self.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
     @property
     def nbytes(self) -> int:
@@ -278,7 +278,8 @@ class Foresight:
     def _mine(self, top) -> torch.Tensor:
         """bool [capacity]: the slots carrying the horizon's pin (a row taken out of the tier since,
         by ``load`` or ``clear``, left none)."""
-        return (self._pinned_key >= 0) & (top.slot_keys == self._pinned_key) & (top.pins > 0)
+        pinned_key = self._pinned_key[: top.capacity]
+        return (pinned_key >= 0) & (top.slot_keys == pinned_key) & (top.pins > 0)
 
     def _cap(self, room: int) -> None:
         limit = self.capacity - (self.largest if self._need is None else self._need) - room

@@ -409,7 +409,7 @@ class _Pipeline:
         if count == 0:
             return None
         largest = self._largest[key] = max(self._largest.get(key, 0), count)
-        room = store.stack.top.capacity - largest  # any batch fits beside the window
+        room = store.stack.top.max_capacity - largest  # any batch fits beside the window
         with self._changed:
             pinned, waited = self._pinned.get(key, 0), False
             while pinned and pinned + count > room and not self._stopping:

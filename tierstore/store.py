@@ -179,8 +179,8 @@ class TieredStore:
         else:
             unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             growing = grow and not self.read_only
-            if not growing or unique.numel() > top.capacity:  # more ids than the top tier holds: in parts
-                parts = zip(unique.split(top.capacity), counts.split(top.capacity))
+            if not growing or unique.numel() > top.max_capacity:  # more ids than the top tier holds: in parts
+                parts = zip(unique.split(top.max_capacity), counts.split(top.max_capacity))
                 rows = torch.cat(
                     [self._rows_of_distinct(part, count, width, growing) for part, count in parts]
                 )
@@ -215,8 +215,8 @@ class TieredStore:
         )
         unique, counts, last = _distinct_with_last(ids)
         top = self.stack.top
-        for start in range(0, unique.numel(), top.capacity):  # more ids than the top tier holds: in parts
-            part = slice(start, start + top.capacity)
+        for start in range(0, unique.numel(), top.max_capacity):  # more ids than the top tier holds: in parts
+            part = slice(start, start + top.max_capacity)
             slots = self.stack.make_resident(unique[part], counts[part])
             top.write(slots, rows[last[part]], rows.shape[1])
 

@@ -57,7 +57,8 @@ def warm_caches(stack: TierStack, ids: torch.Tensor) -> int:
     wanted = wanted[stack.cold.contains(wanted)]
     loaded = 0
     for cache in stack.caches:
-        keys, wanted = wanted[: cache.capacity - len(cache)], wanted[cache.capacity - len(cache) :]
+        room = cache.max_capacity - len(cache)
+        keys, wanted = wanted[:room], wanted[room:]
         if keys.numel() == 0:
             continue
         rows, _ = stack.cold.get(keys, torch.zeros_like(keys))  # counts no lookup

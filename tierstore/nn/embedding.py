@@ -170,7 +170,7 @@ class _TieredTable(nn.Module):
             self.store = self.sharding.together("store's opening", open_store, undo=TieredStore.close)
             if auto and not self.sharding.recorded:  # at most half the top tier replicated
                 self.sharding.choose_replicated(
-                    access_sample, embedding_dim, self.store.stack.top.capacity // 2
+                    access_sample, embedding_dim, self.store.stack.top.max_capacity // 2
                 )
         self.step = 0
         if self.sharding is not None:

@@ -14,8 +14,11 @@ from ..kernels import host_kernels
 from ..metadata import StoreMetadata
 from . import backends
 from .cold import open_cold_store
+from .policies import LfuWithAgeing
 from .row_cache import RowCache
 from .stack import TierStack
+
+INITIAL_ROWS = 4096  # slots a host tier that grows on demand starts with
 
 
 def check_backends(config: TierConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -104,9 +107,21 @@ def _cache_tier(
         return None
     if most_rows is not None:
         rows = max(1, min(rows, most_rows))
+    # A table that grows on demand starts its host tier small and grows it to the budget as rows
+    # come (where its policy can grow): nothing is allocated for a budget it does not use.
+    grows = most_rows is None and device.type == "cpu" and (config.policy or LfuWithAgeing).grows
     pin_memory = on_cuda and name == "host"  # page-locked rows copy to the GPU asynchronously
     cache = RowCache(
-        name, rows, row_width, dtype, device, config.half_life, pin_memory, backend, config.policy
+        name,
+        min(rows, INITIAL_ROWS) if grows else rows,
+        row_width,
+        dtype,
+        device,
+        config.half_life,
+        pin_memory,
+        backend,
+        config.policy,
+        grows_to=rows,
     )
     cache.horizon_budget = horizon_nbytes(horizon, rows) if reserve else None
     return cache

@@ -95,11 +95,13 @@ class ColdStats:
 
 @runtime_checkable
 class CacheTier(Protocol):
-    """A fixed number of row slots on one device (``capacity`` rows), write-back, with an eviction
-    policy. ``RowCache`` is the one implementation; its backend and policy are values."""
+    """Row slots on one device (``capacity`` rows now, growing up to ``max_capacity`` as rows come
+    in, ``make_room``), write-back, with an eviction policy. ``RowCache`` is the one
+    implementation; its backend and policy are values."""
 
     name: str  # "device" or "host"
     capacity: int  # rows
+    max_capacity: int  # rows it may grow to (its budget's)
     device: torch.device
     stats: TierStats
 
@@ -112,6 +114,10 @@ class CacheTier(Protocol):
     def nbytes(self) -> int: ...  # every byte the tier allocates
 
     def __len__(self) -> int: ...  # rows held
+
+    def make_room(self, keys: torch.Tensor) -> None:
+        """Grow, up to ``max_capacity``, where the rows of distinct ``keys`` not resident would not
+        fit in the free slots (a tier evicts only once it is full)."""
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key (int64 [N]), -1 where absent. Counts nothing."""

@@ -182,11 +182,20 @@ class HashIndex(BatchedHashTable):
         """Add ``keys`` (distinct, none present yet) with ``values``; grows the table as needed."""
         if keys.numel() == 0:
             return
-        if self.live + keys.numel() > MAX_LOAD * self.slots:
-            self._rebuild(buckets_for(2 * (self.live + keys.numel())))
-        elif self.live + self.tombstones + keys.numel() > MAX_LOAD_WITH_TOMBSTONES * self.slots:
-            self._rebuild(self.buckets)  # clears tombstones
+        self.make_room(keys.numel())
         self._place(keys, values.to(self.value_dtype))
+
+    def reserve(self, capacity: int) -> None:
+        """As large as a table made for ``capacity`` keys (rebuilt to that size if smaller)."""
+        if self.buckets < buckets_for(capacity):
+            self._rebuild(buckets_for(capacity))
+
+    def make_room(self, count: int) -> None:
+        """Rebuild or grow the table now if ``count`` more keys would pass its load limits."""
+        if self.live + count > MAX_LOAD * self.slots:
+            self._rebuild(buckets_for(2 * (self.live + count)))
+        elif self.live + self.tombstones + count > MAX_LOAD_WITH_TOMBSTONES * self.slots:
+            self._rebuild(self.buckets)  # clears tombstones
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write absent, distinct ``keys`` into free slots (empty or tombstone), linear probing

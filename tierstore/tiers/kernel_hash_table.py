@@ -101,6 +101,11 @@ class KernelHashTable(BatchedHashTable):
             values.to(self.device, self.value_dtype).contiguous(),
         )
 
+    def reserve(self, capacity: int) -> None:
+        """As large as a table made for ``capacity`` keys (rebuilt to that size if smaller)."""
+        if self.keys.numel() < positions_for(capacity):
+            self._rebuild(positions_for(capacity))
+
     def make_room(self, count: int) -> None:
         """Rebuild or grow the table now if ``count`` more keys would pass its load limits."""
         if self.live + count > MAX_LOAD * self.keys.numel():

@@ -67,6 +67,12 @@ class EvictionPolicy(abc.ABC):
     def reset(self, slots: torch.Tensor) -> None:
         """``slots`` were just filled or emptied: forget their history."""
 
+    grows = False  # grow() is supported: a tier with this policy may start small and grow
+
+    def grow(self, capacity: int) -> None:
+        """The tier now has ``capacity`` slots (more than before; the new ones empty)."""
+        raise NotImplementedError(f"{type(self).__name__} does not grow: give the tier its whole capacity")
+
     @abc.abstractmethod
     def victims(self, count: int, slot_keys: torch.Tensor, pins: torch.Tensor) -> torch.Tensor:
         """``count`` occupied slots (int64) to evict, none pinned (``pins [capacity]``, uint8, is
@@ -112,15 +118,30 @@ class LfuWithAgeing(EvictionPolicy):
         super().__init__(capacity, device, backend)
         self.score = torch.zeros(capacity, dtype=torch.float32, device=device)
         self._increment = 1.0
+        self._half_life, self._pool_share = half_life, pool_share
+        self._sized(capacity)
+        self.scans = 0
+        self._passes = cache_passes_of(getattr(backend, "kernels", None))  # the tuned host build's scan
+
+    grows = True
+
+    def _sized(self, capacity: int) -> None:
+        """What depends on the capacity: the shadow caches choosing the ageing (started anew), the
+        ageing until they choose, the pool's size (the pool emptied)."""
+        half_life = self._half_life
         library = host_step_library() if half_life is None and tuner_nbytes(capacity) else None
         self.tuner = None if library is None else AgeingTuner(capacity, library)
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
-        self._pool_size = int(capacity * pool_share)
-        self._pool = torch.zeros(0, dtype=torch.int64, device=device)  # ranked slots, lowest first
+        self._pool_size = int(capacity * self._pool_share)
+        self._pool = torch.zeros(0, dtype=torch.int64, device=self.device)  # ranked slots, lowest first
         self._pool_scores = self.score[:0]  # their scores and keys when ranked
         self._pool_keys = self._pool
-        self.scans = 0
-        self._passes = cache_passes_of(getattr(backend, "kernels", None))  # the tuned host build's scan
+
+    def grow(self, capacity: int) -> None:
+        score = torch.zeros(capacity, dtype=torch.float32, device=self.device)
+        score[: self.capacity] = self.score
+        self.score, self.capacity = score, capacity
+        self._sized(capacity)
 
     @property
     def nbytes(self) -> int:

@@ -43,6 +43,7 @@ class RowCache:
         pin_memory: bool = False,
         backend=None,
         policy: type[EvictionPolicy] | None = None,
+        grows_to: int | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
@@ -54,6 +55,8 @@ class RowCache:
             )
         self.name = name
         self.capacity = capacity
+        self.max_capacity = max(capacity, grows_to or capacity)  # grow() takes it this far
+        self._pin_memory = pin_memory
         self.device = torch.device(device)
         self.index = self.backend.make_index(capacity, self.device)
         self.rows = torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=pin_memory)
@@ -72,6 +75,55 @@ class RowCache:
         self.horizon_budget = None  # bytes its budget holds for a lookahead horizon (None: none)
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
+
+    def make_room(self, keys: torch.Tensor) -> None:
+        """Grow (``grow``, up to ``max_capacity``) where the rows of distinct ``keys`` not resident
+        would not fit in the free slots: a tier that can grow evicts only once it is full."""
+        if self.capacity >= self.max_capacity or keys.numel() <= self._free_count:
+            return
+        missing = int((self.find(keys) < 0).sum())
+        if missing > self._free_count:
+            self._grow_for(missing)
+
+    def _grow_for(self, count: int) -> None:
+        """At least ``count`` free slots, up to ``max_capacity``: doubling, so growth costs O(1) a row."""
+        wanted = max(2 * self.capacity, len(self) + count)
+        self.grow(min(self.max_capacity, wanted))
+
+    def grow(self, capacity: int) -> None:
+        """``capacity`` slots (more than now, at most ``max_capacity``): rows stay in their slots,
+        the new ones are free, and the index has room for a key in each (native passes insert
+        without growing it)."""
+        old = self.capacity
+        if not old < capacity <= self.max_capacity:
+            raise ValueError(
+                f"{self.name} cache: grow to {capacity} rows, from {old} (at most {self.max_capacity})"
+            )
+
+        def extended(tensor: torch.Tensor, fill) -> torch.Tensor:
+            grown = torch.full((capacity, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=self.device)
+            grown[:old] = tensor
+            return grown
+
+        rows = torch.empty(
+            capacity,
+            self.rows.shape[1],
+            dtype=self.rows.dtype,
+            device=self.device,
+            pin_memory=self._pin_memory,
+        )
+        rows[:old] = self.rows
+        self.rows = rows
+        self.slot_keys = extended(self.slot_keys, -1)
+        self.dirty, self.fresh, self.pins = (extended(t, 0) for t in (self.dirty, self.fresh, self.pins))
+        new_slots = torch.arange(capacity - 1, old - 1, -1, device=self.device)  # under the free ones
+        self._free = torch.cat(
+            [new_slots, self._free[: self._free_count], self._free.new_empty(old - self._free_count)]
+        )
+        self._free_count += capacity - old
+        self.policy.grow(capacity)
+        self.index.reserve(capacity)  # as a tier made with this capacity has (its byte budget)
+        self.capacity = capacity
 
     @property
     def kernels(self):
@@ -172,6 +224,8 @@ class RowCache:
         """Slots for ``count`` rows about to be admitted (int64 [count]: free slots, then the policy's
         victims outside ``protected``) and how many are victims (the last ones); nothing is taken
         yet. Raises ``CacheCapacityError`` where too few slots are evictable."""
+        if count > self._free_count and self.capacity < self.max_capacity:
+            self._grow_for(count)
         from_free = min(count, self._free_count)
         free = self._free[self._free_count - from_free : self._free_count]
         if count == from_free:
@@ -367,6 +421,7 @@ class RowCache:
         counters = dict(vars(self.stats))
         counters.update(
             capacity_rows=self.capacity,
+            budget_rows=self.max_capacity,
             resident_rows=len(self),
             memory_bytes=self.nbytes,
             bytes_in=self.stats.rows_in * self.rows.shape[1] * self.rows.element_size(),

@@ -39,11 +39,12 @@ class TierStack:
         """Slots in the top tier of ``unique`` ids (int64 [U], distinct), each looked up ``counts``
         times, fetching and evicting as needed."""
         top = self.top
-        if unique.numel() > top.capacity:
+        if unique.numel() > top.max_capacity:
             raise CacheCapacityError(
                 f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
-                f"{top.capacity} rows; raise {top.name}_cache or split the batch"
+                f"{top.max_capacity} rows; raise {top.name}_cache or split the batch"
             )
+        top.make_room(unique)
         top.policy.observe(unique, counts)
         if self._admits_directly():  # one native call: found, victims chosen, misses read in
             return self.cold.make_resident_in(top, unique, counts, None, self._native_initial())
@@ -98,11 +99,12 @@ class TierStack:
         absent = unique[~resident.cpu()]
         moving = absent[self.contains(absent)] if absent.numel() else absent
         if moving.numel():
-            if keys.numel() + moving.numel() > top.capacity:
+            if keys.numel() + moving.numel() > top.max_capacity:
                 raise CacheCapacityError(
                     f"pinning {keys.numel() + moving.numel()} rows needs more than the {top.name} cache's "
-                    f"{top.capacity}; pin fewer"
+                    f"{top.max_capacity}; pin fewer"
                 )
+            top.make_room(moving)
             counts = torch.zeros_like(moving)  # moved ahead of the batch, which counts the lookups
             if self._admits_directly():
                 moved = self.cold.make_resident_in(top, moving, counts, slots, self._native_initial())
@@ -209,7 +211,7 @@ class TierStack:
         if level < len(self.caches):
             cache = self.caches[level]
             evicted = evicted.to(cache.device)
-            fits = min(len(evicted), cache.capacity)
+            fits = min(len(evicted), cache.max_capacity)
             self._move_down(evicted.select(slice(fits, None)), level + 1)  # more than the tier holds
             cache.admit(
                 evicted.select(slice(0, fits)), None, lambda victims: self._move_down(victims, level + 1)
