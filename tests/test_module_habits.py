@@ -477,3 +477,16 @@ def test_the_default_cold_store_is_the_mmap_backend(tmp_path):
     table = TieredEmbeddingBag(None, 4, path=tmp_path / "t", host_cache=8)
     assert table.store.metadata.backend == "mmap" and table.store.stats()["cold"]["backend"] == "mmap"
     table.close()
+
+
+def test_a_table_pickled_before_its_freezing_switch_existed_loads_frozen_as_it_was(tmp_path):
+    """Pickles of an earlier version hold a ``frozen`` flag and no ``trainable`` parameter."""
+    for frozen in (True, False):
+        table = TieredEmbeddingBag(NUM, DIM, mode="sum", path=tmp_path / f"t{frozen}", host_cache=16)
+        state = dict(table.__dict__)
+        state["_parameters"] = {}  # as an earlier version pickled it
+        state["frozen"] = frozen
+        table.__setstate__(state)
+        assert table.frozen == frozen and table.trainable.numel() == 0
+        assert table(torch.tensor([[1, 2]])).requires_grad != frozen
+        table.close()

@@ -392,6 +392,12 @@ class _TieredTable(nn.Module):
                 raise
             self.sharding.refuse(error)
 
+    def __setstate__(self, state: dict) -> None:
+        frozen = state.pop("frozen", False)  # pickled before ``trainable``, frozen was a flag
+        super().__setstate__(state)
+        if "trainable" not in self._parameters:
+            self.trainable = nn.Parameter(torch.empty(0, device=self._output_like.device), not frozen)
+
     @property
     def frozen(self) -> bool:
         """Lookups only, the rows never change: ``requires_grad_(False)`` on the table or its model."""
