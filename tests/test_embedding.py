@@ -727,3 +727,44 @@ def test_a_learning_rate_schedule_drives_the_fused_optimizer_as_torchs(name):
     again.load_state_dict(saved)
     assert ours.optimizer.lr == 0.5
     ours.close()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("module", ["bag-sum", "bag-mean", "embedding"])
+def test_scale_grad_by_freq_trains_as_torchs(name, module):
+    """Each row's gradient divided by its count in the batch: torch's dense ``scale_grad_by_freq``
+    (torch has no sparse one), applied to the rows by the fused optimizer."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(13))
+    make_ours, make_theirs = OPTIMIZERS[name]
+    if module == "embedding":
+        ours = TieredEmbedding.from_pretrained(
+            weight.clone(), freeze=False, scale_grad_by_freq=True, optimizer=make_ours(), padding_idx=0
+        )
+        theirs = nn.Embedding.from_pretrained(
+            weight.clone(), freeze=False, scale_grad_by_freq=True, padding_idx=0
+        )
+    else:
+        mode = module.split("-")[1]
+        ours = TieredEmbeddingBag.from_pretrained(
+            weight.clone(), freeze=False, mode=mode, scale_grad_by_freq=True, optimizer=make_ours()
+        )
+        theirs = nn.EmbeddingBag.from_pretrained(
+            weight.clone(), freeze=False, mode=mode, scale_grad_by_freq=True
+        )
+    reference = make_theirs(theirs.parameters())
+    rng = np.random.default_rng(14)
+    for _ in range(4):
+        ids = torch.from_numpy(rng.integers(0, 6, (5, 4)))  # many repeats
+        grad = torch.from_numpy(
+            rng.standard_normal((5, 4, DIM) if module == "embedding" else (5, DIM)).astype(np.float32)
+        )
+        reference.zero_grad()
+        theirs(ids).backward(grad)
+        reference.step()
+        ours(ids).backward(grad)
+    torch.testing.assert_close(
+        ours.store.get(torch.arange(NUM)), theirs.weight.detach(), rtol=1e-5, atol=1e-6
+    )
+    ours.close()
+    with pytest.raises(ValueError, match="max mode does not support scaling"):
+        TieredEmbeddingBag(NUM, DIM, mode="max", scale_grad_by_freq=True)

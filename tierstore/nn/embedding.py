@@ -94,6 +94,7 @@ class _TieredTable(nn.Module):
     """What both modules share: the store, the optimizer, local weights and the update hook."""
 
     padding_left_out = True  # padding entries are left out of the lookup (bags), or read their row
+    scale_grad_by_freq = False  # each row's gradient divided by its count in the batch (as torch's)
 
     def __init__(
         self,
@@ -267,8 +268,9 @@ class _TieredTable(nn.Module):
 
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
-        (``pooled_lookup``); None (torch's own backward) for a torch tier or when not training."""
-        if not weight.requires_grad or weight.dtype != self.store.dtype:
+        (``pooled_lookup``); None (torch's own backward) for a torch tier, when not training, or
+        when the gradient is scaled by frequency (torch's backward does that)."""
+        if not weight.requires_grad or weight.dtype != self.store.dtype or self.scale_grad_by_freq:
             return None
         return self.store.gradient_kernels(weight.device)
 
@@ -459,8 +461,9 @@ class TieredEmbeddingBag(_TieredTable):
     Args (as ``nn.EmbeddingBag``): ``num_embeddings`` (``None``: any non-negative int64 id; an
     int bounds ids), ``embedding_dim``, ``mode`` ("sum", "mean", "max"), ``padding_idx``,
     ``include_last_offset``, ``dtype``, ``device`` (the device cache's and the outputs' device);
-    sizes may be numpy integers or 0-d tensors. ``max_norm``, ``scale_grad_by_freq`` are not
-    supported; ``sparse`` is accepted and ignored (updates are always sparse). Store args:
+    sizes may be numpy integers or 0-d tensors; ``scale_grad_by_freq`` (torch's dense form, on
+    the torch path rather than the native step). ``max_norm`` is not supported; ``sparse`` is
+    accepted and ignored (updates are always sparse). Store args:
     ``path`` (``None``: a temporary store, deleted when closed or collected), ``backend`` (the
     cold store: "mmap", the default, or "lmdb"; see ``TieredStore``), ``seed``; the cache tiers'
     settings as ``tiers=TierConfig(...)`` or its fields as keywords (``host_cache``,
@@ -509,7 +512,7 @@ class TieredEmbeddingBag(_TieredTable):
         access_sample: Any = None,
         **tier_settings,
     ) -> None:
-        _refuse_unsupported(max_norm, scale_grad_by_freq)
+        _refuse_unsupported(max_norm, scale_grad_by_freq, mode)
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         super().__init__(
@@ -531,6 +534,7 @@ class TieredEmbeddingBag(_TieredTable):
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     @classmethod
     def from_pretrained(
@@ -570,6 +574,7 @@ class TieredEmbeddingBag(_TieredTable):
         training = self.training and torch.is_grad_enabled() and not self.frozen
         if (
             not training
+            or self.scale_grad_by_freq
             or self.sharding is not None
             or self.mode not in ("sum", "mean")
             or self.output_dtype != torch.float32
@@ -620,6 +625,7 @@ class TieredEmbeddingBag(_TieredTable):
             per_sample_weights,
             self.include_last_offset,
             self._gradient_kernels(weight),
+            self.scale_grad_by_freq,
         )
         return pooled.to(self.output_dtype)
 
@@ -675,6 +681,7 @@ class TieredEmbedding(_TieredTable):
             replicate,
             access_sample,
         )
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     @classmethod
     def from_pretrained(
@@ -707,16 +714,17 @@ class TieredEmbedding(_TieredTable):
         weight, local = self._local_weight(input)
         if self.integers is not None:  # a frozen lookup of integers, stored as their bits
             return _from_float_bits(F.embedding(local.rows, weight), self.integers)
-        return pooled_lookup.embedding(local, weight, self._gradient_kernels(weight)).to(self.output_dtype)
+        kernels = self._gradient_kernels(weight)
+        return pooled_lookup.embedding(local, weight, kernels, self.scale_grad_by_freq).to(self.output_dtype)
 
 
-def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool) -> None:
+def _refuse_unsupported(max_norm: float | None, scale_grad_by_freq: bool, mode: str = "sum") -> None:
     if max_norm is not None:
         raise NotImplementedError(
             "max_norm is not supported by tiered tables (it rewrites rows during forward)"
         )
-    if scale_grad_by_freq:
-        raise NotImplementedError("scale_grad_by_freq is not supported by tiered tables")
+    if scale_grad_by_freq and mode == "max":
+        raise ValueError("max mode does not support scaling the gradient by the frequency (as torch)")
 
 
 def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) -> int | None:

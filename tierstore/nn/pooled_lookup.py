@@ -76,12 +76,15 @@ def embedding_bag(
     per_sample_weights: torch.Tensor | None,
     include_last_offset: bool,
     kernels,
+    scale_grad_by_freq: bool = False,
 ) -> torch.Tensor:
     """``F.embedding_bag`` on ``local.rows`` (``padding_idx`` being ``local.padding_row``, other
     arguments and output the same); ``kernels`` (a ``CudaKernels`` or ``HostKernels`` on
-    ``weight``'s device, or None) computes ``weight``'s gradient where it can."""
+    ``weight``'s device, or None) computes ``weight``'s gradient where it can (not where it is
+    scaled by frequency: ``local.rows`` number the distinct ids, so torch's counts are the batch's)."""
     fused = (
         kernels is not None
+        and not scale_grad_by_freq
         and mode in ("sum", "mean")
         and weight.dtype == torch.float32
         and (per_sample_weights is None or not per_sample_weights.requires_grad)
@@ -95,16 +98,21 @@ def embedding_bag(
             per_sample_weights=per_sample_weights,
             include_last_offset=include_last_offset,
             padding_idx=local.padding_row,
+            scale_grad_by_freq=scale_grad_by_freq,
         )
     return _KernelGradientBag.apply(
         weight, local, offsets, mode, per_sample_weights, include_last_offset, kernels
     )
 
 
-def embedding(local: LocalIds, weight: torch.Tensor, kernels) -> torch.Tensor:
+def embedding(
+    local: LocalIds, weight: torch.Tensor, kernels, scale_grad_by_freq: bool = False
+) -> torch.Tensor:
     """``F.embedding`` on ``local.rows`` (any shape): bags of one entry each, so the same backward."""
-    if kernels is None or weight.dtype != torch.float32:
-        return F.embedding(local.rows, weight, padding_idx=local.padding_row)
+    if kernels is None or weight.dtype != torch.float32 or scale_grad_by_freq:
+        return F.embedding(
+            local.rows, weight, padding_idx=local.padding_row, scale_grad_by_freq=scale_grad_by_freq
+        )
     shape = local.rows.shape
     flat = dataclasses.replace(local, rows=local.rows.reshape(-1))
     offsets = torch.arange(flat.rows.numel(), device=flat.rows.device)
