@@ -15,6 +15,7 @@ import tierstore
 from tierstore import TieredStore, optim
 from tierstore.budget import horizon_accesses
 from tierstore.cli.reference_policies import belady_hits
+from tierstore.tiers import build
 
 
 @settings(max_examples=25, deadline=None)
@@ -27,17 +28,20 @@ from tierstore.cli.reference_policies import belady_hits
     optimizer=st.sampled_from(["sgd", "adagrad"]),
     batch=st.integers(1, 6),
     backend=st.sampled_from(["openmp", "torch"]),
+    grows_from=st.sampled_from([None, 2]),
 )
 def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
-    tmp_path_factory, seed, host_rows, horizon, lookahead, background, optimizer, batch, backend
+    tmp_path_factory, seed, host_rows, horizon, lookahead, background, optimizer, batch, backend, grows_from
 ):
+    """``grows_from``: the host tier starts at that many slots and grows under the horizon's pins."""
     batches = bag_batches(seed, 20, batch)
     runs = []
     for foreseeing in (False, True):
         directory = tmp_path_factory.mktemp("run")
         make = optim.SGD if optimizer == "sgd" else optim.Adagrad
-        with closing(
-            tierstore.TieredEmbeddingBag(
+        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, grows_from or build.INITIAL_ROWS
+        try:
+            table = tierstore.TieredEmbeddingBag(
                 None,
                 4,
                 mode="sum",
@@ -46,7 +50,9 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
                 optimizer=make(lr=0.1),
                 host_cache_backend=backend,
             )
-        ) as table:
+        finally:
+            build.INITIAL_ROWS = initial_rows
+        with closing(table):
             if foreseeing:
                 outputs = train(table, batches, lookahead, background, horizon)
             else:

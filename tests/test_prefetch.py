@@ -25,6 +25,7 @@ from tierstore import (
 )
 from tierstore import lookahead as lookahead_module
 from tierstore.lookahead import MAX_LOOKAHEAD
+from tierstore.tiers import build
 
 ROWS = 60
 
@@ -66,20 +67,25 @@ def train(table, batches, lookahead=None, background=True, horizon=None):
     lookahead=st.integers(1, 8),
     optimizer=st.sampled_from(["sgd", "adagrad"]),
     batch=st.integers(1, 6),
+    grows_from=st.sampled_from([None, 2]),
 )
 def test_training_with_the_pipeline_gives_the_same_rows_and_outputs_bit_for_bit(
-    tmp_path_factory, seed, host_rows, lookahead, optimizer, batch
+    tmp_path_factory, seed, host_rows, lookahead, optimizer, batch, grows_from
 ):
+    """``grows_from``: the host tier starts at that many slots and grows while the pipeline pins."""
     batches = bag_batches(seed, 20, batch)
     runs = []
     for prefetching in (None, lookahead):
         directory = tmp_path_factory.mktemp("run")
         make = optim.SGD if optimizer == "sgd" else optim.Adagrad
-        with closing(
-            TieredEmbeddingBag(
+        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, grows_from or build.INITIAL_ROWS
+        try:
+            table = TieredEmbeddingBag(
                 None, 4, mode="sum", path=directory / "t", host_cache=host_rows, optimizer=make(lr=0.1)
             )
-        ) as table:
+        finally:
+            build.INITIAL_ROWS = initial_rows
+        with closing(table):
             outputs = train(table, batches, prefetching)
             rows = table.store.get(torch.arange(ROWS), with_state=True, grow=False)
             runs.append((outputs, rows, len(table.store), table.store.stats()))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierstore import TieredStore
-from tierstore.tiers import KernelRows
+from tierstore.tiers import KernelRows, build
 
 DIM = 3
 ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
@@ -24,6 +24,8 @@ class StoreAgainstDict(RuleBasedStateMachine):
     device_cache_backend = "torch"
     host_cache_backend = "openmp"
     device = "cpu"
+    host_cache, device_cache = 4, 6
+    initial_rows = build.INITIAL_ROWS  # slots a tier that grows on demand starts with
 
     def __init__(self):
         super().__init__()
@@ -36,21 +38,23 @@ class StoreAgainstDict(RuleBasedStateMachine):
         device_backend = self.device_cache_backend
         if device_backend == "cuda" and self.device == "cpu":  # the kernels' host build stands in
             device_backend = KernelRows(shared_host_kernels(), "cuda")
-        self.store = TieredStore(
-            self.directory + "/s",
-            dim=DIM,
-            device=self.device,
-            backend=self.backend,
-            host_cache=4,
-            device_cache=6,
-            device_cache_backend=device_backend,
-            host_cache_backend=self.host_cache_backend,
-        )
+        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, self.initial_rows
+        try:
+            self.store = TieredStore(
+                self.directory + "/s",
+                dim=DIM,
+                device=self.device,
+                backend=self.backend,
+                host_cache=self.host_cache,
+                device_cache=self.device_cache,
+                device_cache_backend=device_backend,
+                host_cache_backend=self.host_cache_backend,
+            )
+        finally:
+            build.INITIAL_ROWS = initial_rows
         stats = self.store.stats()
-        assert (stats["device"]["backend"], stats["host"]["backend"]) == (
-            self.device_cache_backend,
-            self.host_cache_backend,
-        )
+        assert stats["host"]["backend"] == self.host_cache_backend
+        assert not self.device_cache or stats["device"]["backend"] == self.device_cache_backend
 
     @rule(keys=ids, into_out=st.booleans())
     def get(self, keys, into_out):
@@ -106,6 +110,32 @@ class StoreAgainstDict(RuleBasedStateMachine):
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class GrowingHostTierAgainstDict(StoreAgainstDict):
+    """One host tier on the native path (mmap, kernels) that starts at 2 slots and grows to 24 as
+    rows come, evicting once full."""
+
+    backend = "mmap"
+    host_cache, device_cache = 24, 0
+    initial_rows = 2
+
+    def open(self):
+        super().open()
+        tiers = [tier for tier in self.store.stats().values() if "capacity_rows" in tier]
+        assert all(tier["capacity_rows"] == 2 for tier in tiers)  # every tier starts small
+
+    @invariant()
+    def grows_before_it_evicts(self):
+        host = self.store.stats()["host"]
+        assert host["evictions"] == 0 or host["capacity_rows"] == 24
+
+
+class GrowingTiersAgainstDict(GrowingHostTierAgainstDict):
+    """Both tiers (a torch device tier on the CPU above the kernels' host tier) grow."""
+
+    backend = "lmdb"
+    host_cache, device_cache = 24, 10
+
+
 class MmapStoreAgainstDict(StoreAgainstDict):
     backend = "mmap"
     host_cache_backend = "torch"
@@ -130,12 +160,16 @@ class MmapGpuDeviceTierAgainstDict(GpuDeviceTierAgainstDict):
 
 
 TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase
+TestGrowingHostTierAgainstDict = GrowingHostTierAgainstDict.TestCase
+TestGrowingTiersAgainstDict = GrowingTiersAgainstDict.TestCase
 TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
 TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
 TestGpuDeviceTierAgainstDict = pytest.mark.gpu(GpuDeviceTierAgainstDict.TestCase)
 TestMmapGpuDeviceTierAgainstDict = pytest.mark.gpu(MmapGpuDeviceTierAgainstDict.TestCase)
 for case in (
     TestLmdbStoreAgainstDict,
+    TestGrowingHostTierAgainstDict,
+    TestGrowingTiersAgainstDict,
     TestMmapStoreAgainstDict,
     TestKernelDeviceTierAgainstDict,
     TestGpuDeviceTierAgainstDict,

@@ -301,7 +301,7 @@ class Foresight:
 
         def drop_farthest(top) -> None:
             mine = self._mine(top)
-            self._pinned_key[~mine] = -1
+            self._pinned_key[: top.capacity][~mine] = -1  # slots past a growing tier's hold no pin
             slots = mine.nonzero().squeeze(1)
             excess = slots.numel() - keep
             if excess > 0:
