@@ -86,9 +86,11 @@ class RowCache:
             self._grow_for(missing)
 
     def _grow_for(self, count: int) -> None:
-        """At least ``count`` free slots, up to ``max_capacity``: doubling, so growth costs O(1) a row."""
+        """At least ``count`` free slots, up to ``max_capacity``: doubling (growth costs O(1) a row)
+        until past a quarter of it, then all of it, so that a growth's copy (old and new arrays at
+        once) never holds more than 1.25 times the budget."""
         wanted = max(2 * self.capacity, len(self) + count)
-        self.grow(min(self.max_capacity, wanted))
+        self.grow(self.max_capacity if 4 * wanted > self.max_capacity else wanted)
 
     def grow(self, capacity: int) -> None:
         """``capacity`` slots (more than now, at most ``max_capacity``): rows stay in their slots,
