@@ -39,6 +39,15 @@ def test_a_bounded_tables_host_tier_holds_its_rows_and_no_more(tmp_path):
     small.close()
 
 
+def test_a_table_held_whole_runs_no_shadow_caches_and_one_that_is_not_does():
+    """Held whole, nothing is evicted, so no ageing is chosen (no shadow caches, one native call a
+    batch fewer); a table larger than its budget keeps the adaptive ageing."""
+    whole, cached = TieredEmbeddingBag(20_000, 8), TieredEmbeddingBag(20_000, 8, host_cache=10_000)
+    assert whole.store.stack.top.policy.tuner is None and cached.store.stack.top.policy.tuner is not None
+    for table in (whole, cached):
+        table.close()
+
+
 def test_a_small_table_held_whole_trains_like_nn_embedding_bag_and_never_evicts(tmp_path):
     torch.manual_seed(0)
     weight = torch.randn(30, 4)

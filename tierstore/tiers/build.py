@@ -3,6 +3,7 @@ resolves each tier's backend and opens the cold store."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import psutil
@@ -105,8 +106,11 @@ def _cache_tier(
     rows = rows_for_budget(budget, nbytes, memory)
     if not rows:
         return None
+    half_life = config.half_life
     if most_rows is not None:
         rows = max(1, min(rows, most_rows))
+        if rows == most_rows and half_life is None:  # held whole: nothing is evicted, no ageing to choose
+            half_life = math.inf
     # A table that grows on demand starts its host tier small and grows it to the budget as rows
     # come (where its policy can grow): nothing is allocated for a budget it does not use.
     grows = most_rows is None and device.type == "cpu" and (config.policy or LfuWithAgeing).grows
@@ -117,7 +121,7 @@ def _cache_tier(
         row_width,
         dtype,
         device,
-        config.half_life,
+        half_life,
         pin_memory,
         backend,
         config.policy,
