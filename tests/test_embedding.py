@@ -549,7 +549,7 @@ def test_freezing_the_torch_ways_stops_and_resumes_training_as_torchs():
         reference_optimizer.step()
         (ours(ids) * 2).sum().backward()
     torch.testing.assert_close(ours.store.get(torch.arange(NUM)), theirs.weight.detach())
-    assert ours.trainable.grad is not None and ours.trainable.grad.numel() == 0  # used, as DDP expects
+    assert ours.trainable.grad is None  # no process group: nothing to accumulate (DDP: the DMP test)
     frozen = TieredEmbedding.from_pretrained(weight.clone(), host_cache=8)  # freeze=True, torch's default
     assert frozen.frozen and not frozen(torch.tensor([1])).requires_grad
     for table in (ours, collection, frozen):

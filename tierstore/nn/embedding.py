@@ -53,14 +53,14 @@ def opaque_to_tracers(method):
     TorchRec's tracer) its call is one leaf of the graph, so the rest of the model traces."""
     compiled = _opaque_to_compiler(method)
 
+    proxy = torch.fx.Proxy
+
     @functools.wraps(method)
     def call(module, *args, **kwargs):
-        proxy = next(
-            (value for value in (*args, *kwargs.values()) if isinstance(value, torch.fx.Proxy)), None
-        )
-        if proxy is not None:  # an fx tracer's: the call is one node of its graph
-            tracer = proxy.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
+        for value in args if not kwargs else (*args, *kwargs.values()):  # a plain loop: each step
+            if isinstance(value, proxy):  # an fx tracer's: the call is one node of its graph
+                tracer = value.tracer
+                return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)
         return compiled(module, *args, **kwargs)
 
     return call
@@ -403,7 +403,7 @@ class _TieredTable(nn.Module):
     @property
     def frozen(self) -> bool:
         """Lookups only, the rows never change: ``requires_grad_(False)`` on the table or its model."""
-        return not self.trainable.requires_grad
+        return not self._parameters["trainable"].requires_grad  # (not through Module.__getattr__: each step)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

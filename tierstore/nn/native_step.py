@@ -75,30 +75,38 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
             store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots.to(torch.int64))
 
-    return _UpdateInBackward.apply(table.trainable, [pooled], backward)  # the output's backward
+    anchor = table.trainable if distributed() else torch.empty(0, requires_grad=True)
+    return _UpdateInBackward.apply(anchor, [pooled], backward)  # the output's backward
+
+
+def distributed() -> bool:
+    """Whether a process group runs, so a data-parallel wrapper may expect every parameter that
+    requires a gradient to be used by the forward (a table's ``trainable`` is then given a
+    zero-element gradient: accumulating it costs about 10 us a step, paid only there)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def tied_to(parameter: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` as it is, its gradient passed through, and ``parameter`` (a table's ``trainable``,
-    zero elements) given a zero-element gradient: used by the forward, as data-parallel wrappers
-    expect of every parameter that requires a gradient."""
-    return _Tied.apply(parameter, weight)
+    """``weight``, with ``parameter`` (a table's ``trainable``, zero elements) given a zero-element
+    gradient where a process group runs (``distributed``), its gradient passed through."""
+    return _Tied.apply(parameter, weight) if distributed() else weight
 
 
 class _UpdateInBackward(torch.autograd.Function):
     """``outputs[0]`` as an output whose backward runs ``backward(grad)``; ``anchor`` (a table's
-    ``trainable``) gets a zero-element gradient."""
+    ``trainable`` under a process group, else a fresh leaf) gets a zero-element gradient if it is
+    a parameter, else none."""
 
     @staticmethod
     def forward(ctx, anchor, outputs, backward):
         ctx.run_backward = backward
-        ctx.anchor = anchor.detach()
+        ctx.anchor = anchor.detach() if isinstance(anchor, torch.nn.Parameter) else None
         return outputs[0]
 
     @staticmethod
     def backward(ctx, grad):
         ctx.run_backward(grad)
-        return torch.zeros_like(ctx.anchor), None, None
+        return None if ctx.anchor is None else torch.zeros_like(ctx.anchor), None, None
 
 
 class _Tied(torch.autograd.Function):
