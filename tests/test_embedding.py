@@ -1,5 +1,7 @@
 """TieredEmbeddingBag / TieredEmbedding against torch's nn.EmbeddingBag / nn.Embedding and optimizers."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -724,9 +726,15 @@ def test_a_learning_rate_schedule_drives_the_fused_optimizer_as_torchs(name):
     assert fused.param_groups[0]["lr"] == ours.optimizer.lr >= 0
     saved["param_groups"][0]["lr"] = 0.5
     again = ours.fused_optimizer()
+    assert again is fused  # one per module: a schedule and a checkpoint see the same rates
     again.load_state_dict(saved)
     assert ours.optimizer.lr == 0.5
-    ours.close()
+    ours.optimizer = optim.SGD(lr=0.25) if name == "sgd" else optim.Adagrad(lr=0.25)  # set by hand
+    assert fused.state_dict()["param_groups"][0]["lr"] == 0.25
+    copied = copy.deepcopy(ours)  # makes its own, over the copy
+    assert copied.fused_optimizer() is not fused and copied.fused_optimizer()._tables == [copied]
+    for table in (ours, copied):
+        table.close()
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])

@@ -490,3 +490,15 @@ def test_a_table_pickled_before_its_freezing_switch_existed_loads_frozen_as_it_w
         assert table.frozen == frozen and table.trainable.numel() == 0
         assert table(torch.tensor([[1, 2]])).requires_grad != frozen
         table.close()
+
+
+def test_a_table_with_its_fused_optimizer_made_pickles_without_it(tmp_path):
+    table = TieredEmbeddingBag(NUM, DIM, mode="sum", path=tmp_path / "t", host_cache=16)
+    fused = table.fused_optimizer()
+    fused.param_groups[0]["lr"] = 0.5
+    blob = pickle.dumps(table)
+    table.close()  # one writer at a time: the pickle reopens the store
+    loaded = pickle.loads(blob)
+    assert "_fused_optimizer" not in loaded.__dict__ and loaded.optimizer.lr == 0.5
+    assert loaded.fused_optimizer()._tables == [loaded]
+    loaded.close()

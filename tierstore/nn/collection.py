@@ -36,7 +36,7 @@ from ..warm_start import hot_ids
 from .collection_table import CollectionTable
 from .embedding import TieredEmbeddingBag, opaque_to_tracers
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
-from .fused_optimizer import FusedOptimizer
+from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_optimizer
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
 from .sharding import refuse_prefetch
@@ -360,8 +360,11 @@ class TieredEmbeddingBagCollection(nn.Module):
     def fused_optimizer(self) -> FusedOptimizer:
         """The tables' fused optimizer as a ``torch.optim.Optimizer`` (one param group per group of
         tables): a learning rate set in it, or by a ``torch.optim.lr_scheduler``, is the one the
-        next updates use (``FusedOptimizer``). Keep the one object you give a scheduler."""
-        return FusedOptimizer(list(self.groups.values()))
+        next updates use (``FusedOptimizer``). The same object at every call."""
+        return fused_optimizer_of(self, list(self.groups.values()))
+
+    def __getstate__(self) -> dict:
+        return without_fused_optimizer(super().__getstate__())
 
     def embedding_bag_configs(self) -> list[Any]:
         """The tables' configs, as given (TorchRec's ``EmbeddingBagCollection`` API)."""

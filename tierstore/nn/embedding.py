@@ -40,7 +40,7 @@ from ..validation import (
     integral,
 )
 from . import native_step, pooled_lookup
-from .fused_optimizer import FusedOptimizer
+from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_optimizer
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 
 _MISSING = ("init", "zero", "error")
@@ -324,8 +324,12 @@ class _TieredTable(nn.Module):
 
     def fused_optimizer(self) -> FusedOptimizer:
         """The table's fused optimizer as a ``torch.optim.Optimizer`` (``FusedOptimizer``): a learning
-        rate set in it, or by a ``torch.optim.lr_scheduler``, is the one the next update uses."""
-        return FusedOptimizer([self])
+        rate set in it, or by a ``torch.optim.lr_scheduler``, is the one the next update uses. The
+        same object at every call."""
+        return fused_optimizer_of(self, [self])
+
+    def __getstate__(self) -> dict:
+        return without_fused_optimizer(super().__getstate__())
 
     # -- loading weights -----------------------------------------------------------------------
 

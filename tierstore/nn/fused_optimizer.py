@@ -8,6 +8,8 @@ param group, holding its zero-element ``trainable`` parameter and those hyper-pa
 one in a group (``group["lr"] = 0.1``, by hand or by a ``torch.optim.lr_scheduler``) replaces the
 table's optimizer with one of that value, which its next update uses. ``step()`` does nothing:
 the rows were updated in backward. ``state_dict()``/``load_state_dict()`` carry the values.
+A module has one (``fused_optimizer_of``), so a schedule and a checkpoint see the same values;
+it is not pickled or copied with the module (a copy makes its own).
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ import dataclasses
 from typing import Any
 
 import torch
+
+_ATTRIBUTE = "_fused_optimizer"  # where a module keeps its one FusedOptimizer
+
+
+def fused_optimizer_of(module: Any, tables: list[Any]) -> FusedOptimizer:
+    """``module``'s ``FusedOptimizer`` over ``tables``, made at the first call."""
+    fused = module.__dict__.get(_ATTRIBUTE)
+    if fused is None:
+        fused = module.__dict__[_ATTRIBUTE] = FusedOptimizer(tables)
+    return fused
+
+
+def without_fused_optimizer(state: dict) -> dict:
+    """A module's pickled ``state`` less its ``FusedOptimizer`` (a copy makes its own)."""
+    return {name: value for name, value in state.items() if name != _ATTRIBUTE}
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -34,6 +51,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for table in self._tables:
             table.trainable.grad = None
+
+    def state_dict(self) -> dict:
+        for table, group in zip(self._tables, self.param_groups):  # an optimizer set on a table by hand
+            dict.update(group, _values(table.optimizer))
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
