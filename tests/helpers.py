@@ -2,6 +2,7 @@
 and gets against a dict, random hash-table operation sequences, and a script's peak memory under
 a cgroup's limit."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 from hypothesis import strategies as st
 
 from tierstore import initial_weights
+from tierstore.tiers import build
 
 CGROUP = Path("/sys/fs/cgroup/memory")  # the cgroup v1 memory controller
 
@@ -78,3 +80,15 @@ def peak_in_cgroup(tmp_path, script, limit, *arguments) -> int:
         return int((group / "memory.max_usage_in_bytes").read_text())
     finally:
         group.rmdir()
+
+
+@contextlib.contextmanager
+def tiers_growing_from(rows: int | None):
+    """Tiers built meanwhile that grow on demand start at ``rows`` slots (None: the default), so
+    small tests see them grow."""
+    default = build.INITIAL_ROWS
+    build.INITIAL_ROWS = rows or default
+    try:
+        yield
+    finally:
+        build.INITIAL_ROWS = default

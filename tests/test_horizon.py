@@ -7,6 +7,7 @@ from contextlib import closing
 import numpy as np
 import pytest
 import torch
+from helpers import tiers_growing_from
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_prefetch import ROWS, bag_batches, preloaded_table, train, train_collection, two_feature_batches
@@ -15,7 +16,6 @@ import tierstore
 from tierstore import TieredStore, optim
 from tierstore.budget import horizon_accesses
 from tierstore.cli.reference_policies import belady_hits
-from tierstore.tiers import build
 
 
 @settings(max_examples=25, deadline=None)
@@ -39,8 +39,7 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
     for foreseeing in (False, True):
         directory = tmp_path_factory.mktemp("run")
         make = optim.SGD if optimizer == "sgd" else optim.Adagrad
-        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, grows_from or build.INITIAL_ROWS
-        try:
+        with tiers_growing_from(grows_from):
             table = tierstore.TieredEmbeddingBag(
                 None,
                 4,
@@ -50,8 +49,6 @@ def test_training_with_a_horizon_gives_the_same_rows_and_outputs_bit_for_bit(
                 optimizer=make(lr=0.1),
                 host_cache_backend=backend,
             )
-        finally:
-            build.INITIAL_ROWS = initial_rows
         with closing(table):
             if foreseeing:
                 outputs = train(table, batches, lookahead, background, horizon)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import tiers_growing_from
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +26,6 @@ from tierstore import (
 )
 from tierstore import lookahead as lookahead_module
 from tierstore.lookahead import MAX_LOOKAHEAD
-from tierstore.tiers import build
 
 ROWS = 60
 
@@ -78,13 +78,10 @@ def test_training_with_the_pipeline_gives_the_same_rows_and_outputs_bit_for_bit(
     for prefetching in (None, lookahead):
         directory = tmp_path_factory.mktemp("run")
         make = optim.SGD if optimizer == "sgd" else optim.Adagrad
-        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, grows_from or build.INITIAL_ROWS
-        try:
+        with tiers_growing_from(grows_from):
             table = TieredEmbeddingBag(
                 None, 4, mode="sum", path=directory / "t", host_cache=host_rows, optimizer=make(lr=0.1)
             )
-        finally:
-            build.INITIAL_ROWS = initial_rows
         with closing(table):
             outputs = train(table, batches, prefetching)
             rows = table.store.get(torch.arange(ROWS), with_state=True, grow=False)

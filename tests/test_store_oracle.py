@@ -6,14 +6,14 @@ import tempfile
 
 import pytest
 import torch
-from helpers import initial
+from helpers import initial, tiers_growing_from
 from host_kernels import shared_host_kernels
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierstore import TieredStore
-from tierstore.tiers import KernelRows, build
+from tierstore.tiers import KernelRows
 
 DIM = 3
 ids = st.lists(st.integers(0, 40), min_size=1, max_size=6)
@@ -25,7 +25,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
     host_cache_backend = "openmp"
     device = "cpu"
     host_cache, device_cache = 4, 6
-    initial_rows = build.INITIAL_ROWS  # slots a tier that grows on demand starts with
+    initial_rows = None  # slots a tier that grows on demand starts with (None: the default)
 
     def __init__(self):
         super().__init__()
@@ -38,8 +38,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
         device_backend = self.device_cache_backend
         if device_backend == "cuda" and self.device == "cpu":  # the kernels' host build stands in
             device_backend = KernelRows(shared_host_kernels(), "cuda")
-        initial_rows, build.INITIAL_ROWS = build.INITIAL_ROWS, self.initial_rows
-        try:
+        with tiers_growing_from(self.initial_rows):
             self.store = TieredStore(
                 self.directory + "/s",
                 dim=DIM,
@@ -50,8 +49,6 @@ class StoreAgainstDict(RuleBasedStateMachine):
                 device_cache_backend=device_backend,
                 host_cache_backend=self.host_cache_backend,
             )
-        finally:
-            build.INITIAL_ROWS = initial_rows
         stats = self.store.stats()
         assert stats["host"]["backend"] == self.host_cache_backend
         assert not self.device_cache or stats["device"]["backend"] == self.device_cache_backend

@@ -223,27 +223,23 @@ def check_bag_input(
         raise ValueError(
             f"input must be 1-D (with offsets) or 2-D (fixed-length bags), got shape {tuple(input.shape)}"
         )
-    if include_last_offset and isinstance(input, torch.Tensor) and input.dim() == 1 and offsets is not None:
+    if isinstance(input, torch.Tensor) and input.dim() == 1 and offsets is not None:
         offsets = _checked_offsets(offsets, input.numel())
-        if offsets.numel() == 0:
-            raise ValueError(
-                "with include_last_offset=True offsets must hold at least one offset: the last one "
-                "ends the last bag"
-            )
-        kept = int(offsets[-1])
-        whole = isinstance(per_sample_weights, torch.Tensor) and per_sample_weights.shape == input.shape
-        input = input[:kept]
-        per_sample_weights = per_sample_weights[:kept] if whole else per_sample_weights
+        if include_last_offset:
+            if offsets.numel() == 0:
+                raise ValueError(
+                    "with include_last_offset=True offsets must hold at least one offset: the last one "
+                    "ends the last bag"
+                )
+            kept = int(offsets[-1])
+            whole = isinstance(per_sample_weights, torch.Tensor) and per_sample_weights.shape == input.shape
+            input = input[:kept]
+            per_sample_weights = per_sample_weights[:kept] if whole else per_sample_weights
     ids = check_lookup_ids(input, num_embeddings)
-    if ids.dim() == 2:
-        if offsets is not None:
-            raise ValueError("offsets must be None when input is 2-D (each row of input is one bag)")
-    else:
-        if offsets is None:
-            raise ValueError(
-                "offsets is required when input is 1-D: offsets[i] is where bag i starts in input"
-            )
-        offsets = _checked_offsets(offsets, ids.numel())
+    if ids.dim() == 2 and offsets is not None:
+        raise ValueError("offsets must be None when input is 2-D (each row of input is one bag)")
+    if ids.dim() == 1 and offsets is None:
+        raise ValueError("offsets is required when input is 1-D: offsets[i] is where bag i starts in input")
     if per_sample_weights is not None:
         if mode != "sum":
             raise WeightsNeedSumError(

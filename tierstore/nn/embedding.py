@@ -301,7 +301,7 @@ class _TieredTable(nn.Module):
         """Fused optimizer step on the rows of ``unique`` (int64 [U]), found at ``slots`` of the top
         tier by the forward (sharded: the forward's exchange), with ``grad [U, dim]``; the padding
         row is left as it is (sharded: its gradient is zero, as torch's)."""
-        if self.padding_idx is not None:
+        if self.padding_idx is not None and not self.padding_left_out:  # bags never look it up
             padding = unique == self.padding_idx
             if bool(padding.any()):
                 if self.sharding is None:
@@ -770,5 +770,5 @@ def _as_float_bits(embeddings: torch.Tensor, cls: type, freeze: bool) -> torch.T
 
 def _from_float_bits(rows: torch.Tensor, integers: torch.dtype) -> torch.Tensor:
     """``rows`` read from a table of integers (``_as_float_bits``) as those integers."""
-    wide = {1: torch.int16}.get(torch.empty(0, dtype=integers).element_size(), integers)
+    wide = torch.int16 if integers.itemsize == 1 else integers
     return rows.view(wide).to(integers)

@@ -40,7 +40,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, tables: list[Any]) -> None:
         self._tables = list(tables)
-        groups = [{"params": [table.trainable], **_values(table.optimizer)} for table in self._tables]
+        groups = [
+            {"params": [table.trainable], **dataclasses.asdict(table.optimizer)} for table in self._tables
+        ]
         super().__init__(groups, defaults={})
         self._link()
 
@@ -54,7 +56,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         for table, group in zip(self._tables, self.param_groups):  # an optimizer set on a table by hand
-            dict.update(group, _values(table.optimizer))
+            dict.update(group, dataclasses.asdict(table.optimizer))
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -83,15 +85,15 @@ class _TableGroup(dict):
         self.table = table
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in _values(self.table.optimizer):  # checked first: a bad value changes nothing
+        if key in dataclasses.asdict(self.table.optimizer):  # checked first: a bad value changes nothing
             self.table.optimizer = dataclasses.replace(self.table.optimizer, **{key: _plain(value)})
         super().__setitem__(key, value)
 
     def apply(self) -> None:
         """The table's optimizer with this group's values (raises, naming the field, on a bad one)."""
         optimizer = self.table.optimizer
-        values = {name: _plain(self[name]) for name in _values(optimizer) if name in self}
-        if values != _values(optimizer):
+        values = {name: _plain(self[name]) for name in dataclasses.asdict(optimizer) if name in self}
+        if values != dataclasses.asdict(optimizer):
             self.table.optimizer = dataclasses.replace(optimizer, **values)
 
     def __reduce__(self):
@@ -104,8 +106,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return float(value)
     return tuple(value) if isinstance(value, list) else value
-
-
-def _values(optimizer: Any) -> dict[str, Any]:
-    """The hyper-parameters of a ``tierstore.optim`` optimizer, by field name."""
-    return {field.name: getattr(optimizer, field.name) for field in dataclasses.fields(optimizer)}

@@ -44,8 +44,7 @@ class TierStack:
                 f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
                 f"{top.max_capacity} rows; raise {top.name}_cache or split the batch"
             )
-        if top.capacity < top.max_capacity:  # a tier still growing
-            top.make_room(unique)
+        top.make_room(unique)
         top.policy.observe(unique, counts)
         if self._admits_directly():  # one native call: found, victims chosen, misses read in
             return self.cold.make_resident_in(top, unique, counts, None, self._native_initial())
