@@ -32,8 +32,24 @@ def passes():
     return step_passes.passes_of(parallel_host_kernels().step_library)
 
 
+def _part(key: int) -> int:
+    """host_step.cpp's distinct_part: the top 3 bits of the key's hash (SplitMix64's finaliser,
+    the kernels' ``mix``), one of 8 parts."""
+    bits = (1 << 64) - 1
+    x = key & bits
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & bits
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & bits
+    return (x ^ (x >> 31)) >> 61
+
+
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 30), max_size=200), st.sampled_from([None, 0, 7]))
+@given(
+    st.lists(st.integers(0, 30), max_size=200)
+    | st.lists(st.integers(-(2**62), 2**62) | st.integers(0, 3000), min_size=1024, max_size=4000),
+    st.sampled_from([None, 0, 7]),
+)
 def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
     ids = torch.tensor(ids, dtype=torch.int64)
     distinct = passes.distinct(ids, padding)
@@ -42,15 +58,34 @@ def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
     order = torch.argsort(distinct.unique)
     assert torch.equal(distinct.unique[order], expected)
     assert torch.equal(distinct.counts[order], counts)
-    first_seen = [int(i) for i in dict.fromkeys(kept.tolist())]
-    assert distinct.unique.tolist() == first_seen
+    first_seen = [int(i) for i in dict.fromkeys(kept.tolist())]  # part by part, first seen in each
+    assert distinct.unique.tolist() == sorted(first_seen, key=_part)
     rows = distinct.entry_rows
     padded = ids == padding if padding is not None else torch.zeros_like(ids, dtype=torch.bool)
     assert bool((rows[padded] == distinct.unique.numel()).all())
     assert torch.equal(distinct.unique[rows[~padded]], ids[~padded])
-    for row in range(distinct.unique.numel()):  # each row's entries, ascending
-        entries = distinct.order[distinct.starts[row] : distinct.starts[row + 1]]
-        assert entries.tolist() == (rows == row).nonzero().squeeze(1).tolist()
+    grouped = torch.argsort(rows.masked_fill(padded, rows.numel() + 1), stable=True)[: kept.numel()]
+    assert torch.equal(distinct.order, grouped)  # row by row, ascending within a row
+    row_lengths = distinct.starts[1 : order.numel() + 1].diff(prepend=distinct.starts[:1])
+    assert torch.equal(row_lengths, distinct.counts)
+
+
+def test_the_dedupe_does_not_depend_on_the_thread_count():
+    runtime = openmp_runtime()
+    if runtime is None:
+        pytest.skip("the OpenMP runtime (libgomp) is not loaded: one thread count only")
+    passes = step_passes.passes_of(parallel_host_kernels().step_library)
+    ids = torch.randint(0, 20_000, (50_000,), generator=torch.Generator().manual_seed(0))
+    threads = runtime.omp_get_max_threads()
+    results = []
+    try:
+        for count in (1, 2, 3, 5):
+            runtime.omp_set_num_threads(count)
+            distinct = passes.distinct(ids, 11)
+            results.append(torch.cat([distinct.unique, distinct.counts, distinct.entry_rows, distinct.order]))
+    finally:
+        runtime.omp_set_num_threads(threads)
+    assert all(torch.equal(results[0], other) for other in results[1:])
 
 
 @settings(max_examples=80, deadline=None)

@@ -1,6 +1,6 @@
 // A CPU training step's own passes, built with the kernels into the host tier's library (the
 // OpenMP build of tierstore/kernels/host.py; called from tierstore/nn/native_step.py):
-// - step_distinct: a batch's distinct ids by hashing (first appearance order), each entry's
+// - step_distinct: a batch's distinct ids by hashing (in parts, on the OpenMP team), each entry's
 //   distinct row, and the entries grouped by row (a counting sort: ascending entries in a row);
 // - step_pooled_forward: every bag's pooled sum or mean, read straight from the host tier's rows;
 // - step_backward: each distinct row's gradient summed from its entries and the fused optimizer
@@ -13,6 +13,7 @@
 // It also holds the host cache tier's own calls (host_cache.cpp), a lookahead horizon's
 // (host_horizon.cpp) and LFU's shadow caches (host_ageing.cpp).
 
+#include <omp.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,43 +45,126 @@ static inline i64 distinct_row(int* __restrict__ table, i64 mask, i64* __restric
     return table[position] - 1;
 }
 
-// Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U] in
-// first-appearance order and counts[U]; entry_rows[e] is entry e's distinct row (U for padding
-// entries); starts[U + 1] (U + 2 with padding: the padding row has no entries) and order[M]: the
-// non-padding entries, row by row, ascending within a row. `table` is scratch of mask + 1 >= 2n
-// int32 positions, each 0 or a distinct row + 1 (its key is unique[row]): 4 bytes a position keep
-// the table in L2 where pairs of keys and rows would not. n < 2^31. Returns U.
+// A batch's dedupe splits its ids by hash into DISTINCT_PARTS parts, each part's rows found on one
+// thread: a fixed number, so the rows' order depends on the ids alone, not on the thread count.
+#define DISTINCT_PARTS 8
+#define DISTINCT_PART_BITS 3  // log2(DISTINCT_PARTS): a key's part is the top bits of its hash
+
+static inline int distinct_part(i64 key) { return (int)(mix((u64)key) >> (64 - DISTINCT_PART_BITS)); }
+
+// int32 scratch step_distinct needs for n ids: each part's entries and their rows within the part,
+// then each part's hash table (a power of two of at least twice its entries and 16).
+extern "C" i64 step_distinct_scratch(i64 n) { return 6 * n + 32 * DISTINCT_PARTS; }
+
+// Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U]
+// part by part (DISTINCT_PARTS of the ids' hashes), in first-appearance order within a part, and
+// counts[U]; entry_rows[e] is entry e's distinct row (U for padding entries); starts[U + 1] (U + 2
+// with padding: the padding row has no entries) and order[M]: the non-padding entries, row by row,
+// ascending within a row. `scratch`: step_distinct_scratch(n) int32s; each part's table holds 0 or
+// a distinct row + 1 a position (4 bytes keep it in L2 where pairs of keys and rows would not).
+// Threads write only runs of memory of their own (entries of different parts lie side by side:
+// writing each entry's row from its part's thread would share every cache line). n < 2^31.
+// Returns U.
 extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
-                             int* __restrict__ table, i64 mask, i64* __restrict__ unique,
-                             i64* __restrict__ counts, i64* __restrict__ entry_rows, i64* __restrict__ starts,
+                             int* __restrict__ scratch, i64* __restrict__ unique, i64* __restrict__ counts,
+                             i64* __restrict__ entry_rows, i64* __restrict__ starts,
                              i64* __restrict__ order) {
-    for (i64 p = 0; p <= mask; ++p) table[p] = 0;
-    i64 distinct = 0;
-    for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
-        const i64 key = ids[e];
-        if (has_padding && key == padding) {
-            entry_rows[e] = -1;
-            continue;
+    const int P = DISTINCT_PARTS;
+    int* __restrict__ bucket = scratch;           // the kept entries, part by part, ascending in a part
+    int* __restrict__ bucket_rows = scratch + n;  // their rows within their part
+    const int threads = n >= PARALLEL_FROM ? omp_get_max_threads() : 1;
+    std::vector<i64> histogram((size_t)threads * P, 0);  // [run, part]: entries, then where they go
+    i64 part_entries[DISTINCT_PARTS + 1];                // where each part's entries start in bucket
+    int runs = 1;                                        // the runs of entries, one a thread
+    // 1. The entries bucketed by part, each thread counting, then placing, its own run of them.
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        const i64 first = n * t / team, last = n * (t + 1) / team;
+        i64 mine[DISTINCT_PARTS] = {0};  // this run's: counted, then where its next entry goes
+        for (i64 e = first; e < last; ++e) mine[distinct_part(ids[e])] += !(has_padding && ids[e] == padding);
+        for (int p = 0; p < P; ++p) histogram[(size_t)t * P + p] = mine[p];
+#pragma omp barrier
+#pragma omp single
+        {
+            runs = team;
+            i64 running = 0;
+            for (int p = 0; p < P; ++p) {
+                part_entries[p] = running;
+                for (int u = 0; u < team; ++u) {
+                    const i64 count = histogram[(size_t)u * P + p];
+                    histogram[(size_t)u * P + p] = running;
+                    running += count;
+                }
+            }
+            part_entries[P] = running;
         }
-        const i64 row = distinct_row(table, mask, unique, distinct, key);
-        if (row == distinct) counts[distinct++] = 0;  // a new row
-        counts[row] += 1;
-        entry_rows[e] = row;
+        for (int p = 0; p < P; ++p) mine[p] = histogram[(size_t)t * P + p];
+        for (i64 e = first; e < last; ++e)
+            if (!(has_padding && ids[e] == padding)) bucket[mine[distinct_part(ids[e])]++] = (int)e;
     }
-    starts[0] = 0;
-    for (i64 r = 0; r < distinct; ++r) starts[r + 1] = starts[r] + counts[r];
-    int* __restrict__ next = table;  // the table is done with: each row's next place in order
-    for (i64 r = 0; r < distinct; ++r) next[r] = (int)starts[r];
-    for (i64 e = 0; e < n; ++e) {
-        const i64 row = entry_rows[e];
-        if (row < 0) {
-            entry_rows[e] = distinct;
-        } else {
-            order[next[row]++] = e;
+    i64 table_start[DISTINCT_PARTS + 1], part_rows[DISTINCT_PARTS], row_base[DISTINCT_PARTS + 1];
+    table_start[0] = 2 * n;
+    for (int p = 0; p < P; ++p) {
+        i64 size = 16;
+        while (size < 2 * (part_entries[p + 1] - part_entries[p])) size *= 2;
+        table_start[p + 1] = table_start[p] + size;
+    }
+    // 2. Each part deduplicated on its own, its rows written from where its entries start (a bound
+    // on the rows before it).
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int p = 0; p < P; ++p) {
+        int* __restrict__ table = scratch + table_start[p];
+        const i64 mask = table_start[p + 1] - table_start[p] - 1;
+        for (i64 q = 0; q <= mask; ++q) table[q] = 0;
+        i64* __restrict__ part_unique = unique + part_entries[p];
+        i64* __restrict__ part_counts = counts + part_entries[p];
+        i64 distinct = 0;
+        for (i64 k = part_entries[p]; k < part_entries[p + 1]; ++k) {
+            if (k + AHEAD < part_entries[p + 1])
+                __builtin_prefetch(&table[mix((u64)ids[bucket[k + AHEAD]]) & (u64)mask]);
+            const i64 row = distinct_row(table, mask, part_unique, distinct, ids[bucket[k]]);
+            if (row == distinct) part_counts[distinct++] = 0;  // a new row
+            part_counts[row] += 1;
+            bucket_rows[k] = (int)row;
         }
+        part_rows[p] = distinct;
     }
+    row_base[0] = 0;
+    for (int p = 0; p < P; ++p) {  // the parts' rows side by side (each moves down, in part order)
+        row_base[p + 1] = row_base[p] + part_rows[p];
+        std::memmove(unique + row_base[p], unique + part_entries[p], part_rows[p] * sizeof(i64));
+        std::memmove(counts + row_base[p], counts + part_entries[p], part_rows[p] * sizeof(i64));
+    }
+    const i64 distinct = row_base[P];
+    // 3. Each part's rows' starts and its entries grouped by row (a counting sort), on one thread.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int p = 0; p < P; ++p) {
+        int* __restrict__ next = scratch + table_start[p];  // each row's next place in order
+        i64 place = part_entries[p];
+        for (i64 r = 0; r < part_rows[p]; ++r) {
+            starts[row_base[p] + r] = place;
+            next[r] = (int)place;
+            place += counts[row_base[p] + r];
+        }
+        for (i64 k = part_entries[p]; k < part_entries[p + 1]; ++k) order[next[bucket_rows[k]]++] = bucket[k];
+    }
+    starts[distinct] = part_entries[P];
     if (has_padding) starts[distinct + 1] = starts[distinct];
+    // 4. Each entry's row, run by run as step 1 placed them.
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < runs; ++t) {
+        i64 next[DISTINCT_PARTS];
+        for (int p = 0; p < P; ++p) next[p] = histogram[(size_t)t * P + p];
+        for (i64 e = n * t / runs; e < n * (t + 1) / runs; ++e) {
+            if (has_padding && ids[e] == padding) {
+                entry_rows[e] = distinct;
+                continue;
+            }
+            const int p = distinct_part(ids[e]);
+            entry_rows[e] = row_base[p] + bucket_rows[next[p]++];
+        }
+    }
     return distinct;
 }
 

@@ -24,7 +24,8 @@ _OPTIMIZER_CODES = {"update_sgd": 0, "update_adagrad": 1, "update_adam": 2, "upd
 _MAX_OPTIMIZER_ARGUMENTS = 6
 _POINTER, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "step_distinct": (_I64, [_POINTER, _I64, _I64, _INT, _POINTER, _I64] + [_POINTER] * 5),
+    "step_distinct_scratch": (_I64, [_I64]),
+    "step_distinct": (_I64, [_POINTER, _I64, _I64, _INT] + [_POINTER] * 6),
     "step_unique": (_I64, [_POINTER, _I64, _POINTER, _I64, _POINTER]),
     "step_pooled_forward": (
         None,
@@ -173,7 +174,8 @@ def pointer(tensor: torch.Tensor | None) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Distinct:
-    """A batch's distinct ids: ``unique [U]`` in first-appearance order, ``counts [U]``,
+    """A batch's distinct ids: ``unique [U]`` (in parts by hash, first-appearance order within a
+    part: ``step_distinct``), ``counts [U]``,
     ``entry_rows [N]`` (each entry's row in ``unique``; U for padding entries), ``starts [U + 1]``
     and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64."""
 
@@ -202,12 +204,22 @@ class StepPasses:
             table = self._scratch.table = torch.empty(positions, dtype=torch.int32)
         return table, positions - 1
 
+    def _distinct_scratch(self, entries: int) -> torch.Tensor:
+        """int32 scratch for ``step_distinct`` of ``entries`` ids."""
+        if entries >= 1 << 31:
+            raise ValueError(f"a batch holds {entries} ids; split it into batches of fewer than 2^31")
+        needed = self._functions["step_distinct_scratch"](entries)
+        scratch = getattr(self._scratch, "distinct", None)
+        if scratch is None or scratch.shape[0] < needed:
+            scratch = self._scratch.distinct = torch.empty(needed, dtype=torch.int32)
+        return scratch
+
     def distinct(self, ids: torch.Tensor, padding: int | None) -> Distinct:
         """``Distinct`` of ``ids`` (int64 CPU, any shape, validated), leaving out entries equal to
         ``padding`` (None: none)."""
         flat = ids.reshape(-1).contiguous()
         entries = flat.numel()
-        table, mask = self._hash_table(entries)
+        scratch = self._distinct_scratch(entries)
         out = torch.empty(3, entries, dtype=torch.int64)  # unique, counts, entry rows
         starts = torch.empty(entries + 2, dtype=torch.int64)
         order = torch.empty(entries, dtype=torch.int64)
@@ -216,8 +228,7 @@ class StepPasses:
             entries,
             -1 if padding is None else padding,
             padding is not None,
-            table.data_ptr(),
-            mask,
+            scratch.data_ptr(),
             out[0].data_ptr(),
             out[1].data_ptr(),
             out[2].data_ptr(),
