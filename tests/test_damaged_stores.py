@@ -3,6 +3,7 @@ SIGBUS and never an empty table; the CLI reports it (verify exits 1, the others 
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tierstore import StoreFormatError, TieredStore
+from tierstore.tiers.cold import lmdb_store
 
 CLI = [sys.executable, "-m", "tierstore"]
 
@@ -141,6 +143,43 @@ def test_scribbled_lmdb_pages_are_format_errors_never_wrong_or_new_rows(tmp_path
             file.write(os.urandom((page + 1) * 4096 - start))
     outcome = read_in_subprocess(tmp_path / "s")
     assert outcome.startswith("StoreFormatError") and "data.mdb is damaged" in outcome, outcome
+
+
+@pytest.mark.parametrize("mode", ["rw", "ro"])
+def test_scribbled_lmdb_pages_that_killed_a_reader_are_a_format_error(tmp_path, mode):
+    """The scribble above with the bytes of one seed that was a bus error before the pages were
+    walked at open: an entry it left claims a value of 1.6 GB, and py-lmdb touches every page of a
+    value it returns, past the file's end."""
+    make_store(tmp_path / "s", "lmdb")
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    pages = pages_holding(data_file, (1234).to_bytes(8, "big"))
+    scribble = random.Random(260)
+    with open(data_file, "r+b") as file:
+        for page in pages:
+            file.seek(page * 4096 + 16)
+            file.write(scribble.randbytes(4096 - 16))
+    result = subprocess.run(
+        [sys.executable, "-c", OPEN_AND_READ, str(tmp_path / "s"), mode], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr  # a signal would be negative
+    assert result.stdout.startswith("StoreFormatError") and "data.mdb is damaged" in result.stdout
+
+
+def test_an_lmdb_store_as_its_writer_left_it_is_not_walked_again(tmp_path, monkeypatch):
+    walked = []
+    monkeypatch.setattr(lmdb_store, "verify_pages", lambda path: walked.append(path) or [])
+    make_store(tmp_path / "s", "lmdb")
+    walked.clear()  # the new store's empty file was walked
+    TieredStore(tmp_path / "s", read_only=True, host_cache=16).close()
+    with TieredStore(tmp_path / "s", host_cache=16) as store:
+        store.put(torch.tensor([5]), torch.ones(1, 8))
+        store.flush()
+    TieredStore(tmp_path / "s", read_only=True, host_cache=16).close()
+    assert walked == []
+    data_file = tmp_path / "s" / "lmdb" / "data.mdb"
+    os.utime(data_file, ns=(data_file.stat().st_atime_ns, data_file.stat().st_mtime_ns + 1))  # touched
+    TieredStore(tmp_path / "s", read_only=True, host_cache=16).close()
+    assert len(walked) == 1
 
 
 def test_a_damaged_lmdb_value_is_a_format_error(tmp_path):

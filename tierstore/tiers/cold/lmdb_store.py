@@ -3,7 +3,9 @@
 Every row read is checked (``codec.RowCodec``), and a key not found is confirmed absent by checking
 the entries on either side of it (a page damaged where the key should be gives a neighbour that
 fails its check), so damage found by a read is ``StoreFormatError`` naming the file, as are LMDB's
-own errors from damaged pages; ``tierstore verify`` reads and checks every entry.
+own errors from damaged pages; ``tierstore verify`` reads and checks every entry. A data file not as
+the store's writer last left it has every page walked at open before LMDB reads one
+(``_check_pages``).
 
 Staged writes go to a staging sub-database kept as an append-only log (``lmdb_staging``: entries
 keyed by sequence number, an index in RAM finds an id's newest one), one transaction per batch that
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import json
 import os
 import struct
 import time
@@ -51,6 +54,8 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import torch
+from lmdb.verify import VerifyError
+from lmdb.verify import verify as verify_pages  # py-lmdb's offline walk of every page, never through LMDB
 
 from ...errors import StoreBusyError, StoreFormatError
 from .base import ColdStore
@@ -75,6 +80,7 @@ _FLUSHES_KEY = b"flushes"  # in the meta sub-database: the flushes completed, co
 _STAGES = (b"pending", b"pending.b")  # one stages writes, the other holds a flush being applied
 _STAGING_KEY, _APPLYING_KEY = b"staging", b"applying"  # in meta: which stage does which (0 or 1)
 APPLY_ROWS = 4096  # rows a transaction of a flush's apply moves: its dirty pages stay a few MiB
+LEFT_FILE = "left.json"  # beside data.mdb: the file's size, time and inode as the writer last left it
 
 
 def check_data_file(data_file: Path) -> None:
@@ -183,6 +189,12 @@ class LmdbColdStore(ColdStore):
                 readahead=False,
                 lock=True,  # readers register, so the writer never reuses pages a reader's snapshot holds
             )
+            try:
+                with self._env.begin():  # a reader's slot: a writer elsewhere reuses none of its pages
+                    self._check_pages()
+            except BaseException:
+                self._env.close()
+                raise
             self._rows = self._env.open_db(b"rows", create=not read_only)
             self._stages = [self._open_optional(name) for name in _STAGES]
             self._meta = self._open_optional(b"meta")
@@ -202,6 +214,47 @@ class LmdbColdStore(ColdStore):
         self._pool: ThreadPoolExecutor | None = None
         self._seconds_per_key = float("inf")  # assume the disk until a read shows otherwise
         self.parallel_reads = 0
+
+    def _check_pages(self) -> None:
+        """``StoreFormatError`` naming data.mdb if a page LMDB would follow is damaged (every page
+        walked by py-lmdb's offline verifier), unless the file is as this store's writer last left
+        it (``LEFT_FILE``): LMDB trusts its pages, and py-lmdb touches every page of the length a
+        damaged entry claims, a bus error past the file's end. A file changed since (a crash, a
+        writer still writing, a copy, damage) is walked once, about 5 s a GiB."""
+        if self._left_as_recorded():
+            return
+        try:
+            problems = verify_pages(str(self._path))
+        except VerifyError as error:
+            problems = [str(error)]
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise StoreFormatError(
+                f"{self._data_file} is damaged: {problems[0]}{more}; restore the store from a backup, or "
+                f"export what still reads and re-import it"
+            )
+
+    def _file_identity(self) -> list[int]:
+        status = self._data_file.stat()
+        return [status.st_size, status.st_mtime_ns, status.st_ino]
+
+    def _left_as_recorded(self) -> bool:
+        try:
+            return json.loads((self._path / LEFT_FILE).read_text()) == self._file_identity()
+        except (OSError, ValueError):
+            return False
+
+    def _record_as_left(self) -> None:
+        """Record data.mdb as this writer leaves it (after a flush's sync, and at close): a reopen
+        finding it so skips the walk of its pages. Not synced: a record lost only costs a walk."""
+        record = self._path / LEFT_FILE
+        partial = record.with_suffix(".partial")
+        try:
+            partial.write_text(json.dumps(self._file_identity()))
+            os.replace(partial, record)
+        except OSError:  # a full disk: the next open walks the pages
+            with contextlib.suppress(OSError):
+                partial.unlink()
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -528,6 +581,7 @@ class LmdbColdStore(ColdStore):
         self._sync()
         if self._applying is not None:
             self._apply()
+        self._record_as_left()
 
     def _apply(self) -> None:
         """Copy the log being applied into ``rows`` in its order (an id's newest entry last),
@@ -629,5 +683,7 @@ class LmdbColdStore(ColdStore):
         if self._snapshot is not None:
             self._snapshot.abort()
         self._env.close()
+        if not self.read_only:
+            self._record_as_left()
         _OPEN_IN_THIS_PROCESS.discard(self._path.resolve())
         self._release_lock()
