@@ -44,22 +44,21 @@ def _part(key: int) -> int:
     return (x ^ (x >> 31)) >> 61
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    st.lists(st.integers(0, 30), max_size=200)
-    | st.lists(st.integers(-(2**62), 2**62) | st.integers(0, 3000), min_size=1024, max_size=4000),
-    st.sampled_from([None, 0, 7]),
-)
-def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
-    ids = torch.tensor(ids, dtype=torch.int64)
-    distinct = passes.distinct(ids, padding)
+IN_PARTS_FROM = 16384  # host_step.cpp's DISTINCT_IN_PARTS_FROM: larger batches are split by hash
+
+
+def _check_distinct(ids: torch.Tensor, padding: int | None, distinct) -> None:
+    """``distinct`` against torch.unique: rows in first-appearance order (split into parts by hash
+    from ``IN_PARTS_FROM`` entries), each entry's row, the entries grouped by row."""
     kept = ids if padding is None else ids[ids != padding]
     expected, counts = torch.unique(kept, return_counts=True)
     order = torch.argsort(distinct.unique)
     assert torch.equal(distinct.unique[order], expected)
     assert torch.equal(distinct.counts[order], counts)
-    first_seen = [int(i) for i in dict.fromkeys(kept.tolist())]  # part by part, first seen in each
-    assert distinct.unique.tolist() == sorted(first_seen, key=_part)
+    first_seen = [int(i) for i in dict.fromkeys(kept.tolist())]
+    if ids.numel() >= IN_PARTS_FROM:  # part by part, first seen in each
+        first_seen.sort(key=_part)
+    assert distinct.unique.tolist() == first_seen
     rows = distinct.entry_rows
     padded = ids == padding if padding is not None else torch.zeros_like(ids, dtype=torch.bool)
     assert bool((rows[padded] == distinct.unique.numel()).all())
@@ -70,12 +69,27 @@ def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
     assert torch.equal(row_lengths, distinct.counts)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=200), st.sampled_from([None, 0, 7]))
+def test_distinct_by_hashing_matches_torch_unique(passes, ids, padding):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    _check_distinct(ids, padding, passes.distinct(ids, padding))
+
+
+@pytest.mark.parametrize("entries", [IN_PARTS_FROM - 1, IN_PARTS_FROM, 53_248])
+@pytest.mark.parametrize("spread", [3, 5_000, 2**62])
+@pytest.mark.parametrize("padding", [None, 2])
+def test_a_large_batch_is_deduplicated_in_parts_by_hash(passes, entries, spread, padding):
+    ids = torch.randint(0, spread, (entries,), generator=torch.Generator().manual_seed(entries + spread))
+    _check_distinct(ids, padding, passes.distinct(ids, padding))
+
+
 def test_the_dedupe_does_not_depend_on_the_thread_count():
     runtime = openmp_runtime()
     if runtime is None:
         pytest.skip("the OpenMP runtime (libgomp) is not loaded: one thread count only")
     passes = step_passes.passes_of(parallel_host_kernels().step_library)
-    ids = torch.randint(0, 20_000, (50_000,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 20_000, (50_000,), generator=torch.Generator().manual_seed(0))  # in parts
     threads = runtime.omp_get_max_threads()
     results = []
     try:

@@ -45,8 +45,46 @@ static inline i64 distinct_row(int* __restrict__ table, i64 mask, i64* __restric
     return table[position] - 1;
 }
 
-// A batch's dedupe splits its ids by hash into DISTINCT_PARTS parts, each part's rows found on one
-// thread: a fixed number, so the rows' order depends on the ids alone, not on the thread count.
+// A small batch's dedupe on the calling thread: step_distinct's results, rows in first-appearance
+// order, through one table of mask + 1 >= 2n positions (scratch).
+static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
+                           int* __restrict__ table, i64 mask, i64* __restrict__ unique,
+                           i64* __restrict__ counts, i64* __restrict__ entry_rows, i64* __restrict__ starts,
+                           i64* __restrict__ order) {
+    for (i64 p = 0; p <= mask; ++p) table[p] = 0;
+    i64 distinct = 0;
+    for (i64 e = 0; e < n; ++e) {
+        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
+        const i64 key = ids[e];
+        if (has_padding && key == padding) {
+            entry_rows[e] = -1;
+            continue;
+        }
+        const i64 row = distinct_row(table, mask, unique, distinct, key);
+        if (row == distinct) counts[distinct++] = 0;  // a new row
+        counts[row] += 1;
+        entry_rows[e] = row;
+    }
+    starts[0] = 0;
+    for (i64 r = 0; r < distinct; ++r) starts[r + 1] = starts[r] + counts[r];
+    int* __restrict__ next = table;  // the table is done with: each row's next place in order
+    for (i64 r = 0; r < distinct; ++r) next[r] = (int)starts[r];
+    for (i64 e = 0; e < n; ++e) {
+        const i64 row = entry_rows[e];
+        if (row < 0) {
+            entry_rows[e] = distinct;
+        } else {
+            order[next[row]++] = e;
+        }
+    }
+    if (has_padding) starts[distinct + 1] = starts[distinct];
+    return distinct;
+}
+
+// A large batch's dedupe splits its ids by hash into DISTINCT_PARTS parts, each part's rows found on
+// one thread: a fixed number, so the rows' order depends on the ids alone, not on the thread count.
+// Smaller batches run distinct_serial (splitting costs more than a second thread saves there).
+#define DISTINCT_IN_PARTS_FROM 16384  // entries
 #define DISTINCT_PARTS 8
 #define DISTINCT_PART_BITS 3  // log2(DISTINCT_PARTS): a key's part is the top bits of its hash
 
@@ -57,22 +95,28 @@ static inline int distinct_part(i64 key) { return (int)(mix((u64)key) >> (64 - D
 extern "C" i64 step_distinct_scratch(i64 n) { return 6 * n + 32 * DISTINCT_PARTS; }
 
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U]
-// part by part (DISTINCT_PARTS of the ids' hashes), in first-appearance order within a part, and
-// counts[U]; entry_rows[e] is entry e's distinct row (U for padding entries); starts[U + 1] (U + 2
-// with padding: the padding row has no entries) and order[M]: the non-padding entries, row by row,
-// ascending within a row. `scratch`: step_distinct_scratch(n) int32s; each part's table holds 0 or
-// a distinct row + 1 a position (4 bytes keep it in L2 where pairs of keys and rows would not).
-// Threads write only runs of memory of their own (entries of different parts lie side by side:
-// writing each entry's row from its part's thread would share every cache line). n < 2^31.
+// in first-appearance order (n < DISTINCT_IN_PARTS_FROM) or part by part (DISTINCT_PARTS of the
+// ids' hashes), in first-appearance order within a part, and counts[U]; entry_rows[e] is entry e's distinct
+// row (U for padding entries); starts[U + 1] (U + 2 with padding: the padding row has no entries) and
+// order[M]: the non-padding entries, row by row, ascending within a row. `scratch`: step_distinct_scratch(n)
+// int32s; each part's table holds 0 or a distinct row + 1 a position (4 bytes keep it in L2 where pairs of
+// keys and rows would not). Threads write only runs of memory of their own (entries of different parts lie
+// side by side: writing each entry's row from its part's thread would share every cache line). n < 2^31.
 // Returns U.
 extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
                              int* __restrict__ scratch, i64* __restrict__ unique, i64* __restrict__ counts,
                              i64* __restrict__ entry_rows, i64* __restrict__ starts,
                              i64* __restrict__ order) {
+    if (n < DISTINCT_IN_PARTS_FROM) {
+        i64 positions = 16;
+        while (positions < 2 * n) positions *= 2;
+        return distinct_serial(ids, n, padding, has_padding, scratch, positions - 1, unique, counts,
+                               entry_rows, starts, order);
+    }
     const int P = DISTINCT_PARTS;
     int* __restrict__ bucket = scratch;           // the kept entries, part by part, ascending in a part
     int* __restrict__ bucket_rows = scratch + n;  // their rows within their part
-    const int threads = n >= PARALLEL_FROM ? omp_get_max_threads() : 1;
+    const int threads = omp_get_max_threads();
     std::vector<i64> histogram((size_t)threads * P, 0);  // [run, part]: entries, then where they go
     i64 part_entries[DISTINCT_PARTS + 1];                // where each part's entries start in bucket
     int runs = 1;                                        // the runs of entries, one a thread

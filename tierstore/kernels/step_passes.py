@@ -208,10 +208,10 @@ class StepPasses:
         """int32 scratch for ``step_distinct`` of ``entries`` ids."""
         if entries >= 1 << 31:
             raise ValueError(f"a batch holds {entries} ids; split it into batches of fewer than 2^31")
-        needed = self._functions["step_distinct_scratch"](entries)
-        scratch = getattr(self._scratch, "distinct", None)
-        if scratch is None or scratch.shape[0] < needed:
-            scratch = self._scratch.distinct = torch.empty(needed, dtype=torch.int32)
+        scratch, serves = getattr(self._scratch, "distinct", (None, -1))  # and the most entries it serves
+        if entries > serves:
+            scratch = torch.empty(self._functions["step_distinct_scratch"](entries), dtype=torch.int32)
+            self._scratch.distinct = scratch, entries
         return scratch
 
     def distinct(self, ids: torch.Tensor, padding: int | None) -> Distinct:
