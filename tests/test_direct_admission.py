@@ -5,6 +5,7 @@ counters and files, bit for bit, a lookahead window's pins and a refused batch i
 failure modes of the call (a damaged row, a full disk) change nothing."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -234,3 +235,44 @@ def test_the_mmap_store_admits_only_into_a_tier_it_can_serve(tmp_path):
     with TieredStore(tmp_path / "s", read_only=True, host_cache=8) as reader:
         assert not reader.stack.cold.admits_into(reader.stack.top)
     assert mmap_store.MmapColdStore.admits_into is not None
+
+
+def test_a_failed_log_write_puts_the_tiers_index_back(tmp_path, monkeypatch):
+    """A batch evicting hundreds of dirty rows, whose log writes run beside the tier index's changes
+    (two threads), fails to write: OSError, the index as it was, and every row as a table that never
+    tried holds it; the next batch goes on."""
+    offsets = torch.arange(0, 1024, 4)
+
+    def trained(path):
+        table = TieredEmbeddingBag(
+            None, DIM, path=path, backend="mmap", optimizer=optim.SGD(lr=0.1), host_cache=1024
+        )
+        for step in range(3):  # the tier full of dirty rows
+            table(torch.arange(step * 400, step * 400 + 1024), offsets).sum().backward()
+        return table
+
+    table, reference = trained(tmp_path / "s"), trained(tmp_path / "reference")
+    top, cold = table.store.stack.top, table.store.stack.cold
+    before = [
+        tensor.clone() for tensor in (top.index.keys, top.index.values, top.slot_keys, top.rows, top.dirty)
+    ]
+    read_only = os.open(cold._wal_rows.path, os.O_RDONLY)
+    monkeypatch.setattr(cold._wal_rows, "fileno", lambda: read_only)
+    with pytest.raises(OSError):
+        table(torch.arange(5000, 6024), offsets)
+    os.close(read_only)
+    monkeypatch.undo()
+    after = (top.index.keys, top.index.values, top.slot_keys, top.rows, top.dirty)
+    assert [torch.equal(then, now) for then, now in zip(before[2:], after[2:])] == [True] * 3
+    assert _key_to_slot(*after[:2]) == _key_to_slot(*before[:2])  # positions in the table may differ
+    for model in (table, reference):
+        model(torch.arange(5000, 6024), offsets).sum().backward()
+    ids = torch.arange(6100)
+    assert torch.equal(table.store.get(ids, with_state=True), reference.store.get(ids, with_state=True))
+    table.close()
+    reference.close()
+
+
+def _key_to_slot(keys: torch.Tensor, values: torch.Tensor) -> dict:
+    held = keys >= 0
+    return dict(zip(keys[held].tolist(), values[held].tolist()))

@@ -25,6 +25,7 @@
 #include "embedding_cache.cu"
 
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
+#define SECTIONS_FROM 256   // victims: fewer keep an admission's log writes and index changes on one thread
 
 #include "host_cache.cpp"
 #include "host_horizon.cpp"
@@ -744,9 +745,10 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 //    pwrite (log_rows_fd, log_keys_fd; the caller has allocated their blocks and room in the log's
 //    index). A failed write returns -errno, nothing else changed (bytes past log_count count for
 //    nothing).
-// 3. The victims' keys leave the tier's index; slot slots[i] takes keys[i], its stored row (or its
-//    initial row where the store holds none: then dirty and fresh) and a score of counts[i] x
-//    increment, as an admission's reset and LFU's count leave it; the keys enter the tier's index.
+// 3. Meanwhile (a second thread, from SECTIONS_FROM victims) the victims' keys leave the tier's
+//    index and the keys enter it (put back as they were if a write failed); then slot slots[i]
+//    takes keys[i], its stored row (or its initial row where the store holds none: then dirty and
+//    fresh) and a score of counts[i] x increment, as an admission's reset and LFU's count leave it.
 // out[0]: lookups of keys the store holds; out[1]: victims written back; out[2]: records appended;
 // out[3]: keys new to the log's index.
 static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
@@ -777,7 +779,8 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     }
 
     // 2. The victims' dirty rows: where each goes (the log's index): over its record where that was
-    // staged since the last flush, else appended (packed, in order, then written).
+    // staged since the last flush, else appended (packed, in order, then written). 3. Meanwhile, on a
+    // second thread, the tier's index: the victims' keys out, the keys in (undone if a write fails).
     struct Staged {
         unsigned char* target;  // the record rewritten in place; null: appended
         const float* row;
@@ -791,67 +794,87 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
         victim_keys[j] = tier.slot_keys[victim_slots[j]];
     }
-    for (i64 j = 0; j < victims; ++j) {
-        if (j + AHEAD < victims) {
-            prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
-            __builtin_prefetch(&tier.dirty[victim_slots[j + AHEAD]]);
-        }
-        const i64 slot = victim_slots[j], key = victim_keys[j];
-        if (!tier.dirty[slot]) continue;
-        const i64 position = probe(cold.log_keys, cold.log_mask, key);
-        const i64 record = position < 0 ? -1 : cold.log_values[position];
-        const float* row = tier.rows + slot * tier.row_width;
-        if (record >= cold.committed) {
-            rewritten.push_back({cold.log_rows + record * cold.stored_bytes, row, key, position});
-        } else {
-            appended_rows.push_back({nullptr, row, key, position});
-            appended_keys.push_back(key);
-        }
-    }
     auto store = [&](unsigned char* target, const float* row, i64 key) {
         store_row(target, (const unsigned char*)row, key, cold.row_bytes, cold.check_bytes, checks);
     };
-    const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
-    if (appended) {
-        std::vector<unsigned char> packed(appended * cold.stored_bytes);
-#pragma omp parallel for schedule(static) if (appended >= PARALLEL_FROM)
-        for (i64 j = 0; j < appended; ++j) {
-            if (j + AHEAD < appended) prefetch_lines(appended_rows[j + AHEAD].row, cold.row_bytes);
-            store(&packed[j * cold.stored_bytes], appended_rows[j].row, appended_rows[j].key);
-        }
-        int error = write_all(log_rows_fd, packed.data(), appended * cold.stored_bytes,
-                              cold.log_count * cold.stored_bytes);
-        if (!error)
-            error = write_all(log_keys_fd, (const unsigned char*)appended_keys.data(),
-                              appended * (i64)sizeof(i64), cold.log_count * (i64)sizeof(i64));
-        if (error) return -error;
-    }
-    // Nothing fails from here on: the rewrites in place, then the log's index.
-#pragma omp parallel for schedule(static) if (rewrites >= PARALLEL_FROM)
-    for (i64 j = 0; j < rewrites; ++j) {
-        if (j + AHEAD < rewrites) {
-            prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
-            __builtin_prefetch(rewritten[j + AHEAD].target, 1);
-        }
-        store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
-    }
+    std::vector<int> former(victims), slot_values(n);
+    for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
+    int error = 0;
     i64 new_to_log = 0;
-    for (i64 j = 0; j < appended; ++j) {
-        const i64 record = cold.log_count + j;
-        if (appended_rows[j].position >= 0) {  // its committed record is superseded
-            cold.log_values[appended_rows[j].position] = record;
-        } else {
+#pragma omp parallel sections num_threads(2) if (victims >= SECTIONS_FROM)
+    {
+#pragma omp section
+        {
+            for (i64 j = 0; j < victims; ++j) {
+                if (j + AHEAD < victims) {
+                    prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
+                    __builtin_prefetch(&tier.dirty[victim_slots[j + AHEAD]]);
+                }
+                const i64 slot = victim_slots[j], key = victim_keys[j];
+                if (!tier.dirty[slot]) continue;
+                const i64 position = probe(cold.log_keys, cold.log_mask, key);
+                const i64 record = position < 0 ? -1 : cold.log_values[position];
+                const float* row = tier.rows + slot * tier.row_width;
+                if (record >= cold.committed) {
+                    rewritten.push_back({cold.log_rows + record * cold.stored_bytes, row, key, position});
+                } else {
+                    appended_rows.push_back({nullptr, row, key, position});
+                    appended_keys.push_back(key);
+                }
+            }
+            const i64 appended = (i64)appended_rows.size();
+            if (appended) {
+                std::vector<unsigned char> packed(appended * cold.stored_bytes);
+                for (i64 j = 0; j < appended; ++j) {
+                    if (j + AHEAD < appended) prefetch_lines(appended_rows[j + AHEAD].row, cold.row_bytes);
+                    store(&packed[j * cold.stored_bytes], appended_rows[j].row, appended_rows[j].key);
+                }
+                error = write_all(log_rows_fd, packed.data(), appended * cold.stored_bytes,
+                                  cold.log_count * cold.stored_bytes);
+                if (!error)
+                    error = write_all(log_keys_fd, (const unsigned char*)appended_keys.data(),
+                                      appended * (i64)sizeof(i64), cold.log_count * (i64)sizeof(i64));
+            }
+            if (!error) {  // nothing fails from here on: the rewrites in place, then the log's index
+                const i64 rewrites = (i64)rewritten.size();
+                for (i64 j = 0; j < rewrites; ++j) {
+                    if (j + AHEAD < rewrites) {
+                        prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
+                        __builtin_prefetch(rewritten[j + AHEAD].target, 1);
+                    }
+                    store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
+                }
+                for (i64 j = 0; j < appended; ++j) {
+                    const i64 record = cold.log_count + j;
+                    if (appended_rows[j].position >= 0) {  // its committed record is superseded
+                        cold.log_values[appended_rows[j].position] = record;
+                    } else {
+                        int status = 0;
+                        insert_serial(cold.log_keys, cold.log_values, cold.log_mask, &appended_keys[j],
+                                      &record, 1, &status);
+                        ++new_to_log;
+                    }
+                }
+            }
+        }
+#pragma omp section
+        {
+            erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), victims,
+                           former.data());
             int status = 0;
-            insert_serial(cold.log_keys, cold.log_values, cold.log_mask, &appended_keys[j], &record, 1,
+            insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n,
                           &status);
-            ++new_to_log;
         }
     }
-
-    // 3. The slots change hands.
-    std::vector<int> former(victims);
-    erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), victims,
-                   former.data());
+    if (error) {  // the tier's index as it was: the keys out, the victims back at their slots
+        std::vector<int> gone(n);
+        erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, keys, n, gone.data());
+        int status = 0;
+        insert_serial(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), former.data(),
+                      victims, &status);
+        return -error;
+    }
+    // The slots change hands.
     const i64 row_bytes = tier.row_width * (i64)sizeof(float);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
@@ -867,10 +890,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         tier.scores[slot] = 0.0f;
         add_count(tier.scores, slot, counts[i], increment);
     }
-    std::vector<int> slot_values(n);
-    for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
-    int status = 0;
-    insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n, &status);
+    const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
     out[0] = held_lookups;
     out[1] = appended + rewrites;
     out[2] = appended;
