@@ -220,25 +220,32 @@ class StepPasses:
         flat = ids.reshape(-1).contiguous()
         entries = flat.numel()
         scratch = self._distinct_scratch(entries)
-        out = torch.empty(3, entries, dtype=torch.int64)  # unique, counts, entry rows
-        starts = torch.empty(entries + 2, dtype=torch.int64)
-        order = torch.empty(entries, dtype=torch.int64)
+        out = torch.empty(5 * entries + 2, dtype=torch.int64)  # unique, counts, entry rows, order, starts
+        address = out.data_ptr()
         count = self._functions["step_distinct"](
             flat.data_ptr(),
             entries,
             -1 if padding is None else padding,
             padding is not None,
             scratch.data_ptr(),
-            out[0].data_ptr(),
-            out[1].data_ptr(),
-            out[2].data_ptr(),
-            starts.data_ptr(),
-            order.data_ptr(),
+            address,
+            address + 8 * entries,
+            address + 16 * entries,
+            address + 32 * entries,
+            address + 24 * entries,
         )
         rows = count + (padding is not None)
+        starts = out[4 * entries : 4 * entries + rows + 1]
         kept = int(starts[count])
         padding_row = count if padding is not None else -1
-        return Distinct(out[0, :count], out[1, :count], out[2], starts[: rows + 1], order[:kept], padding_row)
+        return Distinct(
+            out[:count],
+            out[entries : entries + count],
+            out[2 * entries : 3 * entries],
+            starts,
+            out[3 * entries : 3 * entries + kept],
+            padding_row,
+        )
 
     def unique(self, ids: torch.Tensor) -> torch.Tensor:
         """The distinct values of ``ids`` (int64 CPU), in first-appearance order (``step_unique``)."""

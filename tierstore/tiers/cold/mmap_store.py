@@ -150,6 +150,7 @@ class GrowableArray:
             if self.capacity
             else np.empty((0, self.width), dtype=self.dtype)
         )
+        self.address = self.array.ctypes.data if self.capacity else None  # for native calls, per map
         if self.random:
             self.advise(mmap.MADV_RANDOM)
 
@@ -240,7 +241,7 @@ class GrowableArray:
 
     def close(self) -> None:
         """Drop the map and the descriptor."""
-        self.array = None
+        self.array = self.address = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -654,11 +655,11 @@ class MmapColdStore(ColdStore):
             index.values.data_ptr(),
             index.keys.numel() - 1,
             self._count,
-            self._rows.array.ctypes.data if self._rows.capacity else None,
+            self._rows.address,
             log.keys.data_ptr(),
             log.values.data_ptr(),
             log.keys.numel() - 1,
-            self._wal_rows.array.ctypes.data if self._wal_rows.capacity else None,
+            self._wal_rows.address,
             start,
             self._wal_committed,
             codec.stored_bytes,
