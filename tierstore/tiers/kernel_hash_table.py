@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.cache_passes import cache_passes_of
+from . import huge_pages
 from .hash_index import MAX_LOAD_WITH_TOMBSTONES, BatchedHashTable
 
 EMPTY = -1
@@ -61,8 +62,8 @@ class KernelHashTable(BatchedHashTable):
         }
 
     def _allocate(self, size: int) -> None:
-        self.keys = torch.full((size,), EMPTY, dtype=torch.int64, device=self.device)
-        self.values = torch.full((size,), -1, dtype=self.value_dtype, device=self.device)
+        self.keys = huge_pages.full((size,), EMPTY, torch.int64, self.device)
+        self.values = huge_pages.full((size,), -1, self.value_dtype, self.device)
         self.live = 0
         self.tombstones = 0
 

@@ -17,6 +17,7 @@ import torch
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
 from ..kernels.host import host_step_library
+from . import huge_pages
 from .ageing import AgeingTuner, tuner_nbytes
 
 _RENORMALISE_AT = 2.0**20
@@ -116,7 +117,7 @@ class LfuWithAgeing(EvictionPolicy):
         pool_share: float = POOL_SHARE,
     ) -> None:
         super().__init__(capacity, device, backend)
-        self.score = torch.zeros(capacity, dtype=torch.float32, device=device)
+        self.score = huge_pages.full((capacity,), 0, torch.float32, torch.device(device))
         self._increment = 1.0
         self._half_life, self._pool_share = half_life, pool_share
         self._sized(capacity)
@@ -139,7 +140,7 @@ class LfuWithAgeing(EvictionPolicy):
         self._pool_keys = self._pool
 
     def grow(self, capacity: int) -> None:
-        score = torch.zeros(capacity, dtype=torch.float32, device=self.device)
+        score = huge_pages.full((capacity,), 0, torch.float32, self.device)
         score[: self.capacity] = self.score
         self.score, self.capacity = score, capacity
         self._sized(capacity)

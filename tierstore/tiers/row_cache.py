@@ -18,6 +18,7 @@ import torch
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
 from ..kernels.step_passes import HostTierArrays, Residency, TierChoice
+from . import huge_pages
 from .backends import TorchRows
 from .contract import Rows, TierStats
 from .policies import EvictionPolicy, LfuWithAgeing, too_few_evictable
@@ -59,11 +60,11 @@ class RowCache:
         self._pin_memory = pin_memory
         self.device = torch.device(device)
         self.index = self.backend.make_index(capacity, self.device)
-        self.rows = torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=pin_memory)
-        self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-        self.fresh = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-        self.pins = torch.zeros(capacity, dtype=torch.uint8, device=self.device)  # 0: evictable
+        self.rows = self._new_rows(capacity, row_width, dtype)
+        self.slot_keys = huge_pages.full((capacity,), -1, torch.int64, self.device)
+        self.dirty = huge_pages.full((capacity,), 0, torch.bool, self.device)
+        self.fresh = huge_pages.full((capacity,), 0, torch.bool, self.device)
+        self.pins = huge_pages.full((capacity,), 0, torch.uint8, self.device)  # 0: evictable
         self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
         if policy is None:
@@ -92,6 +93,12 @@ class RowCache:
         wanted = max(2 * self.capacity, len(self) + count)
         self.grow(self.max_capacity if 4 * wanted > self.max_capacity else wanted)
 
+    def _new_rows(self, capacity: int, row_width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[capacity, row_width]`` uninitialised: pinned where asked, else on huge pages."""
+        if self._pin_memory:
+            return torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=True)
+        return huge_pages.empty(capacity, row_width, dtype=dtype, device=self.device)
+
     def grow(self, capacity: int) -> None:
         """``capacity`` slots (more than now, at most ``max_capacity``): rows stay in their slots,
         the new ones are free, and the index has room for a key in each (native passes insert
@@ -103,17 +110,11 @@ class RowCache:
             )
 
         def extended(tensor: torch.Tensor, fill) -> torch.Tensor:
-            grown = torch.full((capacity, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=self.device)
+            grown = huge_pages.full((capacity, *tensor.shape[1:]), fill, tensor.dtype, self.device)
             grown[:old] = tensor
             return grown
 
-        rows = torch.empty(
-            capacity,
-            self.rows.shape[1],
-            dtype=self.rows.dtype,
-            device=self.device,
-            pin_memory=self._pin_memory,
-        )
+        rows = self._new_rows(capacity, self.rows.shape[1], self.rows.dtype)
         rows[:old] = self.rows
         self.rows = rows
         self.slot_keys = extended(self.slot_keys, -1)
