@@ -174,8 +174,8 @@ def pointer(tensor: torch.Tensor | None) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Distinct:
-    """A batch's distinct ids: ``unique [U]`` (in parts by hash, first-appearance order within a
-    part: ``step_distinct``), ``counts [U]``,
+    """A batch's distinct ids: ``unique [U]`` in first-appearance order (from 16,384 entries: part
+    by part of their hashes, first appearance within a part; ``step_distinct``), ``counts [U]``,
     ``entry_rows [N]`` (each entry's row in ``unique``; U for padding entries), ``starts [U + 1]``
     and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64."""
 
