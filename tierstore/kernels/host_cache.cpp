@@ -121,24 +121,31 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
                              float* __restrict__ scores, float increment, i64* __restrict__ slots,
                              i64* __restrict__ hit_slots, i64* __restrict__ missed,
                              i64* __restrict__ lookups) {
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_home(table_keys, table_values, mask, keys[i + AHEAD]);
-        const i64 position = probe(table_keys, mask, keys[i]);
-        slots[i] = position < 0 ? -1 : (i64)table_values[position];
+#pragma omp parallel if (n >= PARALLEL_FROM)
+    {
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < n; ++i) {
+            if (i + AHEAD < n) prefetch_home(table_keys, table_values, mask, keys[i + AHEAD]);
+            const i64 position = probe(table_keys, mask, keys[i]);
+            slots[i] = position < 0 ? -1 : (i64)table_values[position];
+        }
+        // The hits touched on the team too: the keys are distinct, so each score has one writer.
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < n; ++i) {
+            if (i + AHEAD < n && slots[i + AHEAD] >= 0) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
+            if (slots[i] >= 0) add_count(scores, slots[i], counts[i], increment);
+        }
     }
     i64 hits = 0, misses = 0, hit_lookups = 0, missed_lookups = 0;
-    for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n && slots[i + AHEAD] >= 0) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
+    for (i64 i = 0; i < n; ++i) {  // the lists, in key order
         const i64 slot = slots[i];
         if (slot < 0) {
             missed[misses++] = i;
             missed_lookups += counts[i];
-            continue;
+        } else {
+            hit_slots[hits++] = slot;
+            hit_lookups += counts[i];
         }
-        add_count(scores, slot, counts[i], increment);
-        hit_slots[hits++] = slot;
-        hit_lookups += counts[i];
     }
     lookups[0] = hit_lookups;
     lookups[1] = missed_lookups;
