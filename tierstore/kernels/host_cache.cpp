@@ -164,10 +164,11 @@ extern "C" void cache_add_counts(float* __restrict__ scores, const i64* __restri
 #pragma GCC pop_options
 
 // pins[slots[i]] += delta for slots[0..n) (distinct; uint8 counts wrapping as the undo expects), and
-// values[slots[i]] = 0 (float), each on one thread: a batch's few thousand slots cost less than
-// waking the team.
+// values[slots[i]] = 0 (float), each on one thread but for a batch's tens of thousands of hits'
+// pins (a few thousand slots cost less than waking the team).
 extern "C" void cache_pins_add(unsigned char* __restrict__ pins, const i64* __restrict__ slots, i64 n,
                                i64 delta) {
+#pragma omp parallel for schedule(static) if (n >= 8 * PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) __builtin_prefetch(&pins[slots[i + AHEAD]], 1);
         pins[slots[i]] = (unsigned char)(pins[slots[i]] + delta);
