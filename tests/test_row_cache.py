@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tierstore.errors import CacheCapacityError
 from tierstore.kernels.cache_passes import cache_passes_of
+from tierstore.kernels.host import openmp_runtime
 from tierstore.tiers import RowCache, Rows, policies
 from tierstore.tiers.backends import KernelRows, TorchRows
 from tierstore.tiers.policies import LfuWithAgeing
@@ -240,3 +241,25 @@ def test_resolve_is_left_to_find_and_touch_without_the_tuned_host_build():
     cache = RowCache("host", 8, 2, torch.float32, backend=KernelRows(shared_host_kernels(), "openmp"))
     assert cache.resolve(torch.arange(3), torch.ones(3, dtype=torch.int64)) is None
     assert RowCache("host", 8, 2, torch.float32).resolve(torch.arange(3), torch.ones(3)) is None
+
+
+def test_the_native_scan_does_not_depend_on_the_thread_count():
+    """A large tier's scan runs on the OpenMP team (its slots in runs, one a thread): the victims
+    come in the same order, the pool the same, at any thread count."""
+    runtime = openmp_runtime()
+    if runtime is None:
+        pytest.skip("the OpenMP runtime (libgomp) is not loaded: one thread count only")
+    rng = np.random.default_rng(9)
+    capacity = 200_000
+    scores = torch.from_numpy(rng.zipf(1.2, capacity).astype(np.float32))
+    slot_keys = torch.from_numpy(np.where(rng.random(capacity) < 0.1, -1, np.arange(capacity)))
+    pins = torch.from_numpy((rng.random(capacity) < 0.1).astype(np.uint8))
+    passes = cache_passes_of(parallel_host_kernels())
+    threads, ranked = runtime.omp_get_max_threads(), []
+    try:
+        for count in (1, 2, 3):
+            runtime.omp_set_num_threads(count)
+            ranked.append(passes.lowest_slots(scores, slot_keys, pins, 6_000, 2_000))
+    finally:
+        runtime.omp_set_num_threads(threads)
+    assert all(torch.equal(ranked[0], other) for other in ranked[1:])

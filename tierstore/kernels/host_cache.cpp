@@ -233,6 +233,36 @@ static void select_lowest(u64* __restrict__ items, i64 n, i64 need, u64* __restr
     std::memcpy(out + taken, items, need * sizeof(u64));
 }
 
+// The ranked_slot of every evictable slot whose item is at most `bound`, in slot order, into
+// candidates; returns how many. A large tier's slots are split in runs, one a thread, each run's
+// items gathered apart and then copied into place in run order: the same items, in the same order,
+// whatever the thread count.
+static i64 evictable_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
+                           const unsigned char* __restrict__ pins, i64 capacity, u64 bound,
+                           u64* __restrict__ candidates) {
+    const int threads = capacity >= 64 * PARALLEL_FROM ? omp_get_max_threads() : 1;
+    std::vector<std::vector<u64>> runs(threads);
+    std::vector<i64> placed(threads + 1, 0);
+    i64 total = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        std::vector<u64>& run = runs[t];
+        for (i64 s = capacity * t / team; s < capacity * (t + 1) / team; ++s) {
+            const u64 item = ranked_slot(scores, s);
+            if (evictable(slot_keys, pins, s) && item <= bound) run.push_back(item);
+        }
+#pragma omp barrier
+#pragma omp single
+        {
+            for (int u = 0; u < team; ++u) placed[u + 1] = placed[u] + (i64)runs[u].size();
+            total = placed[team];
+        }
+        std::copy(run.begin(), run.end(), candidates + placed[t]);
+    }
+    return total;
+}
+
 // The `count` lowest-scoring slots among those holding a row (slot_keys >= 0) and not pinned
 // (pins == 0), in ascending order of (score, slot), into out; fewer if fewer qualify. Returns how
 // many were written. The first `head` of them are the `head` lowest in no particular order (LFU's
@@ -259,20 +289,12 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
             chosen.resize(wanted + 2);
             select_lowest(candidates, sampled, wanted + 1, chosen.data());
             const u64 bound = *std::max_element(chosen.begin(), chosen.begin() + wanted + 1) | 0xFFFFFFFFULL;
-            for (i64 s = 0; s < capacity; ++s) {  // every slot of that score or lower
-                const u64 item = ranked_slot(scores, s);
-                candidates[n] = item;
-                n += evictable(slot_keys, pins, s) & (item <= bound);
-            }
-            if (n < count) n = 0;  // the sample misled: rank every slot
+            n = evictable_slots(scores, slot_keys, pins, capacity, bound,
+                                candidates);  // of that score or lower
+            if (n < count) n = 0;             // the sample misled: rank every slot
         }
     }
-    if (n == 0) {
-        for (i64 s = 0; s < capacity; ++s) {
-            candidates[n] = ranked_slot(scores, s);
-            n += evictable(slot_keys, pins, s);
-        }
-    }
+    if (n == 0) n = evictable_slots(scores, slot_keys, pins, capacity, ~0ULL, candidates);
     const i64 kept = std::min<i64>(count, n);
     if (kept == 0) return 0;
     chosen.resize(2 * (kept + 1));
