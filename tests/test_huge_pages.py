@@ -27,7 +27,7 @@ def test_the_arrays_hold_what_torch_would():
     )
     small = huge_pages.full((5,), 7, torch.uint8, torch.device("cpu"))  # under a huge page: plain
     assert small.dtype == torch.uint8 and small.tolist() == [7] * 5
-    assert huge_pages.empty(4, 6, dtype=torch.float32, device=torch.device("cpu")).shape == (4, 6)
+    assert huge_pages.empty((4, 6), torch.float32, torch.device("cpu")).shape == (4, 6)
 
 
 ELIGIBILITY = """

@@ -289,9 +289,9 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
             chosen.resize(wanted + 2);
             select_lowest(candidates, sampled, wanted + 1, chosen.data());
             const u64 bound = *std::max_element(chosen.begin(), chosen.begin() + wanted + 1) | 0xFFFFFFFFULL;
-            n = evictable_slots(scores, slot_keys, pins, capacity, bound,
-                                candidates);  // of that score or lower
-            if (n < count) n = 0;             // the sample misled: rank every slot
+            // every evictable slot of that score or lower
+            n = evictable_slots(scores, slot_keys, pins, capacity, bound, candidates);
+            if (n < count) n = 0;  // the sample misled: rank every slot
         }
     }
     if (n == 0) n = evictable_slots(scores, slot_keys, pins, capacity, ~0ULL, candidates);

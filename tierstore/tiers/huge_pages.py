@@ -46,11 +46,11 @@ def _mark(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty`` on huge pages where it is the CPU's and at least one huge page."""
     return _mark(torch.empty(shape, dtype=dtype, device=device))
 
 
 def full(shape: tuple[int, ...], fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.full`` on huge pages where it is the CPU's and at least one huge page."""
-    return empty(*shape, dtype=dtype, device=device).fill_(fill)
+    return empty(shape, dtype, device).fill_(fill)

@@ -200,7 +200,7 @@ class LfuWithAgeing(EvictionPolicy):
     def native_pool(self, room: int) -> tuple[torch.Tensor, ...]:
         """For a native call that takes victims as ``victims`` does (``step_make_resident``), up to
         ``room`` of them: ``(pool, its scores, its keys)`` and room for a scan's ranking (``ranked``
-        int64 [room + pool size], its pool's scores float32 and keys int64 [pool size])."""
+        int64 [room + pool size, or more], its pool's scores float32 and keys int64 [pool size])."""
         size = self._pool_size
         spare = self._spare  # the last call's room, unless its scan's pool holds it now
         if spare is None or spare[0].numel() < room + size or spare[1].numel() != size:

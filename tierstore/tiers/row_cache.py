@@ -97,7 +97,7 @@ class RowCache:
         """``[capacity, row_width]`` uninitialised: pinned where asked, else on huge pages."""
         if self._pin_memory:
             return torch.empty(capacity, row_width, dtype=dtype, device=self.device, pin_memory=True)
-        return huge_pages.empty(capacity, row_width, dtype=dtype, device=self.device)
+        return huge_pages.empty((capacity, row_width), dtype, self.device)
 
     def grow(self, capacity: int) -> None:
         """``capacity`` slots (more than now, at most ``max_capacity``): rows stay in their slots,

@@ -189,18 +189,17 @@ class LmdbColdStore(ColdStore):
                 readahead=False,
                 lock=True,  # readers register, so the writer never reuses pages a reader's snapshot holds
             )
-            try:
-                with self._env.begin():  # a reader's slot: a writer elsewhere reuses none of its pages
-                    self._check_pages()
-            except BaseException:
-                self._env.close()
-                raise
-            self._rows = self._env.open_db(b"rows", create=not read_only)
-            self._stages = [self._open_optional(name) for name in _STAGES]
-            self._meta = self._open_optional(b"meta")
         except lmdb.Error as error:
             raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
         try:
+            with self._env.begin():  # a reader's slot: a writer elsewhere reuses none of its pages
+                self._check_pages()
+            try:
+                self._rows = self._env.open_db(b"rows", create=not read_only)
+                self._stages = [self._open_optional(name) for name in _STAGES]
+                self._meta = self._open_optional(b"meta")
+            except lmdb.Error as error:
+                raise StoreFormatError(f"cannot open the LMDB data in {path}: {error}") from None
             self._snapshot = self._env.begin(buffers=True) if read_only else None  # a reader's one flush
             self._read_state()
             if not read_only and self._pending_count:  # writes staged before a crash, never flushed
