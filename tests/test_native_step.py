@@ -267,6 +267,7 @@ def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weig
         monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
         reference = jagged_batch.JaggedBatch(kjt, collection._table_of_feature)
         monkeypatch.undo()
+        assert torch.equal(native.feature_starts, reference.feature_starts)
         for features in ([0, 2], [1], [0, 1, 2]):
             for ours, theirs in zip(native.group_bags(features), reference.group_bags(features)):
                 assert (ours is None) == (theirs is None)
@@ -291,6 +292,45 @@ def test_a_bad_id_is_refused_naming_its_table_either_way(monkeypatch, native):
     with pytest.raises(IndexError, match=r"table 'small': ids must be in \[0, 10\), got -1"):
         collection(kjt)
     assert len(collection.groups["dim4"].store) == 0  # refused before any lookup
+    collection.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    "values, lengths, message",
+    [
+        ([1, 2, 3], [1, -1, -5, 1], "lengths must be non-negative, got -1"),  # the first
+        ([1, 2, 3], [1, 1, 0, 0], "lengths sum to 2 but values holds 3 ids"),
+        ([1, 2], [1, 1, 1, 0], "lengths sum to 3 but values holds 2 ids"),
+        ([1, 2], [2**62, 2**62, 2**62, 1], f"lengths sum to {2**63 - 1} but"),  # past int64: no read
+        ([1, 2], [2**63 - 1, 1, -(2**63) + 2, 0], "non-negative, got -9223372036854775806"),
+    ],
+)
+def test_bad_lengths_are_refused_before_an_id_is_read(monkeypatch, native, values, lengths, message):
+    if not native:
+        monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
+    tables = [
+        EmbeddingBagConfig(10, 4, name="ta", feature_names=["a"]),
+        EmbeddingBagConfig(10, 4, name="tb", feature_names=["b"]),
+    ]
+    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    kjt = KeyedJaggedTensor(["a", "b"], torch.tensor(values), lengths=torch.tensor(lengths))
+    with pytest.raises(ValueError, match=message):
+        collection(kjt)
+    assert len(collection.groups["dim4"].store) == 0
+    collection.close()
+
+
+def test_a_shared_features_lengths_are_checked_before_it_is_split():
+    """Lengths summing below the values would split a shared feature's ids short: refused first."""
+    tables = [
+        EmbeddingBagConfig(10, 4, name="ta", feature_names=["a"]),
+        EmbeddingBagConfig(10, 4, name="tb", feature_names=["a"]),
+    ]
+    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    kjt = KeyedJaggedTensor(["a"], torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="lengths sum to 2 but values holds 3 ids"):
+        collection(kjt)
     collection.close()
 
 

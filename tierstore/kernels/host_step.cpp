@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -358,16 +359,46 @@ extern "C" i64 step_rows_moved(const i64* __restrict__ slot_keys, const int* __r
     return moved;
 }
 
-// The first entry of values (feature f's at feature_starts[f] .. feature_starts[f + 1] - 1) whose id
-// is negative or not below bounds[f]; -1 if none.
-extern "C" i64 step_first_bad_id(const i64* __restrict__ values, const i64* __restrict__ feature_starts,
-                                 i64 features, const i64* __restrict__ bounds) {
-    for (i64 f = 0; f < features; ++f) {
-        for (i64 e = feature_starts[f]; e < feature_starts[f + 1]; ++e) {
-            if (values[e] < 0 || values[e] >= bounds[f]) return e;
+// A KeyedJaggedTensor batch checked and its features' starts laid out in one pass: lengths[F * batch]
+// (feature by feature), values[count] (feature by feature). Writes feature_starts[F + 1] (feature f's
+// entries from feature_starts[f]) and returns what is wrong first, its detail in *detail: 0 nothing,
+// 1 lengths[*detail] is negative, 2 the lengths sum to *detail, not count (values are not read then;
+// a sum past int64 reads INT64_MAX), 3 entry *detail's id is negative or not below its feature's
+// bounds[f].
+extern "C" i64 step_check_batch(const i64* __restrict__ values, i64 count, const i64* __restrict__ lengths,
+                                i64 features, i64 batch, const i64* __restrict__ bounds,
+                                i64* __restrict__ feature_starts, i64* __restrict__ detail) {
+    for (i64 i = 0; i < features * batch; ++i) {
+        if (lengths[i] < 0) {
+            *detail = i;
+            return 1;
         }
     }
-    return -1;
+    i64 sum = 0;
+    feature_starts[0] = 0;
+    for (i64 f = 0; f < features; ++f) {
+        const i64* __restrict__ feature_lengths = lengths + f * batch;
+        for (i64 b = 0; b < batch; ++b) {
+            if (__builtin_add_overflow(sum, feature_lengths[b], &sum)) {
+                *detail = INT64_MAX;
+                return 2;
+            }
+        }
+        feature_starts[f + 1] = sum;
+    }
+    if (sum != count) {
+        *detail = sum;
+        return 2;
+    }
+    for (i64 f = 0; f < features; ++f) {
+        for (i64 e = feature_starts[f]; e < feature_starts[f + 1]; ++e) {
+            if (values[e] < 0 || values[e] >= bounds[f]) {
+                *detail = e;
+                return 3;
+            }
+        }
+    }
+    return 0;
 }
 
 // A collection group's keys in its output's layout, from a KeyedJaggedTensor's values (feature by

@@ -38,7 +38,7 @@ _SIGNATURES = {
         + [_POINTER, _POINTER, _INT, _POINTER, _POINTER],
     ),
     "step_rows_moved": (_I64, [_POINTER, _POINTER, _POINTER, _I64]),
-    "step_first_bad_id": (_I64, [_POINTER, _POINTER, _I64, _POINTER]),
+    "step_check_batch": (_I64, [_POINTER, _I64, _POINTER, _I64, _I64] + [_POINTER] * 3),
     "step_initial_rows": (None, [_POINTER, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_double, _POINTER]),
     "step_row_hashes": (None, [_POINTER, _POINTER, _I64, _I64, _I64, _POINTER]),
     "step_cold_rows": (
@@ -346,12 +346,30 @@ class StepPasses:
             slot_keys.data_ptr(), slots.data_ptr(), keys.data_ptr(), keys.numel()
         )
 
-    def first_bad_id(self, values: torch.Tensor, feature_starts: torch.Tensor, bounds: torch.Tensor) -> int:
-        """The first entry of ``values`` (int64, feature f's from ``feature_starts[f]``) negative or
-        not below its feature's ``bounds[f]``; -1 if none."""
-        return self._functions["step_first_bad_id"](
-            values.data_ptr(), feature_starts.data_ptr(), bounds.numel(), bounds.data_ptr()
+    def check_batch(
+        self, values: torch.Tensor, lengths: torch.Tensor, bounds: torch.Tensor
+    ) -> tuple[torch.Tensor, int, int]:
+        """``(feature starts int64 [F + 1], what is wrong, its detail)`` of a batch's ``values`` (int64,
+        feature by feature) and ``lengths [F, batch]`` (int64) whose feature f's ids must be below
+        ``bounds[f]``, as ``step_check_batch``: 0 nothing; 1 a negative length (detail: its flat
+        position); 2 the lengths sum to detail, not to the values' count; 3 entry detail's id is
+        negative or out of bounds."""
+        features, batch = lengths.shape
+        starts = torch.empty(features + 1, dtype=torch.int64)
+        detail = getattr(self._scratch, "detail", None)
+        if detail is None:
+            detail = self._scratch.detail = torch.zeros(1, dtype=torch.int64)
+        kind = self._functions["step_check_batch"](
+            values.data_ptr(),
+            values.numel(),
+            lengths.data_ptr(),
+            features,
+            batch,
+            bounds.data_ptr(),
+            starts.data_ptr(),
+            detail.data_ptr(),
         )
+        return starts, kind, int(detail) if kind else 0
 
     def group_keys(
         self,

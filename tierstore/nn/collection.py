@@ -247,7 +247,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         plan = self._plans.get(batch.layout_key)
         if plan is None:
             plan = self._plans[batch.layout_key] = _FeaturePlan(batch.tables, list(self.groups))
-        plan.lookups += batch.per_feature  # folded into lookups when read
+        plan.starts_seen += batch.feature_starts  # folded into lookups when read
         blocks = []  # each group's [batch, features x dim]
         for group_name, group in self.groups.items():
             positions, group_tables, means = plan.groups[group_name]
@@ -270,9 +270,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     def lookups(self) -> dict[str, int]:
         """Ids looked up, per table."""
         for plan in self._plans.values():
-            for name, count in zip(plan.names, plan.lookups.tolist()):
+            for name, count in zip(plan.names, plan.starts_seen.diff().tolist()):
                 self._lookups[name] += count
-            plan.lookups[:] = 0
+            plan.starts_seen.zero_()
         return self._lookups
 
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:
@@ -471,12 +471,14 @@ class _FeaturePlan:
     """What a collection's forward does with one order of features (``tables``: each one's table),
     made once: each group's ``(positions of its features, their tables, bool [features] of those
     pooled by mean or None)``, the features' ``dims``, the output's column order where groups
-    interleave (``columns``, else None), and the ids looked up per feature since last counted."""
+    interleave (``columns``, else None), and the features' starts (``JaggedBatch.feature_starts``) of
+    the batches since last counted, summed (``starts_seen``: its differences are the ids looked up
+    per feature)."""
 
     def __init__(self, tables: list[dict], group_names: list[str]) -> None:
         self.names = [table["name"] for table in tables]
         self.dims = [table["embedding_dim"] for table in tables]
-        self.lookups = np.zeros(len(tables), dtype=np.int64)
+        self.starts_seen = torch.zeros(len(tables) + 1, dtype=torch.int64)
         self.groups, order = {}, []
         for group_name in group_names:
             positions = _in_group(group_name, tables)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import IdOutOfRangeError
 from ..kernels.step_passes import host_passes
-from .keyed import jagged_parts
+from .keyed import check_lengths, jagged_parts, lengths_problem
 
 ID_BITS = 47  # ids below 2**47; the table's number in the bits above
 
@@ -43,7 +43,8 @@ def _bad_id(table: dict, value: int) -> IdOutOfRangeError:
 
 class JaggedBatch:
     """``keys`` (feature names), ``values`` (int64 CPU ids, feature by feature), ``lengths [F, B]``,
-    ``weights`` (``[N]`` or None) and ``tables`` (each feature's table settings), checked."""
+    ``weights`` (``[N]`` or None), ``tables`` (each feature's table settings) and ``feature_starts``
+    (int64 [F + 1]: feature f's values from ``feature_starts[f]``), checked."""
 
     def __init__(
         self,
@@ -57,9 +58,10 @@ class JaggedBatch:
         numbers and id bounds are kept once made. ``shared``: ``{feature: the tables reading it}``,
         each of which looks it up as ``feature@table``. ``weighted``: the weights are used (else
         ignored)."""
-        keys, values, lengths, weights = jagged_parts(features)
+        keys, values, lengths, weights = jagged_parts(features)  # the lengths' values checked below
         weights = weights if weighted else None
         if shared and not shared.keys().isdisjoint(keys):
+            check_lengths(lengths, values.numel())  # before they are used to split the values
             keys, values, lengths, weights = _split_shared(keys, values, lengths, weights, shared)
         if not table_of_feature.keys() >= set(keys):  # one C-level check; the names only if it fails
             unknown = [key for key in keys if key not in table_of_feature]
@@ -71,13 +73,8 @@ class JaggedBatch:
                 raise ValueError(
                     f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
                 )
-        self.keys, self.lengths, self.weights = keys, lengths, weights
-        self.values = values.cpu().contiguous()
+        self.keys, self.lengths, self.weights, self.values = keys, lengths, weights, values
         self.tables = list(map(table_of_feature.__getitem__, keys))
-        self.per_feature = lengths.numpy().sum(axis=1)  # entries of each feature (numpy: a few values)
-        starts = np.zeros(len(keys) + 1, dtype=np.int64)
-        np.cumsum(self.per_feature, out=starts[1:])
-        self._feature_starts = torch.from_numpy(starts)
         self.layout_key = tuple(keys)
         layout = None if layouts is None else layouts.get(self.layout_key)
         if layout is None:
@@ -90,20 +87,25 @@ class JaggedBatch:
         self._numbers, self._bounds = layout
         native = weights is None or (weights.device.type == "cpu" and not weights.requires_grad)
         self._passes = host_passes() if native else None
-        self._check_ids()
-
-    def _check_ids(self) -> None:
-        """``IndexError`` naming the table if an id is negative or past its table's ``num_embeddings``."""
-        bounds = self._bounds
-        if self._passes is not None:
-            first = self._passes.first_bad_id(self.values, self._feature_starts, bounds)
+        if self._passes is not None:  # one pass: lengths and ids checked, the features' starts
+            self.feature_starts, kind, detail = self._passes.check_batch(values, lengths, self._bounds)
         else:
-            bound = bounds[self._feature_of_entry()]
-            bad = ((self.values < 0) | (self.values >= bound)).nonzero()
-            first = int(bad[0, 0]) if bad.numel() else -1
-        if first >= 0:
-            feature = int(torch.searchsorted(self._feature_starts, first, right=True)) - 1
-            raise _bad_id(self.tables[feature], int(self.values[first]))
+            check_lengths(lengths, values.numel())
+            self.feature_starts = torch.zeros(len(keys) + 1, dtype=torch.int64)
+            torch.cumsum(lengths.sum(dim=1), 0, out=self.feature_starts[1:])
+            kind, detail = self._first_bad_id()
+        if kind in (1, 2):
+            raise lengths_problem(lengths, kind, detail, values.numel())
+        if kind == 3:
+            feature = int(torch.searchsorted(self.feature_starts, detail, right=True)) - 1
+            raise _bad_id(self.tables[feature], int(values[detail]))
+
+    def _first_bad_id(self) -> tuple[int, int]:
+        """``(3, the first entry whose id is negative or past its table's num_embeddings)``, or
+        ``(0, 0)`` (``StepPasses.check_batch``'s kinds)."""
+        bound = self._bounds[self._feature_of_entry()]
+        bad = ((self.values < 0) | (self.values >= bound)).nonzero()
+        return (3, int(bad[0, 0])) if bad.numel() else (0, 0)
 
     def _feature_of_entry(self) -> torch.Tensor:
         return torch.repeat_interleave(torch.arange(len(self.keys)), self.lengths.sum(dim=1))
@@ -116,7 +118,7 @@ class JaggedBatch:
         if self._passes is not None:
             weights = None if weights is None else weights.to(torch.float32).contiguous()
             return self._passes.group_keys(
-                self.values, self.lengths, self._feature_starts, features, self._numbers, weights
+                self.values, self.lengths, self.feature_starts, features, self._numbers, weights
             )
         feature_of_entry = self._feature_of_entry()
         keys = self._numbers[feature_of_entry] | self.values

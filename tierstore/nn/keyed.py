@@ -13,6 +13,7 @@ import itertools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..validation import check_table_shape
@@ -272,8 +273,9 @@ class KeyedTensor:
 
 
 def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(keys, values int64 [N], lengths int64 [len(keys), batch], weights [N] or None)`` of a
-    ``KeyedJaggedTensor`` (ours or TorchRec's), checked; each error names what is wrong."""
+    """``(keys, values int64 CPU [N], lengths int64 CPU [len(keys), batch], weights [N] or None)`` of
+    a ``KeyedJaggedTensor`` (ours or TorchRec's), checked but for the lengths' values (the caller
+    checks them: ``check_lengths``, or natively); each error names what is wrong."""
     jagged = all(callable(getattr(features, method, None)) for method in ("keys", "values")) and any(
         callable(getattr(features, method, None)) for method in ("lengths", "offsets")
     )
@@ -296,16 +298,11 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
     _check_integers(lengths, "lengths", "bag lengths")
     weights = _call(features, "weights_or_none")
     lengths = lengths.to(device="cpu", dtype=torch.int64).contiguous()
-    as_array = lengths.numpy()  # reduced on one thread: a batch's lengths are too few for a team
-    if as_array.size and int(as_array.min()) < 0:
-        raise ValueError(f"lengths must be non-negative, got {int(as_array.min())}")
     if keys and lengths.numel() % len(keys):
         raise ValueError(
             f"lengths holds {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
             "(one per key and sample)"
         )
-    if int(as_array.sum()) != values.numel():
-        raise ValueError(f"lengths sum to {int(as_array.sum())} but values holds {values.numel()} ids")
     if weights is not None and (
         not isinstance(weights, torch.Tensor)
         or not weights.is_floating_point()
@@ -316,7 +313,25 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
             f"got {getattr(weights, 'shape', weights)}"
         )
     batch = lengths.numel() // len(keys) if keys else 0
-    return keys, values.to(torch.int64), lengths.view(len(keys), batch), weights
+    values = values.to(device="cpu", dtype=torch.int64).contiguous()
+    return keys, values, lengths.view(len(keys), batch), weights
+
+
+def check_lengths(lengths: torch.Tensor, count: int) -> None:
+    """``ValueError`` unless bag ``lengths`` (int64 CPU) are non-negative and sum to ``count``."""
+    as_array = lengths.numpy()  # reduced on one thread: a batch's lengths are too few for a team
+    if as_array.size and int(as_array.min()) < 0:
+        raise lengths_problem(lengths, 1, int(np.flatnonzero(as_array.reshape(-1) < 0)[0]), count)
+    if int(as_array.sum()) != count or (as_array.size and int(as_array.max()) > count):  # a sum may wrap
+        raise lengths_problem(lengths, 2, min(sum(as_array.reshape(-1).tolist()), 2**63 - 1), count)
+
+
+def lengths_problem(lengths: torch.Tensor, kind: int, detail: int, count: int) -> ValueError:
+    """The error for bag ``lengths`` (int64) of ``count`` values found wrong: ``kind`` 1, the first
+    negative one is at flat position ``detail``; 2, they sum to ``detail``."""
+    if kind == 1:
+        return ValueError(f"lengths must be non-negative, got {int(lengths.reshape(-1)[detail])}")
+    return ValueError(f"lengths sum to {detail} but values holds {count} ids")
 
 
 def _feature_names(keys: Any) -> list[str]:
