@@ -9,7 +9,6 @@ mmap store the rest.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import math
 import threading
@@ -172,19 +171,38 @@ def pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-@dataclasses.dataclass(frozen=True)
 class Distinct:
     """A batch's distinct ids: ``unique [U]`` in first-appearance order (from 16,384 entries: part
     by part of their hashes, first appearance within a part; ``step_distinct``), ``counts [U]``,
     ``entry_rows [N]`` (each entry's row in ``unique``; U for padding entries), ``starts [U + 1]``
-    and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64."""
+    and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64,
+    views of one buffer (``step_distinct``'s), the last three made when read: the native passes take
+    their addresses."""
 
-    unique: torch.Tensor
-    counts: torch.Tensor
-    entry_rows: torch.Tensor
-    starts: torch.Tensor
-    order: torch.Tensor
-    padding_row: int  # -1: no padding
+    __slots__ = ("unique", "counts", "padding_row", "entries", "_buffer")
+
+    def __init__(self, buffer: torch.Tensor, entries: int, count: int, padding_row: int) -> None:
+        self._buffer, self.entries = buffer, entries  # N
+        self.unique, self.counts = buffer[:count], buffer[entries : entries + count]
+        self.padding_row = padding_row  # -1: no padding
+
+    def address(self, part: int) -> int:
+        """Where part 2 (entry rows), 3 (order) or 4 (starts) of the buffer begins."""
+        return self._buffer.data_ptr() + 8 * part * self.entries
+
+    @property
+    def entry_rows(self) -> torch.Tensor:
+        return self._buffer[2 * self.entries : 3 * self.entries]
+
+    @property
+    def starts(self) -> torch.Tensor:
+        rows = self.unique.numel() + (self.padding_row >= 0)
+        return self._buffer[4 * self.entries : 4 * self.entries + rows + 1]
+
+    @property
+    def order(self) -> torch.Tensor:
+        kept = int(self._buffer[4 * self.entries + self.unique.numel()])  # starts[U]
+        return self._buffer[3 * self.entries : 3 * self.entries + kept]
 
 
 class StepPasses:
@@ -234,18 +252,7 @@ class StepPasses:
             address + 32 * entries,
             address + 24 * entries,
         )
-        rows = count + (padding is not None)
-        starts = out[4 * entries : 4 * entries + rows + 1]
-        kept = int(starts[count])
-        padding_row = count if padding is not None else -1
-        return Distinct(
-            out[:count],
-            out[entries : entries + count],
-            out[2 * entries : 3 * entries],
-            starts,
-            out[3 * entries : 3 * entries + kept],
-            padding_row,
-        )
+        return Distinct(out, entries, count, count if padding is not None else -1)
 
     def unique(self, ids: torch.Tensor) -> torch.Tensor:
         """The distinct values of ``ids`` (int64 CPU), in first-appearance order (``step_unique``)."""
@@ -273,7 +280,7 @@ class StepPasses:
         """``(pooled [bags, dim], each entry's bag int64 [N] (-1: none), its gradient scale float32 [N])``
         of the bags over ``rows`` (the host tier's buffer) at ``slots`` (int32 [U]); bags as
         ``step_pooled_forward`` takes them."""
-        entries = distinct.entry_rows.numel()
+        entries = distinct.entries
         out = torch.empty(bags, dim, dtype=torch.float32)
         entry_bag = torch.empty(entries, dtype=torch.int64)
         scale = torch.empty(entries, dtype=torch.float32)
@@ -282,7 +289,7 @@ class StepPasses:
             rows.shape[1],
             dim,
             slots.data_ptr(),
-            distinct.entry_rows.data_ptr(),
+            distinct.address(2),
             distinct.padding_row,
             pointer(offsets),
             bag_length,
@@ -324,8 +331,8 @@ class StepPasses:
         self._functions["step_backward"](
             grad.data_ptr(),
             grad_stride,
-            distinct.order.data_ptr(),
-            distinct.starts.data_ptr(),
+            distinct.address(3),
+            distinct.address(4),
             entry_bag.data_ptr(),
             scale.data_ptr(),
             count,
@@ -577,6 +584,13 @@ def _positions(features: tuple[int, ...]) -> torch.Tensor:
 def passes_of(library: ctypes.CDLL) -> StepPasses:
     """The passes of ``library``, made once per library."""
     return StepPasses(library)
+
+
+def step_passes_of(kernels) -> StepPasses | None:
+    """The passes of ``kernels`` (a ``HostKernels``/``CudaKernels`` or None): None unless it is a
+    tuned host build."""
+    library = getattr(kernels, "step_library", None)
+    return None if library is None else passes_of(library)
 
 
 def host_passes() -> StepPasses | None:

@@ -576,13 +576,14 @@ class TieredEmbeddingBag(_TieredTable):
         host top tier with the tuned host build, float32 CPU outputs, mode "sum" or "mean", no
         gradient for ``per_sample_weights``, not sharded; else None."""
         training = self.training and torch.is_grad_enabled() and not self.frozen
+        output_like = self._buffers["_output_like"]  # (not through Module.__getattr__: each step)
         if (
             not training
             or self.scale_grad_by_freq
             or self.sharding is not None
             or self.mode not in ("sum", "mean")
-            or self.output_dtype != torch.float32
-            or self._output_like.device.type != "cpu"
+            or output_like.dtype != torch.float32
+            or output_like.device.type != "cpu"
             or (per_sample_weights is not None and per_sample_weights.requires_grad)
         ):
             return None

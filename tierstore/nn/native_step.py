@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.step_passes import StepPasses, passes_of
+from ..kernels.step_passes import StepPasses
 from .pooled_lookup import rows_in_place
 
 
 def step_passes(store) -> StepPasses | None:
     """The native passes for ``store``'s top tier when it is a float32 host tier running the tuned
     host build, else None."""
-    top = store.stack.top
-    library = getattr(top.kernels, "step_library", None)
-    if library is None or top.device.type != "cpu" or top.rows.dtype != torch.float32:
-        return None
-    return passes_of(library)
+    return store.stack.top.step_passes
 
 
 def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sample_weights) -> torch.Tensor:
@@ -75,8 +71,13 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
             store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots.to(torch.int64))
 
-    anchor = table.trainable if distributed() else torch.empty(0, requires_grad=True)
+    anchor = table.trainable if distributed() else _ANCHOR
     return _UpdateInBackward.apply(anchor, [pooled], backward)  # the output's backward
+
+
+# What a lookup's output hangs from outside a process group: a leaf that needs a gradient and never
+# gets one (``_UpdateInBackward`` returns None for it), shared by every lookup.
+_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def distributed() -> bool:

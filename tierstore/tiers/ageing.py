@@ -105,6 +105,7 @@ class AgeingTuner:
             shadow.growth = 1.0 if math.isinf(rung) else 2.0 ** (1.0 / (rung * shadow_rows))
         self._memory = MEMORY * shadow_rows
         self.hits = np.zeros(len(RUNGS))  # each shadow's hits, fading (the native replay adds them)
+        self._hits_address = self.hits.ctypes.data
         self.sampled = 0  # lookups sampled so far
         self.choice = START
 
@@ -121,7 +122,8 @@ class AgeingTuner:
         """Distinct ``keys`` (int64 CPU) were looked up ``counts`` times each; True if the choice
         changed."""
         keys = keys.contiguous()
-        counts = counts.to(torch.int64).contiguous()
+        if counts.dtype != torch.int64 or not counts.is_contiguous():
+            counts = counts.to(torch.int64).contiguous()
         sampled = self._replay(
             keys.data_ptr(),
             counts.data_ptr(),
@@ -130,7 +132,7 @@ class AgeingTuner:
             self._shadows,
             len(RUNGS),
             self._memory,
-            self.hits.ctypes.data,
+            self._hits_address,
         )
         if sampled == 0:
             return False

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
-from ..kernels.step_passes import HostTierArrays, Residency, TierChoice
+from ..kernels.step_passes import HostTierArrays, Residency, TierChoice, step_passes_of
 from . import huge_pages
 from .backends import TorchRows
 from .contract import Rows, TierStats
@@ -75,6 +75,11 @@ class RowCache:
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self.horizon_budget = None  # bytes its budget holds for a lookahead horizon (None: none)
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
+        # The training step's native passes (nn.native_step) where they serve this tier: float32 rows
+        # in host memory under the tuned host build; else None.
+        self.step_passes = (
+            step_passes_of(self.kernels) if self.device.type == "cpu" and dtype == torch.float32 else None
+        )
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
 
     def make_room(self, keys: torch.Tensor) -> None:

@@ -329,6 +329,13 @@ class MmapColdStore(ColdStore):
         self._index = self._open_index()
         self._reads = ReadAdvice()
         self._wal_index = self._make_index(1024)
+        self._admits_natively = (  # make_resident_in's native call serves a tier with native arrays
+            not self.read_only
+            and self.dtype == torch.float32
+            and isinstance(self._index, KernelHashTable)
+            and isinstance(self._wal_index, KernelHashTable)
+            and host_passes() is not None
+        )
         self._wal_count = self._wal_committed = 0
         self._log_crcs = (0, 0)  # CRC32s of the committed log's keys and rows
         self.deferred_applies = 0  # flushes whose log stayed unapplied because a reader was open
@@ -624,14 +631,7 @@ class MmapColdStore(ColdStore):
         self._wal_count += count
 
     def admits_into(self, tier) -> bool:
-        return (
-            not self.read_only
-            and self.dtype == torch.float32
-            and isinstance(self._index, KernelHashTable)
-            and isinstance(self._wal_index, KernelHashTable)
-            and host_passes() is not None
-            and tier.native_arrays() is not None
-        )
+        return self._admits_natively and tier.native_arrays() is not None
 
     def make_resident_in(
         self, tier, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor | None, initial
