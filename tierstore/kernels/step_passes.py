@@ -353,6 +353,13 @@ class StepPasses:
             slot_keys.data_ptr(), slots.data_ptr(), keys.data_ptr(), keys.numel()
         )
 
+    def _cursors(self, features: int) -> torch.Tensor:
+        """int64 scratch of at least ``features`` entries, this thread's."""
+        cursors = getattr(self._scratch, "cursors", None)
+        if cursors is None or cursors.numel() < features:
+            cursors = self._scratch.cursors = torch.empty(max(features, 64), dtype=torch.int64)
+        return cursors
+
     def check_batch(
         self, values: torch.Tensor, lengths: torch.Tensor, bounds: torch.Tensor
     ) -> tuple[torch.Tensor, int, int]:
@@ -396,7 +403,7 @@ class StepPasses:
         keys = torch.empty(count, dtype=torch.int64)
         starts = torch.empty(batch * len(features), dtype=torch.int64)
         group_weights = None if weights is None else torch.empty(count, dtype=torch.float32)
-        cursors = torch.empty(len(features), dtype=torch.int64)  # scratch: each feature's next entry
+        cursors = self._cursors(len(features))  # scratch: each feature's next entry
         lengths = lengths.contiguous()
         self._functions["step_group_keys"](
             values.data_ptr(),
@@ -593,8 +600,9 @@ def step_passes_of(kernels) -> StepPasses | None:
     return None if library is None else passes_of(library)
 
 
+@functools.cache
 def host_passes() -> StepPasses | None:
-    """The passes of this machine's tuned host build, None where it cannot be built."""
+    """The passes of this machine's tuned host build, None where it cannot be built (decided once)."""
     kernels, _ = host_kernels(parallel=True)
     library = None if kernels is None else kernels.step_library
     return None if library is None else passes_of(library)

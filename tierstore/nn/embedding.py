@@ -583,7 +583,7 @@ class TieredEmbeddingBag(_TieredTable):
             or self.sharding is not None
             or self.mode not in ("sum", "mean")
             or output_like.dtype != torch.float32
-            or output_like.device.type != "cpu"
+            or not output_like.is_cpu
             or (per_sample_weights is not None and per_sample_weights.requires_grad)
         ):
             return None

@@ -297,7 +297,7 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
         lengths = _checked_offsets(offsets, values.numel())
     _check_integers(lengths, "lengths", "bag lengths")
     weights = _call(features, "weights_or_none")
-    lengths = lengths.to(device="cpu", dtype=torch.int64).contiguous()
+    lengths = _cpu_int64(lengths)
     if keys and lengths.numel() % len(keys):
         raise ValueError(
             f"lengths holds {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
@@ -313,8 +313,15 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
             f"got {getattr(weights, 'shape', weights)}"
         )
     batch = lengths.numel() // len(keys) if keys else 0
-    values = values.to(device="cpu", dtype=torch.int64).contiguous()
-    return keys, values, lengths.view(len(keys), batch), weights
+    return keys, _cpu_int64(values), lengths.view(len(keys), batch), weights
+
+
+def _cpu_int64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous int64 CPU tensor (itself where it is one: the usual case, checked
+    cheaply)."""
+    if tensor.is_cpu and tensor.dtype == torch.int64 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device="cpu", dtype=torch.int64).contiguous()
 
 
 def check_lengths(lengths: torch.Tensor, count: int) -> None:

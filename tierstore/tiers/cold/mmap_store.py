@@ -641,8 +641,8 @@ class MmapColdStore(ColdStore):
             raise ValueError(
                 f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
             )
-        keys, counts = keys.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
-        protected = None if protected is None else protected.to(torch.int64).contiguous()
+        keys, counts = _int64(keys), _int64(counts)
+        protected = None if protected is None else _int64(protected)
         choice, held = tier.native_choice(keys.numel())
         start = self._wal_count
         victims = max(0, keys.numel() - choice.free_count)  # at most: every key a miss
@@ -927,3 +927,10 @@ def _flush_count(record: dict, path: Path, default: int = 0) -> int:
     if isinstance(flushes, bool) or not isinstance(flushes, int) or flushes < 0:
         raise StoreFormatError(f"{path} is damaged: flushes is {flushes!r}")
     return flushes
+
+
+def _int64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (CPU) as a contiguous int64 tensor, itself where it is one (checked cheaply)."""
+    if tensor.dtype == torch.int64 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(torch.int64).contiguous()
