@@ -33,6 +33,10 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``fbgemm``: FBGEMM's CPU table-batched embedding with its fused optimizer, when ``fbgemm_gpu`` is
   installed (``pip install fbgemm-gpu-cpu==1.8.0``).
 
+``--device cuda``: the collection with a device tier (``--device-share`` of the rows) above its
+host tier and its outputs on the GPU, against ``nn.EmbeddingBag(sparse=True)`` tables on the GPU
+(the batch's ids copied there each step); the CPU-only methods (``separate``, FBGEMM's CPU TBE, the
+lookahead pipeline) are left out, and each timed run waits for the GPU to finish.
 Reports samples/s and ratios, the collection's host hit rate (with the pipeline: of the steps'
 own lookups, the ones that did not wait for a row) and where its step's time goes, on the training
 thread, with and without the pipeline; JSON to ``--json``. ``--scale`` multiplies every synthetic cardinality.
@@ -140,11 +144,11 @@ def tiered_optimizer(name: str):
 
 
 @functools.cache
-def upstream_gradient(batch: int, width: int) -> torch.Tensor:
-    """``[batch, width]`` (width: features x dim): the gradient of the pooled features, the same
-    every step."""
+def upstream_gradient(batch: int, width: int, device: str = "cpu") -> torch.Tensor:
+    """``[batch, width]`` (width: features x dim) on ``device``: the gradient of the pooled features,
+    the same every step."""
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(batch, width, generator=generator) * 1e-3
+    return (torch.randn(batch, width, generator=generator) * 1e-3).to(device)
 
 
 def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
@@ -154,16 +158,22 @@ def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
 
 
 def collection_step(work: Workload, args, directory: Path, memory: dict | None = None):
-    """``(step, the collection, its host cache rows, its store)``, the host cache filled until it
-    evicts; ``memory["collection"]``: what it holds as built (``tables_memory``)."""
+    """``(step, the collection, its top cache tier's rows, its store)``, that tier (``top_tier``)
+    filled until it evicts; ``memory["collection"]``: what it holds as built (``tables_memory``)."""
     configs = [
         EmbeddingBagConfig(rows, args.dim, name=f"t{index:02d}", feature_names=[feature])
         for index, (rows, feature) in enumerate(zip(work.cardinalities, work.features))
     ]
     kind = tiered_optimizer(args.optimizer)
     host_rows = max(int(sum(work.rows) * args.host_share), len(configs) * args.batch_size)
+    top_rows, on_device = host_rows, {}
+    if args.device_share:  # a device tier above the host tier, the outputs on its device
+        top_rows = max(int(sum(work.rows) * args.device_share), len(configs) * args.batch_size)
+        on_device = {"device": args.device, "device_cache": top_rows}
     resident = psutil.Process().memory_info().rss
-    collection = TieredEmbeddingBagCollection(configs, directory, host_cache=host_rows, optimizer=kind)
+    collection = TieredEmbeddingBagCollection(
+        configs, directory, host_cache=host_rows, optimizer=kind, **on_device
+    )
     store = collection.groups[f"dim{args.dim}"].store
     if memory is not None:
         memory["collection"] = tables_memory([store], resident)
@@ -174,19 +184,26 @@ def collection_step(work: Workload, args, directory: Path, memory: dict | None =
             table = collection._tables[config.name]
             preload(store, table_keys(table, torch.arange(rows)), args.dim, kind.state_width(args.dim))
 
-    def step(ids, lengths):
+    def step(ids, lengths):  # the batch's ids on the CPU, where the store looks them up
         kjt = KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
-        collection(kjt).values().backward(upstream_gradient(ids.shape[1], len(configs) * args.dim))
+        gradient = upstream_gradient(ids.shape[1], len(configs) * args.dim, args.device)
+        collection(kjt).values().backward(gradient)
 
-    fill = min(args.fill_batch, host_rows // len(configs))  # a fill batch's ids fit the cache
+    tier = top_tier(args)
+    fill = min(args.fill_batch, top_rows // len(configs))  # a fill batch's ids fit the top cache
     fill_lengths = torch.ones(len(configs) * fill, dtype=torch.int64)
-    with tqdm(desc="filling the collection's host cache", unit="row", disable=None, leave=False) as bar:
-        host = store.stats()["host"]
-        while host["evictions"] == 0 and host["resident_rows"] < sum(work.rows):
+    with tqdm(desc=f"filling the collection's {tier} cache", unit="row", disable=None, leave=False) as bar:
+        top = store.stats()[tier]
+        while top["evictions"] == 0 and top["resident_rows"] < sum(work.rows):
             step(work.next_ids(fill), fill_lengths)
-            host = store.stats()["host"]
-            bar.update(host["resident_rows"] - bar.n)
-    return step, collection, host_rows, store
+            top = store.stats()[tier]
+            bar.update(top["resident_rows"] - bar.n)
+    return step, collection, top_rows, store
+
+
+def top_tier(args) -> str:
+    """The collection's top cache tier: "device" with ``--device-share``, else "host"."""
+    return "device" if args.device_share else "host"
 
 
 def lookahead_run(
@@ -212,14 +229,24 @@ def lookahead_run(
     return run
 
 
-def counted(run, store, totals: dict):
-    """``run``, adding the host tier's lookups, hits and rows moved in during it to ``totals``, and
-    the process's major page faults (pages read from disk: one method runs at a time)."""
+def waited(run, wait):
+    """``run``, then ``wait()`` (``torch.cuda.synchronize`` on a GPU): timed runs end when the work does."""
+
+    def run_and_wait(*arguments) -> None:
+        run(*arguments)
+        wait()
+
+    return run_and_wait
+
+
+def counted(run, store, totals: dict, tier: str = "host"):
+    """``run``, adding the top tier's (``tier``'s) lookups, hits and rows moved in during it to
+    ``totals``, and the process's major page faults (pages read from disk: one method runs at a time)."""
 
     def counting(batches: list) -> None:
-        before, faults = store.stats()["host"], major_faults()
+        before, faults = store.stats()[tier], major_faults()
         run(batches)
-        after = store.stats()["host"]
+        after = store.stats()[tier]
         for name in ("hits", "misses", "rows_in"):
             totals[name] = totals.get(name, 0) + after[name] - before[name]
         totals["major_faults"] = totals.get("major_faults", 0) + major_faults() - faults
@@ -287,17 +314,22 @@ def tables_memory(stores: list, resident_before: int) -> dict:
 
 
 def torch_step(work: Workload, args):
+    """The step of one ``nn.EmbeddingBag(sparse=True)`` per table on ``--device`` (every row there),
+    the batch's ids copied there first."""
     tables = nn.ModuleList(
-        nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True) for rows in work.cardinalities
+        nn.EmbeddingBag(rows, args.dim, mode="sum", sparse=True, device=args.device)
+        for rows in work.cardinalities
     )
     make = torch.optim.SGD if args.optimizer == "sgd" else torch.optim.Adagrad
     dense_optimizer = make(tables.parameters(), lr=0.01)
-    offsets = torch.arange(args.batch_size)
+    offsets = torch.arange(args.batch_size, device=args.device)
 
     def step(ids, lengths):
         dense_optimizer.zero_grad()
+        ids = ids.to(args.device)
         pooled = [table(feature_ids, offsets) for table, feature_ids in zip(tables, ids)]
-        torch.cat(pooled, dim=1).backward(upstream_gradient(ids.shape[1], len(tables) * args.dim))
+        gradient = upstream_gradient(ids.shape[1], len(tables) * args.dim, args.device)
+        torch.cat(pooled, dim=1).backward(gradient)
         dense_optimizer.step()
 
     return step
@@ -335,7 +367,7 @@ STAGES = [
     ("forward", 0, TieredEmbeddingBagCollection, "forward"),
     ("check the batch, lay out its keys (native)", 1, JaggedBatch, "__init__"),
     ("distinct ids (native hashing)", 1, StepPasses, "distinct"),
-    ("make the rows resident in the host tier", 1, TierStack, "make_resident"),
+    ("make the rows resident in the top tier", 1, TierStack, "make_resident"),
     ("one native call", 2, StepPasses, "make_resident"),
     ("pooled lookup (native, rows read in place)", 1, StepPasses, "pooled"),
     ("gradient sum + fused optimizer (native)", 0, StepPasses, "backward"),
@@ -389,19 +421,20 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     return rows
 
 
-def step_costs(step, store, batches: list, lengths: torch.Tensor) -> dict[str, float]:
+def step_costs(step, store, batches: list, lengths: torch.Tensor, tier: str = "host") -> dict[str, float]:
     """The collection's step as a cost model, from medians over ``batches`` (fresh ones):
     ``fixed_ms`` (a one-sample step whose rows are resident), ``hit_ns_per_id`` (a whole batch run
     again at once, every row resident: its time past the fixed cost, per looked-up id) and
-    ``miss_us_per_row`` (a fresh batch's time past the same batch's all-hit rerun, per row moved in)."""
+    ``miss_us_per_row`` (a fresh batch's time past the same batch's all-hit rerun, per row moved
+    into the top cache tier, ``tier``)."""
     small = lengths[: len(lengths) // batches[0].shape[1]]
     fixed, hits, fresh, moved = [], [], [], []
     for ids in batches:
-        before = store.stats()["host"]["rows_in"]
+        before = store.stats()[tier]["rows_in"]
         start = time.perf_counter()
         step(ids, lengths)
         fresh.append(time.perf_counter() - start)
-        moved.append(store.stats()["host"]["rows_in"] - before)
+        moved.append(store.stats()[tier]["rows_in"] - before)
         start = time.perf_counter()
         step(ids, lengths)  # every row resident now
         hits.append(time.perf_counter() - start)
@@ -441,8 +474,21 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5, help="turns of timing, each method once")
     parser.add_argument("--steps", type=int, default=40, help="batches per method per round")
+    parser.add_argument(
+        "--device", default="cpu", help="where the outputs and nn.EmbeddingBag's tables live (cpu, cuda)"
+    )
+    parser.add_argument(
+        "--device-share",
+        type=float,
+        help="device cache, share of all rows (default: 0.10 on a GPU, none on the CPU)",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/dlrm.json"))
     args = parser.parse_args()
+    if args.device_share is None:
+        args.device_share = 0.10 if args.device != "cpu" else 0.0
+    if args.device_share and (args.lookahead or args.horizon):
+        print("with a device tier the lookahead and horizon runs are left out (the CPU pipeline's figures)")
+        args.lookahead, args.horizon = 0, None
 
     work = trace_workload(args) if args.trace else zipf_workload(args)
     lengths = torch.ones(len(work.features) * args.batch_size, dtype=torch.int64)
@@ -452,10 +498,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         memory: dict = {}  # what the collection and the separate tables hold as built
-        step_of_collection, _, host_rows, store = collection_step(
+        step_of_collection, _, top_rows, store = collection_step(
             work, args, Path(directory) / "plain", memory
         )
-        runs = {"collection": counted(each(step_of_collection), store, host := {})}
+        tier = top_tier(args)
+        runs = {"collection": counted(each(step_of_collection), store, host := {}, tier)}
         if args.lookahead:  # its own tables: batches the other collection ran would be resident
             step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
             with_lookahead = lookahead_run(step, collection, work, args.lookahead)
@@ -478,11 +525,14 @@ def main() -> None:
             step, collection, _, horizon_store = collection_step(work, args, Path(directory) / "horizon")
             foreseeing = lookahead_run(step, collection, work, max(args.lookahead, 1), horizon=args.horizon)
             runs["collection_horizon"] = counted(foreseeing, horizon_store, host_horizon := {})
-        runs["separate"] = each(separate_step(work, args, Path(directory), memory))
+        if not args.device_share:  # these run on the CPU alone
+            runs["separate"] = each(separate_step(work, args, Path(directory), memory))
         runs["nn_embedding_bag"] = each(torch_step(work, args))
-        fbgemm = fbgemm_step(work, args)
+        fbgemm = None if args.device_share else fbgemm_step(work, args)
         if fbgemm is not None:
             runs["fbgemm"] = each(fbgemm)
+        wait = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None
+        runs = {name: waited(run, wait) for name, run in runs.items()}
         warm_up = [batch() for _ in range(args.warm_up)]
         for run in tqdm(runs.values(), desc="warming up", leave=False, disable=None):
             run(warm_up)
@@ -494,19 +544,22 @@ def main() -> None:
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
         rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
-        costs = step_costs(step_of_collection, store, [batch()[0] for _ in range(args.steps)], lengths)
+        costs = step_costs(
+            waited(step_of_collection, wait), store, [batch()[0] for _ in range(args.steps)], lengths, tier
+        )
         if args.lookahead:
             breakdowns["collection_lookahead"] = time_breakdown(
                 runs["collection_lookahead"], [batch() for _ in range(args.steps)]
             )
-    caches = {"collection": host_figures(host, host_rows)}
+    caches = {"collection": host_figures(host, top_rows)}
     if args.lookahead:
-        caches["collection_lookahead"] = host_figures(host_lookahead, host_rows)
+        caches["collection_lookahead"] = host_figures(host_lookahead, top_rows)
     if args.horizon:
-        caches["collection_horizon"] = host_figures(host_horizon, host_rows)
+        caches["collection_horizon"] = host_figures(host_horizon, top_rows)
     print(
-        f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, host cache "
-        f"{host_rows:,} rows ({host_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the tables hold)"
+        f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, on {args.device}, "
+        f"{tier} cache {top_rows:,} rows ({top_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the "
+        "tables hold)"
     )
     baseline = rates["nn_embedding_bag"]
     print(f"{'method':<22}{'samples/s':>12}{'vs nn.EmbeddingBag':>20}{'vs FBGEMM':>11}")
@@ -515,7 +568,7 @@ def main() -> None:
         print(f"{name:<22}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
     for name, figures in caches.items():
         print(
-            f"{name}'s host cache while timed: its steps' lookups hit {figures['hit_rate']:.3f}, "
+            f"{name}'s {tier} cache while timed: its steps' lookups hit {figures['hit_rate']:.3f}, "
             f"{figures['rows_in_per_step']:,.0f} rows moved in per step, "
             f"{figures['major_faults_per_step']:,.1f} major page faults per step (pages read from disk)"
         )
@@ -530,7 +583,9 @@ def main() -> None:
         "(ms per step, each stage inside the one above it):"
     )
     print(f"  {'':<48}" + "".join(f"{name:>22}" for name in names))
-    for row, (label, depth, _) in enumerate(breakdowns["collection"]):
+    for row, (label, depth, milliseconds) in enumerate(breakdowns["collection"]):
+        if args.device_share and not milliseconds:  # a host-tier stage: none with a device tier on top
+            continue
         figures = "".join(f"{breakdowns[name][row][2]:>22.2f}" for name in names)
         print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{figures}")
     print(
@@ -540,7 +595,9 @@ def main() -> None:
     )
     step_ms = breakdowns["collection"][0][2]
     shares = ", ".join(
-        f"{label} {ms / step_ms:.0%}" for label, depth, ms in breakdowns["collection"][1:] if depth <= 1
+        f"{label} {ms / step_ms:.0%}"
+        for label, depth, ms in breakdowns["collection"][1:]
+        if depth <= 1 and (ms or not args.device_share)
     )
     print(f"shares of the collection's step: {shares}")
     if args.lookahead and not default_background():
