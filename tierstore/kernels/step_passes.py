@@ -276,12 +276,13 @@ class StepPasses:
         last_end: int,
         mean: bool,
         weights: torch.Tensor | None,
+        shape: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(pooled [bags, dim], each entry's bag int64 [N] (-1: none), its gradient scale float32 [N])``
-        of the bags over ``rows`` (the host tier's buffer) at ``slots`` (int32 [U]); bags as
-        ``step_pooled_forward`` takes them."""
+        """``(pooled [bags, dim] (or as ``shape``: [bags / k, k x dim]), each entry's bag int64 [N]
+        (-1: none), its gradient scale float32 [N])`` of the bags over ``rows`` (the host tier's
+        buffer) at ``slots`` (int32 [U]); bags as ``step_pooled_forward`` takes them."""
         entries = distinct.entries
-        out = torch.empty(bags, dim, dtype=torch.float32)
+        out = torch.empty(shape or (bags, dim), dtype=torch.float32)
         entry_bag = torch.empty(entries, dtype=torch.int64)
         scale = torch.empty(entries, dtype=torch.float32)
         self._functions["step_pooled_forward"](

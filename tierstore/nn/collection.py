@@ -504,6 +504,8 @@ def _group_forward(group, tables, means, keys, starts, weights, lengths) -> torc
     ``JaggedBatch.group_bags`` lays them out, ``lengths [features, batch]`` (for mean pooling of the
     features ``means`` marks; None: none)."""
     features, batch = lengths.shape
+    if group.sharding is None and means is None:  # checked by JaggedBatch: the output straight from it
+        return group.lookup_bags(keys, starts, weights, (batch, features * group.embedding_dim))
     if group.sharding is None:  # checked by JaggedBatch: straight to the lookup
         pooled = group.lookup_bags(keys, starts, weights)
     else:  # every rank takes part in the exchanges forward makes

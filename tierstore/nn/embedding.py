@@ -610,13 +610,19 @@ class TieredEmbeddingBag(_TieredTable):
         return self.lookup_bags(input, offsets, per_sample_weights)
 
     def lookup_bags(
-        self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None,
+        per_sample_weights: torch.Tensor | None,
+        shape: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """``forward`` on arguments already checked (ids int64 CPU, offsets int64 CPU or None): the
-        entry of a collection, which checks its whole batch first."""
+        entry of a collection, which checks its whole batch first. ``shape``: the ``[bags, dim]``
+        output as ``[bags / k, k x dim]`` (k bags side by side a row; made so by the native passes,
+        which saves the autograd graph a view)."""
         passes = self._native_passes(per_sample_weights)
         if passes is not None:
-            return native_step.embedding_bag(self, passes, input, offsets, per_sample_weights)
+            return native_step.embedding_bag(self, passes, input, offsets, per_sample_weights, shape)
         weight, local = self._local_weight(input)
         if offsets is not None:
             offsets = offsets.to(weight.device)
@@ -632,7 +638,8 @@ class TieredEmbeddingBag(_TieredTable):
             self._gradient_kernels(weight),
             self.scale_grad_by_freq,
         )
-        return pooled.to(self.output_dtype)
+        pooled = pooled.to(self.output_dtype)
+        return pooled if shape is None else pooled.view(shape)
 
 
 class TieredEmbedding(_TieredTable):

@@ -31,9 +31,12 @@ def step_passes(store) -> StepPasses | None:
     return store.stack.top.step_passes
 
 
-def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sample_weights) -> torch.Tensor:
+def embedding_bag(
+    table, passes: StepPasses, ids: torch.Tensor, offsets, per_sample_weights, shape: tuple | None = None
+) -> torch.Tensor:
     """A training forward of ``table`` (a ``TieredEmbeddingBag``; arguments checked, ids int64 CPU,
-    1-D with offsets or 2-D), its backward updating the rows in place."""
+    1-D with offsets or 2-D), its backward updating the rows in place. The output is ``[bags, dim]``,
+    or laid out as ``shape`` (``[bags / k, k x dim]``: the same memory)."""
     store, dim = table.store, table.embedding_dim
     distinct = passes.distinct(ids, table.padding_idx)
     entries = ids.numel()
@@ -49,13 +52,15 @@ def embedding_bag(table, passes: StepPasses, ids: torch.Tensor, offsets, per_sam
     def pool(top, resident: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
         slots = resident.to(torch.int32)
         bag_settings = (offsets, bag_length, bags, last_end, table.mode == "mean", weights)
-        return top.vacated, slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings)
+        return top.vacated, slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings, shape)
 
     vacated, slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
 
     def backward(grad_output: torch.Tensor) -> None:
         if distinct.unique.numel() == 0:
             return
+        if shape is not None:  # the bags' rows again (a copy only where shape's rows are spaced out)
+            grad_output = grad_output.reshape(bags, dim)
         grad, grad_stride = rows_in_place(grad_output.to(torch.float32))
         table.step += 1
         name, arguments, _ = table.optimizer.kernel(table.step)
