@@ -276,27 +276,18 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
     """``(keys, values int64 CPU [N], lengths int64 CPU [len(keys), batch], weights [N] or None)`` of
     a ``KeyedJaggedTensor`` (ours or TorchRec's), checked but for the lengths' values (the caller
     checks them: ``check_lengths``, or natively); each error names what is wrong."""
-    jagged = all(callable(getattr(features, method, None)) for method in ("keys", "values")) and any(
-        callable(getattr(features, method, None)) for method in ("lengths", "offsets")
-    )
-    if not jagged:
-        raise TypeError(
-            f"features must be a KeyedJaggedTensor (tierstore's or TorchRec's), got "
-            f"{type(features).__name__}; build one with KeyedJaggedTensor.from_lengths_sync(keys, values, "
-            "lengths)"
-        )
-    keys, values = _feature_names(features.keys()), features.values()
+    if type(features) is KeyedJaggedTensor:  # ours, read directly: its keys were checked as it was built
+        keys, values, weights = features._keys, features._values, features._weights
+        offsets = features._offsets  # given offsets are checked as given
+        lengths = features._lengths if offsets is None else None
+    else:
+        keys, values, offsets, lengths, weights = _foreign_parts(features)
     if len(set(keys)) != len(keys):
         raise ValueError(f"the KeyedJaggedTensor names a key twice: {keys}")
     _check_integers(values, "values", "ids")
-    offsets = _call(features, "offsets_or_none")  # given offsets are checked as given
-    lengths = None if offsets is not None else _call(features, "lengths")
-    if offsets is None and lengths is None:
-        offsets = features.offsets()
     if offsets is not None:
         lengths = _checked_offsets(offsets, values.numel())
     _check_integers(lengths, "lengths", "bag lengths")
-    weights = _call(features, "weights_or_none")
     lengths = _cpu_int64(lengths)
     if keys and lengths.numel() % len(keys):
         raise ValueError(
@@ -322,6 +313,26 @@ def _cpu_int64(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_cpu and tensor.dtype == torch.int64 and tensor.is_contiguous():
         return tensor
     return tensor.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _foreign_parts(features: Any) -> tuple[list[str], Any, Any, Any, Any]:
+    """``(keys, values, offsets or None, lengths or None, weights or None)`` of a duck-typed
+    ``KeyedJaggedTensor`` (TorchRec's), unchecked but for its methods and its keys."""
+    jagged = all(callable(getattr(features, method, None)) for method in ("keys", "values")) and any(
+        callable(getattr(features, method, None)) for method in ("lengths", "offsets")
+    )
+    if not jagged:
+        raise TypeError(
+            f"features must be a KeyedJaggedTensor (tierstore's or TorchRec's), got "
+            f"{type(features).__name__}; build one with KeyedJaggedTensor.from_lengths_sync(keys, values, "
+            "lengths)"
+        )
+    keys, values = _feature_names(features.keys()), features.values()
+    offsets = _call(features, "offsets_or_none")
+    lengths = None if offsets is not None else _call(features, "lengths")
+    if offsets is None and lengths is None:
+        offsets = features.offsets()
+    return keys, values, offsets, lengths, _call(features, "weights_or_none")
 
 
 def check_lengths(lengths: torch.Tensor, count: int) -> None:
