@@ -235,7 +235,7 @@ extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__
 // holds entries b * bag_length .. (b + 1) * bag_length - 1. Writes each entry's bag (-1: in none)
 // and its gradient scale (its weight, 1 / the bag's entries for a mean, 1; 0 for padding).
 extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_width, i64 dim,
-                                    const int* __restrict__ slots, const i64* __restrict__ entry_rows,
+                                    const i64* __restrict__ slots, const i64* __restrict__ entry_rows,
                                     i64 padding_row, const i64* __restrict__ offsets, i64 bag_length,
                                     i64 last_end, i64 bags, i64 entries, int mean,
                                     const float* __restrict__ weights, float* __restrict__ out,
@@ -246,7 +246,7 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
         const i64 end = offsets ? (b + 1 < bags ? offsets[b + 1] : last_end) : start + bag_length;
         const i64 ahead = start + AHEAD;  // bags lie in entry order: an entry a few bags on
         if (ahead < entries && entry_rows[ahead] != padding_row) {
-            __builtin_prefetch(rows + (i64)slots[entry_rows[ahead]] * row_width);
+            __builtin_prefetch(rows + slots[entry_rows[ahead]] * row_width);
         }
         float* __restrict__ target = out + b * out_stride;
         for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
@@ -258,7 +258,7 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
                 scale[e] = 0.0f;
                 continue;
             }
-            const float* __restrict__ source = rows + (i64)slots[row] * row_width;
+            const float* __restrict__ source = rows + slots[row] * row_width;
             if (weights) {
                 const float weight = weights[e];
                 scale[e] = weight;
@@ -315,7 +315,7 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
                               const i64* __restrict__ order, const i64* __restrict__ starts,
                               const i64* __restrict__ entry_bag, const float* __restrict__ scale,
                               i64 distinct, i64 dim, float* __restrict__ rows, i64 row_width,
-                              const int* __restrict__ slots, unsigned char* __restrict__ dirty, int optimizer,
+                              const i64* __restrict__ slots, unsigned char* __restrict__ dirty, int optimizer,
                               const float* __restrict__ params, float* __restrict__ grad_rows) {
 #pragma omp parallel if (distinct >= PARALLEL_FROM)
     {
@@ -329,7 +329,7 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
                     __builtin_prefetch(grad_out + entry_bag[order[e]] * grad_stride);
             }
             if (!grad_rows && r + AHEAD / 4 < distinct) {
-                __builtin_prefetch(rows + (i64)slots[r + AHEAD / 4] * row_width);
+                __builtin_prefetch(rows + slots[r + AHEAD / 4] * row_width);
             }
             float* __restrict__ g = grad_rows ? grad_rows + r * dim : buffer.data();
             for (i64 c = 0; c < dim; ++c) g[c] = 0.0f;
@@ -342,7 +342,7 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
                 for (i64 c = 0; c < dim; ++c) g[c] += weight * source[c];
             }
             if (!grad_rows) {
-                update_row(rows + (i64)slots[r] * row_width, g, dim, optimizer, params);
+                update_row(rows + slots[r] * row_width, g, dim, optimizer, params);
                 dirty[slots[r]] = 1;
             }
         }
@@ -351,7 +351,7 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
 
 // How many of keys[0..n) are not at their slot (slot_keys[slots[i]] != keys[i]): rows a forward
 // found and something moved before the backward.
-extern "C" i64 step_rows_moved(const i64* __restrict__ slot_keys, const int* __restrict__ slots,
+extern "C" i64 step_rows_moved(const i64* __restrict__ slot_keys, const i64* __restrict__ slots,
                                const i64* __restrict__ keys, i64 n) {
     i64 moved = 0;
 #pragma omp parallel for reduction(+ : moved) if (n >= PARALLEL_FROM)

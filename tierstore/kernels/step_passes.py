@@ -280,7 +280,7 @@ class StepPasses:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pooled [bags, dim] (or as ``shape``: [bags / k, k x dim]), each entry's bag int64 [N]
         (-1: none), its gradient scale float32 [N])`` of the bags over ``rows`` (the host tier's
-        buffer) at ``slots`` (int32 [U]); bags as ``step_pooled_forward`` takes them."""
+        buffer) at ``slots`` (int64 [U]); bags as ``step_pooled_forward`` takes them."""
         entries = distinct.entries
         out = torch.empty(shape or (bags, dim), dtype=torch.float32)
         entry_bag = torch.empty(entries, dtype=torch.int64)
@@ -317,7 +317,7 @@ class StepPasses:
         update: tuple | None,
     ) -> torch.Tensor | None:
         """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``).
-        ``update``: ``(rows, slots int32 [U], dirty, optimizer kernel name, its float arguments)``:
+        ``update``: ``(rows, slots int64 [U], dirty, optimizer kernel name, its float arguments)``:
         applied to the rows in place (returns None); None: the sums ``[U, dim]`` are returned."""
         count = distinct.unique.numel()
         if update is None:
@@ -349,7 +349,7 @@ class StepPasses:
         return summed
 
     def rows_moved(self, slot_keys: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> int:
-        """How many ``keys`` are no longer at their ``slots`` (int32) of a tier's ``slot_keys``."""
+        """How many ``keys`` are no longer at their ``slots`` (int64) of a tier's ``slot_keys``."""
         return self._functions["step_rows_moved"](
             slot_keys.data_ptr(), slots.data_ptr(), keys.data_ptr(), keys.numel()
         )

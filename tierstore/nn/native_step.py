@@ -49,8 +49,8 @@ def embedding_bag(
     weights = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     offsets = None if offsets is None else offsets.contiguous()
 
-    def pool(top, resident: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
-        slots = resident.to(torch.int32)
+    def pool(top, slots: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
+        slots = slots.to(torch.int64).contiguous()  # itself: the passes take int64 slots as made
         bag_settings = (offsets, bag_length, bags, last_end, table.mode == "mean", weights)
         return top.vacated, slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings, shape)
 
@@ -74,7 +74,7 @@ def embedding_bag(
 
         if not store.update_top_tier(in_place):
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
-            store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots.to(torch.int64))
+            store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots)
 
     anchor = table.trainable if distributed() else _ANCHOR
     return _UpdateInBackward.apply(anchor, [pooled], backward)  # the output's backward
