@@ -276,15 +276,21 @@ def test_a_collection_batch_is_laid_out_as_the_torch_reference(monkeypatch, weig
     collection.close()
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_bad_id_is_refused_naming_its_table_either_way(monkeypatch, native):
+def _two_tables(monkeypatch, native: bool, bounds: dict[str, int]) -> TieredEmbeddingBagCollection:
+    """A collection of two dim-4 tables (``{name: num_embeddings}``) reading features "a" and "b",
+    its batches checked natively or (``native`` False) by the torch reference."""
     if not native:
         monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
     tables = [
-        EmbeddingBagConfig(10, 4, name="small", feature_names=["a"]),
-        EmbeddingBagConfig(20, 4, name="large", feature_names=["b"]),
+        EmbeddingBagConfig(rows, 4, name=name, feature_names=[feature])
+        for (name, rows), feature in zip(bounds.items(), "ab")
     ]
-    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    return TieredEmbeddingBagCollection(tables, host_cache=64)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bad_id_is_refused_naming_its_table_either_way(monkeypatch, native):
+    collection = _two_tables(monkeypatch, native, {"small": 10, "large": 20})
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 9, 15, 20]), lengths=torch.tensor([1, 1, 1, 1]))
     with pytest.raises(IndexError, match=r"table 'large': ids must be in \[0, 20\), got 20"):
         collection(kjt)
@@ -307,13 +313,7 @@ def test_a_bad_id_is_refused_naming_its_table_either_way(monkeypatch, native):
     ],
 )
 def test_bad_lengths_are_refused_before_an_id_is_read(monkeypatch, native, values, lengths, message):
-    if not native:
-        monkeypatch.setattr(jagged_batch, "host_passes", lambda: None)
-    tables = [
-        EmbeddingBagConfig(10, 4, name="ta", feature_names=["a"]),
-        EmbeddingBagConfig(10, 4, name="tb", feature_names=["b"]),
-    ]
-    collection = TieredEmbeddingBagCollection(tables, host_cache=64)
+    collection = _two_tables(monkeypatch, native, {"ta": 10, "tb": 10})
     kjt = KeyedJaggedTensor(["a", "b"], torch.tensor(values), lengths=torch.tensor(lengths))
     with pytest.raises(ValueError, match=message):
         collection(kjt)
