@@ -54,37 +54,28 @@ class JaggedBatch:
         shared: dict[str, list[str]] | None = None,
         weighted: bool = True,
     ) -> None:
-        """``layouts``: a dict the owner keeps across batches, where each feature order's table
-        numbers and id bounds are kept once made. ``shared``: ``{feature: the tables reading it}``,
-        each of which looks it up as ``feature@table``. ``weighted``: the weights are used (else
-        ignored)."""
+        """``layouts``: a dict the owner keeps across batches, where each feature order's tables,
+        table numbers and id bounds are kept once made (``_layout``). ``shared``: ``{feature: the
+        tables reading it}``, each of which looks it up as ``feature@table``. ``weighted``: the
+        weights are used (else ignored)."""
         keys, values, lengths, weights = jagged_parts(features)  # the lengths' values checked below
         weights = weights if weighted else None
         if shared and not shared.keys().isdisjoint(keys):
             check_lengths(lengths, values.numel())  # before they are used to split the values
             keys, values, lengths, weights = _split_shared(keys, values, lengths, weights, shared)
-        if not table_of_feature.keys() >= set(keys):  # one C-level check; the names only if it fails
-            unknown = [key for key in keys if key not in table_of_feature]
-            raise KeyError(
-                f"feature(s) {unknown} have no table; the tables' features are {sorted(table_of_feature)}"
-            )
-        for key in keys if weights is not None else ():
-            if table_of_feature[key]["pooling"] == "mean":
+        self.keys, self.lengths, self.weights, self.values = keys, lengths, weights, values
+        self.layout_key = tuple(keys)
+        layout = None if layouts is None else layouts.get(self.layout_key)
+        if layout is None:  # a feature order not seen yet: its features checked, its tables found
+            layout = _layout(keys, table_of_feature)
+            if layouts is not None:
+                layouts[self.layout_key] = layout
+        self.tables, self._numbers, self._bounds = layout
+        for key, table in zip(keys, self.tables) if weights is not None else ():
+            if table["pooling"] == "mean":
                 raise ValueError(
                     f"feature {key!r}: weights need sum pooling (as torch's), its table pools by mean"
                 )
-        self.keys, self.lengths, self.weights, self.values = keys, lengths, weights, values
-        self.tables = list(map(table_of_feature.__getitem__, keys))
-        self.layout_key = tuple(keys)
-        layout = None if layouts is None else layouts.get(self.layout_key)
-        if layout is None:
-            layout = (
-                torch.tensor([table["number"] << ID_BITS for table in self.tables], dtype=torch.int64),
-                torch.tensor([id_bound(table) for table in self.tables], dtype=torch.int64),
-            )
-            if layouts is not None:
-                layouts[self.layout_key] = layout
-        self._numbers, self._bounds = layout
         native = weights is None or (weights.device.type == "cpu" and not weights.requires_grad)
         self._passes = host_passes() if native else None
         if self._passes is not None:  # one pass: lengths and ids checked, the features' starts
@@ -139,6 +130,21 @@ class JaggedBatch:
         if weights is not None:
             weights = torch.empty_like(weights).index_copy_(0, positions.to(weights.device), weights)
         return keys, starts, weights
+
+
+def _layout(
+    keys: list[str], table_of_feature: dict[str, dict]
+) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+    """``(each feature's table, their numbers shifted past the id bits, their id bounds)`` for a
+    feature order; ``KeyError`` naming the features no table reads."""
+    if not table_of_feature.keys() >= set(keys):  # one C-level check; the names only if it fails
+        unknown = [key for key in keys if key not in table_of_feature]
+        raise KeyError(
+            f"feature(s) {unknown} have no table; the tables' features are {sorted(table_of_feature)}"
+        )
+    tables = list(map(table_of_feature.__getitem__, keys))
+    numbers = torch.tensor([table["number"] << ID_BITS for table in tables], dtype=torch.int64)
+    return tables, numbers, torch.tensor([id_bound(table) for table in tables], dtype=torch.int64)
 
 
 def _split_shared(
