@@ -186,9 +186,18 @@ class Distinct:
         self.unique, self.counts = buffer[:count], buffer[entries : entries + count]
         self.padding_row = padding_row  # -1: no padding
 
-    def address(self, part: int) -> int:
-        """Where part 2 (entry rows), 3 (order) or 4 (starts) of the buffer begins."""
-        return self._buffer.data_ptr() + 8 * part * self.entries
+    # Where each part lies in the buffer (N-entry parts: unique, counts, entry rows, order, starts).
+    @property
+    def entry_rows_address(self) -> int:
+        return self._buffer.data_ptr() + 16 * self.entries
+
+    @property
+    def order_address(self) -> int:
+        return self._buffer.data_ptr() + 24 * self.entries
+
+    @property
+    def starts_address(self) -> int:
+        return self._buffer.data_ptr() + 32 * self.entries
 
     @property
     def entry_rows(self) -> torch.Tensor:
@@ -290,7 +299,7 @@ class StepPasses:
             rows.shape[1],
             dim,
             slots.data_ptr(),
-            distinct.address(2),
+            distinct.entry_rows_address,
             distinct.padding_row,
             pointer(offsets),
             bag_length,
@@ -332,8 +341,8 @@ class StepPasses:
         self._functions["step_backward"](
             grad.data_ptr(),
             grad_stride,
-            distinct.address(3),
-            distinct.address(4),
+            distinct.order_address,
+            distinct.starts_address,
             entry_bag.data_ptr(),
             scale.data_ptr(),
             count,
