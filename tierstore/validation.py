@@ -28,6 +28,14 @@ def integral(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) else value
 
 
+def cpu_int64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (already checked) as a contiguous int64 CPU tensor: itself where it is one, the
+    usual case on a hot path, checked cheaply."""
+    if tensor.is_cpu and tensor.dtype == torch.int64 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device="cpu", dtype=torch.int64).contiguous()
+
+
 def as_path(path: Any, name: str = "path") -> Path | None:
     """``path`` (a ``str``, ``bytes`` or ``os.PathLike``, as ``open`` takes) as a ``Path``; None stays
     None. ``TypeError`` naming ``name`` for anything else."""

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..validation import check_table_shape
+from ..validation import check_table_shape, cpu_int64
 
 POOLINGS = ("sum", "mean")
 
@@ -288,7 +288,7 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
     if offsets is not None:
         lengths = _checked_offsets(offsets, values.numel())
     _check_integers(lengths, "lengths", "bag lengths")
-    lengths = _cpu_int64(lengths)
+    lengths = cpu_int64(lengths)
     if keys and lengths.numel() % len(keys):
         raise ValueError(
             f"lengths holds {lengths.numel()} entries, not a multiple of the {len(keys)} keys "
@@ -304,15 +304,7 @@ def jagged_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
             f"got {getattr(weights, 'shape', weights)}"
         )
     batch = lengths.numel() // len(keys) if keys else 0
-    return keys, _cpu_int64(values), lengths.view(len(keys), batch), weights
-
-
-def _cpu_int64(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a contiguous int64 CPU tensor (itself where it is one: the usual case, checked
-    cheaply)."""
-    if tensor.is_cpu and tensor.dtype == torch.int64 and tensor.is_contiguous():
-        return tensor
-    return tensor.to(device="cpu", dtype=torch.int64).contiguous()
+    return keys, cpu_int64(values), lengths.view(len(keys), batch), weights
 
 
 def _foreign_parts(features: Any) -> tuple[list[str], Any, Any, Any, Any]:

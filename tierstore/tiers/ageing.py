@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..kernels.step_passes import typed
+from ..validation import cpu_int64
 
 RUNGS = (1.0, 4.0, 16.0, 64.0, math.inf)  # candidate half-lives, in multiples of the capacity
 START = 1  # today's default: 4x the capacity
@@ -121,9 +122,7 @@ class AgeingTuner:
     def observe(self, keys: torch.Tensor, counts: torch.Tensor) -> bool:
         """Distinct ``keys`` (int64 CPU) were looked up ``counts`` times each; True if the choice
         changed."""
-        keys = keys.contiguous()
-        if counts.dtype != torch.int64 or not counts.is_contiguous():
-            counts = counts.to(torch.int64).contiguous()
+        keys, counts = keys.contiguous(), cpu_int64(counts)
         sampled = self._replay(
             keys.data_ptr(),
             counts.data_ptr(),

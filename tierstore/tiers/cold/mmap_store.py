@@ -63,6 +63,7 @@ from ...errors import StoreFormatError
 from ...kernels.cache_passes import cache_passes_of
 from ...kernels.step_passes import ColdFiles, Residency, host_passes
 from ...metadata import fsync_directory, write_json_atomic
+from ...validation import cpu_int64
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .base import ColdStore
@@ -641,8 +642,8 @@ class MmapColdStore(ColdStore):
             raise ValueError(
                 f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
             )
-        keys, counts = _int64(keys), _int64(counts)
-        protected = None if protected is None else _int64(protected)
+        keys, counts = cpu_int64(keys), cpu_int64(counts)
+        protected = None if protected is None else cpu_int64(protected)
         choice, held = tier.native_choice(keys.numel())
         start = self._wal_count
         victims = max(0, keys.numel() - choice.free_count)  # at most: every key a miss
@@ -927,10 +928,3 @@ def _flush_count(record: dict, path: Path, default: int = 0) -> int:
     if isinstance(flushes, bool) or not isinstance(flushes, int) or flushes < 0:
         raise StoreFormatError(f"{path} is damaged: flushes is {flushes!r}")
     return flushes
-
-
-def _int64(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (CPU) as a contiguous int64 tensor, itself where it is one (checked cheaply)."""
-    if tensor.dtype == torch.int64 and tensor.is_contiguous():
-        return tensor
-    return tensor.to(torch.int64).contiguous()
