@@ -613,9 +613,7 @@ def step_passes_of(kernels) -> StepPasses | None:
 @functools.cache
 def host_passes() -> StepPasses | None:
     """The passes of this machine's tuned host build, None where it cannot be built (decided once)."""
-    kernels, _ = host_kernels(parallel=True)
-    library = None if kernels is None else kernels.step_library
-    return None if library is None else passes_of(library)
+    return step_passes_of(host_kernels(parallel=True)[0])
 
 
 def distinct_ids(ids: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ it is admitted, and those a lookahead pipeline pins until its batch has run (``p
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 
 import torch
@@ -209,20 +210,17 @@ class RowCache:
         if self._passes is None or type(self.policy) is not LfuWithAgeing or self.index.tombstones:
             return None
         index, made = self.index, self._native_arrays
-        if made is not None:  # the same tensors as when made: the same addresses (checked without a loop)
-            keys, values, slot_keys, rows, dirty, fresh, score = made[0]
-            if (
-                index.keys is keys
-                and index.values is values
-                and self.slot_keys is slot_keys
-                and self.rows is rows
-                and self.dirty is dirty
-                and self.fresh is fresh
-                and self.policy.score is score
-            ):
-                return made[1]
-        tensors = (index.keys, index.values, self.slot_keys, self.rows, self.dirty, self.fresh)
-        tensors += (self.policy.score,)
+        tensors = (
+            index.keys,
+            index.values,
+            self.slot_keys,
+            self.rows,
+            self.dirty,
+            self.fresh,
+            self.policy.score,
+        )
+        if made is not None and all(map(operator.is_, tensors, made[0])):
+            return made[1]  # the same tensors: the same addresses
         arrays = HostTierArrays(
             index.keys.data_ptr(),
             index.values.data_ptr(),
