@@ -350,7 +350,8 @@ extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const float* 
                                 unsigned char* __restrict__ out_fresh) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&rows[slots[i + AHEAD] * row_width]);
+        if (i + AHEAD < n)
+            prefetch_lines(&rows[slots[i + AHEAD] * row_width], row_width * (i64)sizeof(float));
         const i64 s = slots[i];
         out_keys[i] = slot_keys[s];
         out_dirty[i] = dirty[s];
@@ -369,7 +370,8 @@ extern "C" void cache_fill_slots(i64* __restrict__ slot_keys, float* __restrict_
                                  const unsigned char* __restrict__ in_fresh) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) __builtin_prefetch(&rows[slots[i + AHEAD] * row_width], 1);
+        if (i + AHEAD < n)
+            prefetch_lines<1>(&rows[slots[i + AHEAD] * row_width], row_width * (i64)sizeof(float));
         const i64 s = slots[i];
         slot_keys[s] = keys[i];
         dirty[s] = in_dirty[i];

@@ -28,6 +28,15 @@
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
 #define SECTIONS_FROM 256   // victims: fewer keep an admission's log writes and index changes on one thread
 
+// Ask for every cache line of [address, address + bytes) (bytes > 0): rows wider than a line (dim 64
+// and more), or not starting on one, would otherwise wait on each line after the first.
+template <int Write = 0>
+static inline void prefetch_lines(const void* address, i64 bytes) {
+    const uintptr_t last = (uintptr_t)address + (uintptr_t)bytes - 1;
+    for (uintptr_t line = (uintptr_t)address & ~(uintptr_t)63; line <= last; line += 64)
+        __builtin_prefetch((const void*)line, Write);
+}
+
 #include "host_cache.cpp"
 #include "host_horizon.cpp"
 #include "host_ageing.cpp"
@@ -244,14 +253,14 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
     for (i64 b = 0; b < bags; ++b) {
         const i64 start = offsets ? offsets[b] : b * bag_length;
         const i64 end = offsets ? (b + 1 < bags ? offsets[b + 1] : last_end) : start + bag_length;
-        const i64 ahead = start + AHEAD;  // bags lie in entry order: an entry a few bags on
-        if (ahead < entries && entry_rows[ahead] != padding_row) {
-            __builtin_prefetch(rows + slots[entry_rows[ahead]] * row_width);
-        }
         float* __restrict__ target = out + b * out_stride;
         for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
         i64 kept = 0;
         for (i64 e = start; e < end; ++e) {
+            const i64 ahead = e + AHEAD;  // entries lie in bag order: whichever bag this one is in
+            if (ahead < entries && entry_rows[ahead] != padding_row) {
+                prefetch_lines(rows + slots[entry_rows[ahead]] * row_width, dim * (i64)sizeof(float));
+            }
             entry_bag[e] = b;
             const i64 row = entry_rows[e];
             if (row == padding_row) {
@@ -326,10 +335,10 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
             const i64 ahead = starts[r + 1] + AHEAD < entries ? starts[r + 1] + AHEAD : entries;
             for (i64 e = starts[r] + AHEAD < entries ? starts[r] + AHEAD : entries; e < ahead; ++e) {
                 if (entry_bag[order[e]] >= 0)
-                    __builtin_prefetch(grad_out + entry_bag[order[e]] * grad_stride);
+                    prefetch_lines(grad_out + entry_bag[order[e]] * grad_stride, dim * (i64)sizeof(float));
             }
             if (!grad_rows && r + AHEAD / 4 < distinct) {
-                __builtin_prefetch(rows + slots[r + AHEAD / 4] * row_width);
+                prefetch_lines<1>(rows + slots[r + AHEAD / 4] * row_width, row_width * (i64)sizeof(float));
             }
             float* __restrict__ g = grad_rows ? grad_rows + r * dim : buffer.data();
             for (i64 c = 0; c < dim; ++c) g[c] = 0.0f;
@@ -580,14 +589,6 @@ struct ColdFiles {
     i64 row_bytes;
     i64 check_bytes;
 };
-
-// Ask for every cache line of [address, address + bytes): rows wider than a line (dim 64 and
-// more) would otherwise wait on each line after the first.
-template <int Write = 0>
-static inline void prefetch_lines(const void* address, i64 bytes) {
-    const char* start = (const char*)address;
-    for (i64 offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, Write);
-}
 
 // sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
 // row; null where the store holds none. advise: the main index and rows are mapped files whose pages
@@ -871,7 +872,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 for (i64 j = 0; j < rewrites; ++j) {
                     if (j + AHEAD < rewrites) {
                         prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
-                        __builtin_prefetch(rewritten[j + AHEAD].target, 1);
+                        prefetch_lines<1>(rewritten[j + AHEAD].target, cold.stored_bytes);
                     }
                     store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
                 }
