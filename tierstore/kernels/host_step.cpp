@@ -910,7 +910,13 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     const i64 row_bytes = tier.row_width * (i64)sizeof(float);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_lines<1>(&tier.rows[slots[i + AHEAD] * tier.row_width], row_bytes);
+        if (i + AHEAD < n) {  // the slot's row and flags, and the stored row coming in
+            const i64 ahead = slots[i + AHEAD];
+            prefetch_lines<1>(&tier.rows[ahead * tier.row_width], row_bytes);
+            __builtin_prefetch(&tier.slot_keys[ahead], 1);
+            __builtin_prefetch(&tier.scores[ahead], 1);
+            if (sources[i + AHEAD]) prefetch_lines(sources[i + AHEAD], row_bytes);
+        }
         const i64 slot = slots[i];
         float* row = tier.rows + slot * tier.row_width;
         if (sources[i])
