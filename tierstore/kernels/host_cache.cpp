@@ -241,6 +241,15 @@ static i64 evictable_slots(const float* __restrict__ scores, const i64* __restri
                            const unsigned char* __restrict__ pins, i64 capacity, u64 bound,
                            u64* __restrict__ candidates) {
     const int threads = capacity >= 64 * PARALLEL_FROM ? omp_get_max_threads() : 1;
+    if (threads == 1) {  // straight into place, without a branch a slot (candidates has room for all)
+        i64 total = 0;
+        for (i64 s = 0; s < capacity; ++s) {
+            const u64 item = ranked_slot(scores, s);
+            candidates[total] = item;
+            total += evictable(slot_keys, pins, s) && item <= bound;
+        }
+        return total;
+    }
     std::vector<std::vector<u64>> runs(threads);
     std::vector<i64> placed(threads + 1, 0);
     i64 total = 0;
