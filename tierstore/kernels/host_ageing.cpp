@@ -7,6 +7,8 @@
 // (score when pushed, slot), one entry a slot; the scores are renormalised (and the heap rebuilt)
 // when `increment` grows large.
 
+#define SHADOWS_PARALLEL_FROM 64  // shadow accesses: fewer run on the calling thread
+
 struct ShadowEntry {
     double score;
     i64 slot;
@@ -93,11 +95,21 @@ static void shadow_access(AgeingShadow& shadow, i64 key, i64 count) {
 extern "C" i64 ageing_replay(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
                              u64 threshold, AgeingShadow* shadows, i64 count, double memory,
                              double* __restrict__ hits) {
+    std::vector<i64> chosen;  // the sampled keys' positions
     i64 sampled = 0;
     for (i64 i = 0; i < n; ++i) {
         if ((((u64)keys[i] * 0x9E3779B97F4A7C15ULL) >> 11) >= threshold) continue;
+        chosen.push_back(i);
         sampled += counts[i];
-        for (i64 s = 0; s < count; ++s) shadow_access(shadows[s], keys[i], counts[i]);
+    }
+    const i64 replayed = (i64)chosen.size();
+    // The shadows are independent: each replays every sampled key in order, on whichever thread, in
+    // a copy of its record (the records lie side by side: threads writing them would share lines).
+#pragma omp parallel for schedule(static, 1) if (replayed * count >= SHADOWS_PARALLEL_FROM)
+    for (i64 s = 0; s < count; ++s) {
+        AgeingShadow shadow = shadows[s];
+        for (i64 j = 0; j < replayed; ++j) shadow_access(shadow, keys[chosen[j]], counts[chosen[j]]);
+        shadows[s] = shadow;
     }
     if (sampled == 0) return 0;
     const double fade = std::exp2(-(double)sampled / memory);
