@@ -142,10 +142,14 @@ def test_training_matches_torch_with_rows_moving_between_all_tiers(
     torch_bag = oracle_bag(mode)
     reference_optimizer = torch_optimizer(torch_bag.parameters())
     rng = np.random.default_rng(7)
+    # Its own generator: inputs that do not depend on the tests before it (the global one's state
+    # does). About one weight draw in a thousand puts Adam's float32 rounding, ours against torch's
+    # SparseAdam, past the tolerance (2.4-2.6e-6, an all-held table the same bit for bit).
+    generator = torch.Generator().manual_seed(7)
     moved = []
     for _ in range(50):
         ids, offsets = random_bags(rng)
-        weights = torch.rand(ids.numel()) if mode == "sum" else None
+        weights = torch.rand(ids.numel(), generator=generator) if mode == "sum" else None
         target = torch.from_numpy(rng.standard_normal((offsets.numel(), DIM)).astype(np.float32))
         before = ours.store.stats()
         on_device = [None if t is None else t.to(device) for t in (ids, offsets, weights, target)]
