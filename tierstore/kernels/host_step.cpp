@@ -41,12 +41,12 @@ static inline void prefetch_lines(const void* address, i64 bytes) {
 #include "host_horizon.cpp"
 #include "host_ageing.cpp"
 
-// The row of `key` among unique[0..distinct) (first-appearance order), found through `table` (scratch
-// of int32 positions, each 0 or a row + 1); a new key is written as row `distinct` (the caller counts
-// it: the returned row equals `distinct`).
+// The row of `key` (its mix: `hash`) among unique[0..distinct) (first-appearance order), found through
+// `table` (scratch of int32 positions, each 0 or a row + 1); a new key is written as row `distinct`
+// (the caller counts it: the returned row equals `distinct`).
 static inline i64 distinct_row(int* __restrict__ table, i64 mask, i64* __restrict__ unique, i64 distinct,
-                               i64 key) {
-    u64 position = mix((u64)key) & (u64)mask;
+                               i64 key, u64 hash) {
+    u64 position = hash & (u64)mask;
     while (table[position] != 0 && unique[table[position] - 1] != key) position = (position + 1) & (u64)mask;
     if (table[position] == 0) {
         table[position] = (int)(distinct + 1);
@@ -56,6 +56,27 @@ static inline i64 distinct_row(int* __restrict__ table, i64 mask, i64* __restric
     return table[position] - 1;
 }
 
+// The mixes of a run of keys, each computed once: the key AHEAD on is mixed (and its table position
+// asked for) as the current one is probed with the mix it got AHEAD keys before.
+struct MixRing {
+    u64 ring[AHEAD];
+    template <typename KeyAt>
+    MixRing(KeyAt key_at, i64 count) {
+        for (i64 i = 0; i < AHEAD && i < count; ++i) ring[i] = mix((u64)key_at(i));
+    }
+    // The mix of key i; the ring then holds key i + AHEAD's (asking for its position in `table`).
+    template <typename KeyAt>
+    inline u64 take(i64 i, i64 count, KeyAt key_at, const int* table, i64 mask) {
+        const u64 hash = ring[i % AHEAD];
+        if (i + AHEAD < count) {
+            const u64 ahead = mix((u64)key_at(i + AHEAD));
+            ring[i % AHEAD] = ahead;
+            __builtin_prefetch(&table[ahead & (u64)mask]);
+        }
+        return hash;
+    }
+};
+
 // A small batch's dedupe on the calling thread: step_distinct's results, rows in first-appearance
 // order, through one table of mask + 1 >= 2n positions (scratch).
 static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int has_padding,
@@ -64,14 +85,16 @@ static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int 
                            i64* __restrict__ order) {
     for (i64 p = 0; p <= mask; ++p) table[p] = 0;
     i64 distinct = 0;
+    auto key_at = [ids](i64 e) { return ids[e]; };
+    MixRing mixes(key_at, n);
     for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
+        const u64 hash = mixes.take(e, n, key_at, table, mask);
         const i64 key = ids[e];
         if (has_padding && key == padding) {
             entry_rows[e] = -1;
             continue;
         }
-        const i64 row = distinct_row(table, mask, unique, distinct, key);
+        const i64 row = distinct_row(table, mask, unique, distinct, key, hash);
         if (row == distinct) counts[distinct++] = 0;  // a new row
         counts[row] += 1;
         entry_rows[e] = row;
@@ -102,8 +125,9 @@ static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int 
 static inline int distinct_part(i64 key) { return (int)(mix((u64)key) >> (64 - DISTINCT_PART_BITS)); }
 
 // int32 scratch step_distinct needs for n ids: each part's entries and their rows within the part,
-// then each part's hash table (a power of two of at least twice its entries and 16).
-extern "C" i64 step_distinct_scratch(i64 n) { return 6 * n + 32 * DISTINCT_PARTS; }
+// each part's hash table (a power of two of at least twice its entries and 16), then each entry's
+// part (a byte an entry).
+extern "C" i64 step_distinct_scratch(i64 n) { return 6 * n + 32 * DISTINCT_PARTS + n / 4 + 1; }
 
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U]
 // in first-appearance order (n < DISTINCT_IN_PARTS_FROM) or part by part (DISTINCT_PARTS of the
@@ -127,6 +151,7 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
     const int P = DISTINCT_PARTS;
     int* __restrict__ bucket = scratch;           // the kept entries, part by part, ascending in a part
     int* __restrict__ bucket_rows = scratch + n;  // their rows within their part
+    unsigned char* __restrict__ part_of = (unsigned char*)(scratch + 6 * n + 32 * DISTINCT_PARTS);
     const int threads = omp_get_max_threads();
     std::vector<i64> histogram((size_t)threads * P, 0);  // [run, part]: entries, then where they go
     i64 part_entries[DISTINCT_PARTS + 1];                // where each part's entries start in bucket
@@ -137,7 +162,11 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
         const i64 first = n * t / team, last = n * (t + 1) / team;
         i64 mine[DISTINCT_PARTS] = {0};  // this run's: counted, then where its next entry goes
-        for (i64 e = first; e < last; ++e) mine[distinct_part(ids[e])] += !(has_padding && ids[e] == padding);
+        for (i64 e = first; e < last; ++e) {
+            const int p = distinct_part(ids[e]);
+            part_of[e] = (unsigned char)p;
+            mine[p] += !(has_padding && ids[e] == padding);
+        }
         for (int p = 0; p < P; ++p) histogram[(size_t)t * P + p] = mine[p];
 #pragma omp barrier
 #pragma omp single
@@ -156,7 +185,7 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
         }
         for (int p = 0; p < P; ++p) mine[p] = histogram[(size_t)t * P + p];
         for (i64 e = first; e < last; ++e)
-            if (!(has_padding && ids[e] == padding)) bucket[mine[distinct_part(ids[e])]++] = (int)e;
+            if (!(has_padding && ids[e] == padding)) bucket[mine[part_of[e]]++] = (int)e;
     }
     i64 table_start[DISTINCT_PARTS + 1], part_rows[DISTINCT_PARTS], row_base[DISTINCT_PARTS + 1];
     table_start[0] = 2 * n;
@@ -175,10 +204,12 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
         i64* __restrict__ part_unique = unique + part_entries[p];
         i64* __restrict__ part_counts = counts + part_entries[p];
         i64 distinct = 0;
+        const i64 first = part_entries[p], count = part_entries[p + 1] - first;
+        auto key_at = [ids, bucket, first](i64 k) { return ids[bucket[first + k]]; };
+        MixRing mixes(key_at, count);
         for (i64 k = part_entries[p]; k < part_entries[p + 1]; ++k) {
-            if (k + AHEAD < part_entries[p + 1])
-                __builtin_prefetch(&table[mix((u64)ids[bucket[k + AHEAD]]) & (u64)mask]);
-            const i64 row = distinct_row(table, mask, part_unique, distinct, ids[bucket[k]]);
+            const u64 hash = mixes.take(k - first, count, key_at, table, mask);
+            const i64 row = distinct_row(table, mask, part_unique, distinct, ids[bucket[k]], hash);
             if (row == distinct) part_counts[distinct++] = 0;  // a new row
             part_counts[row] += 1;
             bucket_rows[k] = (int)row;
@@ -216,7 +247,7 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
                 entry_rows[e] = distinct;
                 continue;
             }
-            const int p = distinct_part(ids[e]);
+            const int p = part_of[e];
             entry_rows[e] = row_base[p] + bucket_rows[next[p]++];
         }
     }
@@ -230,9 +261,11 @@ extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__
                            i64* __restrict__ unique) {
     for (i64 p = 0; p <= mask; ++p) table[p] = 0;
     i64 distinct = 0;
+    auto key_at = [ids](i64 e) { return ids[e]; };
+    MixRing mixes(key_at, n);
     for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n) __builtin_prefetch(&table[mix((u64)ids[e + AHEAD]) & (u64)mask]);
-        distinct += distinct_row(table, mask, unique, distinct, ids[e]) == distinct;
+        const u64 hash = mixes.take(e, n, key_at, table, mask);
+        distinct += distinct_row(table, mask, unique, distinct, ids[e], hash) == distinct;
     }
     return distinct;
 }
