@@ -234,40 +234,33 @@ static void select_lowest(u64* __restrict__ items, i64 n, i64 need, u64* __restr
 }
 
 // The ranked_slot of every evictable slot whose item is at most `bound`, in slot order, into
-// candidates; returns how many. A large tier's slots are split in runs, one a thread, each run's
-// items gathered apart and then copied into place in run order: the same items, in the same order,
-// whatever the thread count.
+// candidates (room for capacity items); returns how many. A large tier's slots are split in runs, one
+// a thread; each run packs its items, without a branch a slot, from the start of its own range of
+// candidates (never past it), and the runs then move down into place in run order: the same items,
+// in the same order, whatever the thread count.
 static i64 evictable_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
                            const unsigned char* __restrict__ pins, i64 capacity, u64 bound,
                            u64* __restrict__ candidates) {
     const int threads = capacity >= 64 * PARALLEL_FROM ? omp_get_max_threads() : 1;
-    if (threads == 1) {  // straight into place, without a branch a slot (candidates has room for all)
-        i64 total = 0;
-        for (i64 s = 0; s < capacity; ++s) {
-            const u64 item = ranked_slot(scores, s);
-            candidates[total] = item;
-            total += evictable(slot_keys, pins, s) && item <= bound;
-        }
-        return total;
-    }
-    std::vector<std::vector<u64>> runs(threads);
-    std::vector<i64> placed(threads + 1, 0);
-    i64 total = 0;
-#pragma omp parallel num_threads(threads)
+    std::vector<i64> packed(threads, 0);
+    int runs = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
-        std::vector<u64>& run = runs[t];
-        for (i64 s = capacity * t / team; s < capacity * (t + 1) / team; ++s) {
+        if (t == 0) runs = team;
+        const i64 first = capacity * t / team, last = capacity * (t + 1) / team;
+        i64 count = 0;
+        for (i64 s = first; s < last; ++s) {
             const u64 item = ranked_slot(scores, s);
-            if (evictable(slot_keys, pins, s) && item <= bound) run.push_back(item);
+            candidates[first + count] = item;
+            count += evictable(slot_keys, pins, s) && item <= bound;
         }
-#pragma omp barrier
-#pragma omp single
-        {
-            for (int u = 0; u < team; ++u) placed[u + 1] = placed[u] + (i64)runs[u].size();
-            total = placed[team];
-        }
-        std::copy(run.begin(), run.end(), candidates + placed[t]);
+        packed[t] = count;
+    }
+    i64 total = 0;
+    for (int t = 0; t < runs; ++t) {
+        std::memmove(candidates + total, candidates + capacity * t / runs, packed[t] * sizeof(u64));
+        total += packed[t];
     }
     return total;
 }

@@ -124,10 +124,13 @@ static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int 
 
 static inline int distinct_part(i64 key) { return (int)(mix((u64)key) >> (64 - DISTINCT_PART_BITS)); }
 
-// int32 scratch step_distinct needs for n ids: each part's entries and their rows within the part,
-// each part's hash table (a power of two of at least twice its entries and 16), then each entry's
-// part (a byte an entry).
-extern "C" i64 step_distinct_scratch(i64 n) { return 6 * n + 32 * DISTINCT_PARTS + n / 4 + 1; }
+// Where in step_distinct's int32 scratch for n ids each entry's part (a byte an entry) starts: after
+// each part's entries and their rows within the part (2n), and each part's hash table (a power of
+// two of at least twice its entries and 16: at most 4n + 16 a part in all).
+static inline i64 distinct_parts_at(i64 n) { return 6 * n + 32 * DISTINCT_PARTS; }
+
+// int32 scratch step_distinct needs for n ids.
+extern "C" i64 step_distinct_scratch(i64 n) { return distinct_parts_at(n) + n / 4 + 1; }
 
 // Distinct ids of ids[0..n) leaving out entries equal to `padding` (when has_padding): unique[U]
 // in first-appearance order (n < DISTINCT_IN_PARTS_FROM) or part by part (DISTINCT_PARTS of the
@@ -151,7 +154,7 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
     const int P = DISTINCT_PARTS;
     int* __restrict__ bucket = scratch;           // the kept entries, part by part, ascending in a part
     int* __restrict__ bucket_rows = scratch + n;  // their rows within their part
-    unsigned char* __restrict__ part_of = (unsigned char*)(scratch + 6 * n + 32 * DISTINCT_PARTS);
+    unsigned char* __restrict__ part_of = (unsigned char*)(scratch + distinct_parts_at(n));
     const int threads = omp_get_max_threads();
     std::vector<i64> histogram((size_t)threads * P, 0);  // [run, part]: entries, then where they go
     i64 part_entries[DISTINCT_PARTS + 1];                // where each part's entries start in bucket
@@ -943,7 +946,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     const i64 row_bytes = tier.row_width * (i64)sizeof(float);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {  // the slot's row and flags, and the stored row coming in
+        if (i + AHEAD < n) {  // the slot's row, key and score, and the stored row coming in
             const i64 ahead = slots[i + AHEAD];
             prefetch_lines<1>(&tier.rows[ahead * tier.row_width], row_bytes);
             __builtin_prefetch(&tier.slot_keys[ahead], 1);
