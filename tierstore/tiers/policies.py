@@ -134,7 +134,8 @@ class LfuWithAgeing(EvictionPolicy):
         self.tuner = None if library is None else AgeingTuner(capacity, library)
         self._growth = 2.0 ** (1.0 / (half_life or 4.0 * capacity))
         self._pool_size = int(capacity * self._pool_share)
-        self._spare = None  # room native_pool handed out whose ranking no pool holds
+        self._rooms = [None, None]  # native_pool's two sets of room: a scan's pool lies in at most one
+        self._spare = 0  # the set no pool lies in
         self._pool = torch.zeros(0, dtype=torch.int64, device=self.device)  # ranked slots, lowest first
         self._pool_scores = self.score[:0]  # their scores and keys when ranked
         self._pool_keys = self._pool
@@ -202,9 +203,10 @@ class LfuWithAgeing(EvictionPolicy):
         ``room`` of them: ``(pool, its scores, its keys)`` and room for a scan's ranking (``ranked``
         int64 [room + pool size, or more], its pool's scores float32 and keys int64 [pool size])."""
         size = self._pool_size
-        spare = self._spare  # the last call's room, unless its scan's pool holds it now
+        spare = self._rooms[self._spare]
         if spare is None or spare[0].numel() < room + size or spare[1].numel() != size:
-            spare = self._spare = (
+            room += room // 4  # then batches of a few more distinct ids take it as it is
+            spare = self._rooms[self._spare] = (
                 torch.empty(room + size, dtype=torch.int64),
                 torch.empty(size, dtype=torch.float32),
                 torch.empty(size, dtype=torch.int64),
@@ -223,7 +225,7 @@ class LfuWithAgeing(EvictionPolicy):
         self.scans += 1
         if ranked_count >= victims:
             slots, scores, keys = ranked
-            self._spare = None  # the new pool is in it
+            self._spare ^= 1  # the new pool is in it; the other set's pool, if any, is gone
             length = ranked_count - victims
             self._pool = slots[victims:ranked_count]
             self._pool_scores, self._pool_keys = scores[:length], keys[:length]
