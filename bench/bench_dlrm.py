@@ -68,12 +68,13 @@ from tierstore import (
     KeyedJaggedTensor,
     TieredEmbeddingBag,
     TieredEmbeddingBagCollection,
+    TieredStore,
     initial_rows,
     optim,
     prefetch,
 )
 from tierstore.cli.traces import load_trace
-from tierstore.kernels.step_passes import StepPasses
+from tierstore.kernels.step_passes import Residency, StepPasses
 from tierstore.lookahead import default_background
 from tierstore.nn.collection import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch
@@ -366,24 +367,32 @@ def fbgemm_step(work: Workload, args):
 STAGES = [
     ("forward", 0, TieredEmbeddingBagCollection, "forward"),
     ("check the batch, lay out its keys (native)", 1, JaggedBatch, "__init__"),
+    ("the lookup in one native call", 1, TieredStore, "lookup_bags"),
+    ("its native call", 2, StepPasses, "lookup_bags"),
+    # the passes one by one, where one call does not serve (a tier growing for the batch, other tiers)
     ("distinct ids (native hashing)", 1, StepPasses, "distinct"),
     ("make the rows resident in the top tier", 1, TierStack, "make_resident"),
     ("one native call", 2, StepPasses, "make_resident"),
     ("pooled lookup (native, rows read in place)", 1, StepPasses, "pooled"),
     ("gradient sum + fused optimizer (native)", 0, StepPasses, "backward"),
 ]
-# The phases of that native call, as it times them itself (its Residency's fields), below it.
+NATIVE_CALLS = ("its native call", "one native call")
+# The phases of those native calls, as they time them themselves (their Residency's fields), below.
 NATIVE_PHASES = [
+    ("distinct ids, replayed in LFU's shadow caches", "distinct_ns"),
     ("find them, count the hits", "find_ns"),
     ("pick the victims (LFU)", "choose_ns"),
     ("misses read in, victims staged", "admit_ns"),
+    ("pooled lookup, rows read in place", "pooled_ns"),
 ]
 
 
 def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     """``(label, depth, ms per step)`` of ``STAGES`` on the training thread (not a lookahead
-    pipeline's worker) and of the whole step, over ``run(batches)``."""
-    spent = {label: 0.0 for label, *_ in STAGES + NATIVE_PHASES}
+    pipeline's worker) and of the whole step, over ``run(batches)``; each native call's phases
+    (``NATIVE_PHASES``) below it."""
+    spent = {label: 0.0 for label, *_ in STAGES}
+    spent.update({(call, phase): 0.0 for call in NATIVE_CALLS for phase, _ in NATIVE_PHASES})
     originals = []
     training = threading.current_thread()
     for label, _, owner, attribute in STAGES:
@@ -398,9 +407,10 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
                 result = _function(*arguments, **keywords)
             finally:
                 spent[_label] += time.perf_counter() - start
-            if _label == "one native call":  # its own timing of its phases
+            if _label in NATIVE_CALLS:  # its own timing of its phases
+                done = next(part for part in result if isinstance(part, Residency))
                 for phase, field in NATIVE_PHASES:
-                    spent[phase] += getattr(result[1], field) * 1e-9
+                    spent[_label, phase] += getattr(done, field) * 1e-9
             return result
 
         originals.append((owner, attribute, raw))
@@ -416,8 +426,8 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     rows = [("step", -1, total * per_step)]
     for label, depth, *_ in STAGES:
         rows.append((label, depth, spent[label] * per_step))
-        if label == "one native call":
-            rows.extend((phase, depth + 1, spent[phase] * per_step) for phase, _ in NATIVE_PHASES)
+        if label in NATIVE_CALLS:
+            rows.extend((phase, depth + 1, spent[label, phase] * per_step) for phase, _ in NATIVE_PHASES)
     return rows
 
 
@@ -564,10 +574,13 @@ def main() -> None:
         caches["collection_lookahead"] = host_figures(host_lookahead, top_rows)
     if args.horizon:
         caches["collection_horizon"] = host_figures(host_horizon, top_rows)
-    phases = {label: milliseconds for label, _, milliseconds in breakdowns["collection"]}
     moved_per_step = caches["collection"]["rows_in_per_step"]
-    if moved_per_step and not args.device_share:  # the native call's own timers, per row it moved in
-        admission = phases["pick the victims (LFU)"] + phases["misses read in, victims staged"]
+    if moved_per_step and not args.device_share:  # the native calls' own timers, per row moved in
+        admission = sum(
+            milliseconds
+            for label, _, milliseconds in breakdowns["collection"]
+            if label in ("pick the victims (LFU)", "misses read in, victims staged")
+        )
         costs["native_us_per_row_moved_in"] = admission * 1e3 / moved_per_step
     print(
         f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, on {args.device}, "
@@ -596,9 +609,9 @@ def main() -> None:
         "(ms per step, each stage inside the one above it):"
     )
     print(f"  {'':<48}" + "".join(f"{name:>22}" for name in names))
-    for row, (label, depth, milliseconds) in enumerate(breakdowns["collection"]):
-        if args.device_share and not milliseconds:  # a host-tier stage: none with a device tier on top
-            continue
+    for row, (label, depth, _) in enumerate(breakdowns["collection"]):
+        if not any(breakdowns[name][row][2] for name in names):  # a path not taken (a host-tier one
+            continue  # under a device tier)
         figures = "".join(f"{breakdowns[name][row][2]:>22.2f}" for name in names)
         print(f"  {'  ' * (depth + 1)}{label:<{46 - 2 * depth}}{figures}")
     print(
@@ -617,7 +630,7 @@ def main() -> None:
     shares = ", ".join(
         f"{label} {ms / step_ms:.0%}"
         for label, depth, ms in breakdowns["collection"][1:]
-        if depth <= 1 and (ms or not args.device_share)
+        if depth <= 1 and ms
     )
     print(f"shares of the collection's step: {shares}")
     if args.lookahead and not default_background():

@@ -20,15 +20,20 @@ from tierstore.tiers.cold import mmap_store
 DIM = 6
 
 
-def _train(path, direct: bool, optimizer, steps: int = 40, flush_every: int = 7):
+def _train(path, direct: bool, optimizer, steps: int = 40, flush_every: int = 7, one_call: bool = True):
     """A small host tier over the mmap store trained on skewed batches with a flush every few steps,
     a reader open for some of them: rows are evicted dirty and clean, staged anew, staged again
-    since the flush (rewritten in place) and superseding committed records of the log. Returns the
-    outputs and the table."""
+    since the flush (rewritten in place) and superseding committed records of the log. ``direct``:
+    the admission straight from the cold store, in the lookup's one native call (``one_call``) or in
+    its own (the dedupe and the pooled read beside it). Returns the outputs and the table."""
     table = TieredEmbeddingBag(None, DIM, path=path, backend="mmap", optimizer=optimizer, host_cache=64)
     cold = table.store.stack.cold
     admitted = []
-    if direct:
+    if direct and one_call:
+        lookup_bags_in = cold.lookup_bags_in
+        cold.lookup_bags_in = lambda *a: admitted.append(a[1].numel()) or lookup_bags_in(*a)
+    elif direct:
+        table.store.stack.lookup_bags = lambda *a: None
         make_resident_in = cold.make_resident_in
         cold.make_resident_in = lambda *a: admitted.append(a[1].numel()) or make_resident_in(*a)
     else:
@@ -58,9 +63,10 @@ def _counters(table) -> dict:
     return {tier: {k: v for k, v in report[tier].items() if isinstance(v, int)} for tier in ("host", "cold")}
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["in the lookup's call", "in its own call"])
 @pytest.mark.parametrize("optimizer", [optim.SGD(lr=0.1), optim.Adagrad(lr=0.1)], ids=["sgd", "adagrad"])
-def test_the_direct_admission_leaves_what_the_tiers_own_path_leaves(tmp_path, optimizer):
-    direct_outputs, direct = _train(tmp_path / "direct", True, optimizer)
+def test_the_direct_admission_leaves_what_the_tiers_own_path_leaves(tmp_path, optimizer, one_call):
+    direct_outputs, direct = _train(tmp_path / "direct", True, optimizer, one_call=one_call)
     reference_outputs, reference = _train(tmp_path / "reference", False, optimizer)
     for got, expected in zip(direct_outputs, reference_outputs):
         assert torch.equal(got, expected)
@@ -187,8 +193,9 @@ FILL_UNTIL_FULL = textwrap.dedent(
     table = TieredEmbeddingBag(None, 64, path=sys.argv[1], backend="mmap", host_cache=300)
     cold = table.store.stack.cold
     admitted = []
-    make_resident_in = cold.make_resident_in
+    make_resident_in, lookup_bags_in = cold.make_resident_in, cold.lookup_bags_in
     cold.make_resident_in = lambda *a: admitted.append(1) or make_resident_in(*a)
+    cold.lookup_bags_in = lambda *a: admitted.append(1) or lookup_bags_in(*a)
     error, done = None, 0
     for step in range(100000):  # new ids every step: every victim is dirty and staged in the log
         ids = torch.arange(step * 200, (step + 1) * 200)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, optim
-from tierstore.errors import StoreFormatError
+from tierstore.errors import CacheCapacityError, StoreFormatError
 from tierstore.initializer import initial_rows, reference_initial_rows
 from tierstore.kernels import step_passes
 from tierstore.kernels.host import openmp_runtime
@@ -169,20 +169,37 @@ def test_native_step_trains_the_rows_of_the_reference_path(
 
 
 def test_the_native_path_is_the_one_taken(monkeypatch):
-    calls, resident = [], []
-    pooled = step_passes.StepPasses.pooled
-    monkeypatch.setattr(step_passes.StepPasses, "pooled", lambda *a, **k: calls.append(1) or pooled(*a, **k))
-    make_resident = step_passes.StepPasses.make_resident
+    looked_up = []
+    lookup_bags = step_passes.StepPasses.lookup_bags
     monkeypatch.setattr(
-        step_passes.StepPasses, "make_resident", lambda *a: resident.append(make_resident(*a)) or resident[-1]
+        step_passes.StepPasses, "lookup_bags", lambda *a: looked_up.append(lookup_bags(*a)) or looked_up[-1]
     )
     table = TieredEmbeddingBag(10, 4, mode="sum", host_cache=16)
     table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
-    assert calls == [1]
-    assert len(resident) == 1 and resident[0][1].misses == 3  # found and read in by one native call
+    # deduplicated, found, read in and pooled by one native call
+    assert len(looked_up) == 1 and looked_up[0][3].misses == 3
     with torch.no_grad():  # evaluation reads through the store (ids not seen stay out of it)
         table(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
-    assert calls == [1]
+    assert len(looked_up) == 1
+
+
+def test_a_tier_that_must_grow_for_a_batch_takes_the_passes_one_by_one(monkeypatch):
+    """A growing tier without the room for a batch grows first (``make_room``), so the batch takes
+    the dedupe, the admission and the pooled read as three calls; once the tier is full size, one."""
+    calls = []
+    for name in ("lookup_bags", "make_resident", "pooled"):
+        original = getattr(step_passes.StepPasses, name)
+        monkeypatch.setattr(
+            step_passes.StepPasses, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a)
+        )
+    table = TieredEmbeddingBag(None, 4, mode="sum", host_cache="4MiB")
+    top = table.store.stack.top
+    assert top.capacity < 5000 < top.max_capacity
+    table(torch.arange(5000), torch.arange(0, 5000, 50)).sum().backward()
+    assert calls == ["make_resident", "pooled"] and top.capacity >= 5000
+    calls.clear()
+    table(torch.arange(4900, 5100), torch.arange(0, 200, 50)).sum().backward()
+    assert calls == ["lookup_bags"]
 
 
 @pytest.mark.parametrize("between", ["a second forward", "a load of new rows"])
@@ -409,13 +426,34 @@ def test_the_pooled_pass_reads_the_rows_holding_the_stores_lock(monkeypatch):
     hold it from making them resident to reading them."""
     table = TieredEmbeddingBag(10, 4, mode="sum", host_cache=16)
     held = []
-    pooled = step_passes.StepPasses.pooled
+    for name in ("pooled", "lookup_bags"):  # the pass alone, or within the one-call lookup
+        original = getattr(step_passes.StepPasses, name)
 
-    def checked(*arguments, **keywords):
-        held.append(table.store._lock._is_owned())
-        return pooled(*arguments, **keywords)
+        def checked(*arguments, _original=original):
+            held.append(table.store._lock._is_owned())
+            return _original(*arguments)
 
-    monkeypatch.setattr(step_passes.StepPasses, "pooled", checked)
+        monkeypatch.setattr(step_passes.StepPasses, name, checked)
     table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
-    assert held == [True]
+    monkeypatch.setattr(table.store.stack, "lookup_bags", lambda *arguments: None)  # the general path
+    table(torch.tensor([1, 2, 3]), torch.tensor([0, 2])).sum().backward()
+    assert held == [True, True]
+    table.close()
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["in the lookup's call", "the passes one by one"])
+def test_more_distinct_ids_than_the_tier_holds_are_refused_and_change_nothing(monkeypatch, one_call):
+    table = TieredEmbeddingBag(None, 4, mode="sum", host_cache=4)
+    table(torch.tensor([0, 1]), torch.tensor([0])).sum().backward()
+    if not one_call:
+        monkeypatch.setattr(table.store.stack, "lookup_bags", lambda *arguments: None)
+    top = table.store.stack.top
+    before = {name: getattr(top, name).clone() for name in ("slot_keys", "rows", "dirty", "pins")}
+    stats = table.store.stats()
+    with pytest.raises(CacheCapacityError, match=r"this batch has 5 distinct ids but the top cache tier"):
+        table(torch.tensor([0, 1, 2, 3, 4, 4]), torch.tensor([0, 3]))
+    for name, value in before.items():
+        assert torch.equal(getattr(top, name), value), name
+    assert table.store.stats() == stats
+    table(torch.tensor([0, 1, 2, 3]), torch.tensor([0])).sum().backward()  # a batch that fits still runs
     table.close()

@@ -280,6 +280,16 @@ class TieredStore:
         return read(self.stack.top, self.stack.make_resident(ids, counts))
 
     @_serialized
+    def lookup_bags(self, ids: torch.Tensor, padding: int | None, bags: Any) -> tuple | None:
+        """A training lookup of bags (``nn.native_step``) in one native call where the tiers allow
+        (``TierStack.lookup_bags``), holding the store's lock: ``(the top tier's vacated count, Distinct
+        of ids, their slots, (pooled, entry bags, scales))``, the rows made resident as
+        ``read_resident`` makes them; None where the batch takes ``read_resident``'s path."""
+        self._check_open()
+        looked_up = self.stack.lookup_bags(ids, padding, bags)
+        return None if looked_up is None else (self.stack.top.vacated, *looked_up)
+
+    @_serialized
     def update_top_tier(self, update: Callable[[Any], bool]) -> bool:
         """``update(top tier)`` holding the store's lock, the store being writable: an in-place
         change of rows ``read_resident`` placed (``nn.native_step``'s fused backward). Returns

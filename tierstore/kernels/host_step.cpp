@@ -8,7 +8,8 @@
 // - step_cold_rows / step_cold_stage: the mmap cold store's batched read and log staging;
 // - step_make_resident: a batch's rows made resident in a host tier in one call: found, the misses'
 //   victims chosen (LFU), their rows read from the mmap cold store into their slots and the
-//   victims' dirty rows staged in its log (step_admit_cold).
+//   victims' dirty rows staged in its log (step_admit_cold);
+// - step_lookup_bags: a training lookup in one call: distinct ids, made resident, bags pooled.
 // Results do not depend on the thread count: one thread sums each bag and each row, in entry order.
 // It also holds the host cache tier's own calls (host_cache.cpp), a lookahead horizon's
 // (host_horizon.cpp) and LFU's shadow caches (host_ageing.cpp).
@@ -1005,6 +1006,7 @@ struct Residency {
     i64 from_free, victims, pool_taken, ranked_count;
     i64 held_lookups, written_back, appended, new_to_log, bad;
     i64 find_ns, choose_ns, admit_ns;  // where the call's time went (steady clock)
+    i64 distinct_ns, pooled_ns;        // step_lookup_bags' own passes before and after
 };
 
 static inline i64 steady_ns() {
@@ -1103,4 +1105,72 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     out->written_back = admitted[1];
     out->appended = admitted[2];
     out->new_to_log = admitted[3];
+}
+
+// A training lookup of bags in one call (tierstore/tiers/cold/mmap_store.py's lookup_bags_in, for
+// tierstore/nn/native_step.py): the batch's distinct ids (step_distinct, into `distinct`: unique,
+// counts, entry rows, order, starts, each `entries` long but the last), refused where they outnumber
+// the tier's rows (status 4, detail: how many; nothing changed), the sampled ones replayed through
+// LFU's shadow caches (ageing_replay; no replay where shadows is null), made resident as
+// step_make_resident makes them (slots[0..U)) and, once they are, every bag pooled straight from the
+// tier's rows (step_pooled_forward). The out fields are step_make_resident's.
+struct BagLookup {
+    const i64* ids;
+    i64 entries;
+    i64 padding;  // entries holding it are left out, where has_padding
+    int has_padding;
+    int* scratch;  // step_distinct_scratch(entries) ints
+    i64* distinct;
+    i64 max_rows;
+    u64 threshold;  // ageing_replay's arguments
+    AgeingShadow* shadows;
+    i64 shadow_count;
+    double memory;
+    double* hits;
+    const i64* offsets;  // the bags and the pooled output, as step_pooled_forward takes them
+    i64 bag_length;
+    i64 last_end;
+    i64 bags;
+    int mean;
+    const float* weights;
+    float* out;
+    i64 dim;
+    i64* entry_bag;
+    float* scale;
+    i64 distinct_count;  // out: U
+    i64 sampled;         // out: the lookups the replay sampled
+};
+
+extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const TierChoice* choice,
+                                 const ColdFiles* cold, int advise, int log_rows_fd, int log_keys_fd,
+                                 const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
+    BagLookup& bags = *lookup;
+    const i64 started = steady_ns();
+    const i64 n = bags.entries;
+    i64 *const unique = bags.distinct, *const counts = unique + n, *const entry_rows = unique + 2 * n;
+    i64 *const order = unique + 3 * n, *const starts = unique + 4 * n;
+    const i64 count = step_distinct(bags.ids, n, bags.padding, bags.has_padding, bags.scratch, unique, counts,
+                                    entry_rows, starts, order);
+    bags.distinct_count = count;
+    bags.sampled = 0;
+    if (count > bags.max_rows) {
+        *out = Residency{};
+        out->status = 4;
+        out->detail = count;
+        return;
+    }
+    if (bags.shadows)
+        bags.sampled = ageing_replay(unique, counts, count, bags.threshold, bags.shadows, bags.shadow_count,
+                                     bags.memory, bags.hits);
+    const i64 deduplicated = steady_ns();
+    step_make_resident(unique, counts, count, nullptr, 0, tier, choice, cold, advise, log_rows_fd,
+                       log_keys_fd, initial, slots, out);
+    out->distinct_ns = deduplicated - started;
+    if (out->status != 0) return;
+    const i64 resident = steady_ns();
+    step_pooled_forward(tier->rows, tier->row_width, bags.dim, slots, entry_rows,
+                        bags.has_padding ? count : -1, bags.offsets, bags.bag_length, bags.last_end,
+                        bags.bags, n, bags.mean, bags.weights, bags.out, bags.dim, bags.entry_bag,
+                        bags.scale);
+    out->pooled_ns = steady_ns() - resident;
 }

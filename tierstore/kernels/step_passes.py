@@ -9,6 +9,7 @@ mmap store the rest.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 import threading
@@ -57,6 +58,7 @@ _SIGNATURES = {
         [_POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT]
         + [_POINTER, _POINTER, _POINTER],
     ),
+    "step_lookup_bags": (None, [_POINTER] * 4 + [_INT, _INT, _INT] + [_POINTER] * 3),
 }
 
 
@@ -142,10 +144,68 @@ class Residency(ctypes.Structure):
             "find_ns",
             "choose_ns",
             "admit_ns",
+            "distinct_ns",
+            "pooled_ns",
         )
     ]
 
-    RESIDENT, DAMAGED, NO_ROOM, WRITE_FAILED = range(4)
+    RESIDENT, DAMAGED, NO_ROOM, WRITE_FAILED, TOO_MANY = range(5)  # TOO_MANY: step_lookup_bags'
+
+
+class BagLookup(ctypes.Structure):
+    """host_step.cpp's ``BagLookup``: ``step_lookup_bags``' batch, shadow caches and bags."""
+
+    _fields_ = [
+        ("ids", _POINTER),
+        ("entries", _I64),
+        ("padding", _I64),
+        ("has_padding", _INT),
+        ("scratch", _POINTER),
+        ("distinct", _POINTER),
+        ("max_rows", _I64),
+        ("threshold", ctypes.c_uint64),
+        ("shadows", _POINTER),
+        ("shadow_count", _I64),
+        ("memory", ctypes.c_double),
+        ("hits", _POINTER),
+        ("offsets", _POINTER),
+        ("bag_length", _I64),
+        ("last_end", _I64),
+        ("bags", _I64),
+        ("mean", _INT),
+        ("weights", _POINTER),
+        ("out", _POINTER),
+        ("dim", _I64),
+        ("entry_bag", _POINTER),
+        ("scale", _POINTER),
+        ("distinct_count", _I64),
+        ("sampled", _I64),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bags:
+    """A batch's bags as ``step_pooled_forward`` takes them: ``offsets`` (int64 [count] or
+    [count + 1], or None: bags of ``length`` entries), ``count`` bags, the last ending before entry
+    ``last_end``, summed or averaged (``mean``), each entry times ``weights`` (float32 [N] or None);
+    pooled into ``[count, dim]`` float32, or laid out as ``shape`` ([count / k, k x dim])."""
+
+    offsets: torch.Tensor | None
+    length: int
+    count: int
+    last_end: int
+    mean: bool
+    weights: torch.Tensor | None
+    dim: int
+    shape: tuple[int, int] | None
+
+    def outputs(self, entries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Room for ``(pooled, each entry's bag int64 [entries], its gradient scale float32)``."""
+        return (
+            torch.empty(self.shape or (self.count, self.dim), dtype=torch.float32),
+            torch.empty(entries, dtype=torch.int64),
+            torch.empty(entries, dtype=torch.float32),
+        )
 
 
 class InitialRows(ctypes.Structure):
@@ -274,42 +334,29 @@ class StepPasses:
         return unique[:count]
 
     def pooled(
-        self,
-        rows: torch.Tensor,
-        dim: int,
-        slots: torch.Tensor,
-        distinct: Distinct,
-        offsets: torch.Tensor | None,
-        bag_length: int,
-        bags: int,
-        last_end: int,
-        mean: bool,
-        weights: torch.Tensor | None,
-        shape: tuple[int, int] | None = None,
+        self, rows: torch.Tensor, slots: torch.Tensor, distinct: Distinct, bags: Bags
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(pooled [bags, dim] (or as ``shape``: [bags / k, k x dim]), each entry's bag int64 [N]
-        (-1: none), its gradient scale float32 [N])`` of the bags over ``rows`` (the host tier's
-        buffer) at ``slots`` (int64 [U]); bags as ``step_pooled_forward`` takes them."""
+        """``(pooled [bags, dim] (or as ``bags.shape``), each entry's bag int64 [N] (-1: none), its
+        gradient scale float32 [N])`` of ``bags`` over ``rows`` (the host tier's buffer) at ``slots``
+        (int64 [U])."""
         entries = distinct.entries
-        out = torch.empty(shape or (bags, dim), dtype=torch.float32)
-        entry_bag = torch.empty(entries, dtype=torch.int64)
-        scale = torch.empty(entries, dtype=torch.float32)
+        out, entry_bag, scale = bags.outputs(entries)
         self._functions["step_pooled_forward"](
             rows.data_ptr(),
             rows.shape[1],
-            dim,
+            bags.dim,
             slots.data_ptr(),
             distinct.entry_rows_address,
             distinct.padding_row,
-            pointer(offsets),
-            bag_length,
-            last_end,
-            bags,
+            pointer(bags.offsets),
+            bags.length,
+            bags.last_end,
+            bags.count,
             entries,
-            mean,
-            pointer(weights),
+            bags.mean,
+            pointer(bags.weights),
             out.data_ptr(),
-            dim,
+            bags.dim,
             entry_bag.data_ptr(),
             scale.data_ptr(),
         )
@@ -536,6 +583,71 @@ class StepPasses:
             ctypes.byref(done),
         )
         return slots, done
+
+    def lookup_bags(
+        self,
+        ids: torch.Tensor,
+        padding: int | None,
+        bags: Bags,
+        max_rows: int,
+        replay: tuple | None,
+        admission: tuple,
+    ) -> tuple[Distinct, torch.Tensor, tuple, Residency, int]:
+        """``step_lookup_bags``: ``ids`` (int64 CPU, validated) deduplicated as ``distinct`` does,
+        refused past ``max_rows`` distinct ones (status ``TOO_MANY``), replayed through LFU's shadow
+        caches (``replay``: ``AgeingTuner.replay_arguments``, or None), made resident as
+        ``make_resident`` does (``admission``: its arguments from ``tier`` to ``initial``) and pooled
+        as ``pooled`` pools ``bags``. Returns ``(Distinct, slots int64 [U], pooled's three outputs,
+        what it did, the lookups the replay sampled)``; slots and outputs hold nothing unless the
+        status is ``RESIDENT``."""
+        flat = ids.reshape(-1).contiguous()
+        entries = flat.numel()
+        scratch = self._distinct_scratch(entries)
+        buffer = torch.empty(5 * entries + 2, dtype=torch.int64)  # as distinct's
+        slots = torch.empty(entries, dtype=torch.int64)
+        outputs = out, entry_bag, scale = bags.outputs(entries)
+        threshold, shadows, shadow_count, memory, hits = replay or (0, None, 0, 0.0, None)
+        lookup = BagLookup(
+            flat.data_ptr(),
+            entries,
+            -1 if padding is None else padding,
+            padding is not None,
+            scratch.data_ptr(),
+            buffer.data_ptr(),
+            max_rows,
+            threshold,
+            shadows,
+            shadow_count,
+            memory,
+            hits,
+            pointer(bags.offsets),
+            bags.length,
+            bags.last_end,
+            bags.count,
+            bags.mean,
+            pointer(bags.weights),
+            out.data_ptr(),
+            bags.dim,
+            entry_bag.data_ptr(),
+            scale.data_ptr(),
+        )
+        tier, choice, cold, advise, (log_rows, log_keys), initial = admission
+        done = Residency()
+        self._functions["step_lookup_bags"](
+            ctypes.byref(lookup),
+            ctypes.byref(tier),
+            ctypes.byref(choice),
+            ctypes.byref(cold),
+            advise,
+            log_rows,
+            log_keys,
+            ctypes.byref(initial),
+            slots.data_ptr(),
+            ctypes.byref(done),
+        )
+        count = lookup.distinct_count
+        distinct = Distinct(buffer, entries, count, count if padding is not None else -1)
+        return distinct, slots[:count], outputs, done, lookup.sampled
 
     def will_need_homes(
         self, keys: torch.Tensor, table_keys: torch.Tensor, table_values: torch.Tensor

@@ -1,11 +1,14 @@
-"""A training lookup of bags whose top tier is the host cache, as three native passes
+"""A training lookup of bags whose top tier is the host cache, as native passes
 (``tierstore/kernels/host_step.cpp``) and a fixed amount of Python per step:
 
 1. ``distinct``: the batch's distinct ids by hashing (no sort), each entry's row among them, and
    the entries grouped by row (a counting sort);
 2. the store makes those rows resident (hits counted, misses fetched and admitted) and, still
-   holding its lock (``TieredStore.read_resident``: a lookahead worker cannot move them meanwhile),
-   ``step_pooled_forward`` pools every bag straight from the host tier's rows (no gathered copy);
+   holding its lock (a lookahead worker cannot move them meanwhile), ``step_pooled_forward``
+   pools every bag straight from the host tier's rows (no gathered copy). Where one host tier over
+   the mmap cold store serves the batch at its size (``TieredStore.lookup_bags``), 1 and 2 are one
+   native call (``step_lookup_bags``, LFU's shadow caches replaying the batch in it too); else
+   three (``distinct``, ``TieredStore.read_resident``, ``pooled``), the same rows either way;
 3. in backward, ``step_backward`` sums each row's gradient from its entries and applies the fused
    optimizer to the row in its slot, in one pass, under the store's lock. If a row moved between
    forward and backward (another lookup evicted it), the sums are handed to
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.step_passes import StepPasses
+from ..kernels.step_passes import Bags, StepPasses
 from .pooled_lookup import rows_in_place
 
 
@@ -38,29 +41,33 @@ def embedding_bag(
     1-D with offsets or 2-D), its backward updating the rows in place. The output is ``[bags, dim]``,
     or laid out as ``shape`` (``[bags / k, k x dim]``: the same memory)."""
     store, dim = table.store, table.embedding_dim
-    distinct = passes.distinct(ids, table.padding_idx)
     entries = ids.numel()
     if ids.dim() == 2:
-        bags, bag_length, last_end = ids.shape[0], ids.shape[1], entries
+        count, length, last_end = ids.shape[0], ids.shape[1], entries
     elif table.include_last_offset:  # offsets [bags + 1]: the last one ends the last bag
-        bags, bag_length, last_end = offsets.numel() - 1, 0, int(offsets[-1])
+        count, length, last_end = offsets.numel() - 1, 0, int(offsets[-1])
     else:
-        bags, bag_length, last_end = offsets.numel(), 0, entries
+        count, length, last_end = offsets.numel(), 0, entries
     weights = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
     offsets = None if offsets is None else offsets.contiguous()
+    bags = Bags(offsets, length, count, last_end, table.mode == "mean", weights, dim, shape)
+    looked_up = store.lookup_bags(ids, table.padding_idx, bags)  # one native call where it can
+    if looked_up is not None:
+        vacated, distinct, slots, (pooled, entry_bag, scale) = looked_up
+    else:
+        distinct = passes.distinct(ids, table.padding_idx)
 
-    def pool(top, slots: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
-        slots = slots.to(torch.int64).contiguous()  # itself: the passes take int64 slots as made
-        bag_settings = (offsets, bag_length, bags, last_end, table.mode == "mean", weights)
-        return top.vacated, slots, *passes.pooled(top.rows, dim, slots, distinct, *bag_settings, shape)
+        def pool(top, slots: torch.Tensor) -> tuple:  # under the store's lock: the rows stay put
+            slots = slots.to(torch.int64).contiguous()  # itself: the passes take int64 slots as made
+            return top.vacated, slots, *passes.pooled(top.rows, slots, distinct, bags)
 
-    vacated, slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
+        vacated, slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
 
     def backward(grad_output: torch.Tensor) -> None:
         if distinct.unique.numel() == 0:
             return
         if shape is not None:  # the bags' rows again (a copy only where shape's rows are spaced out)
-            grad_output = grad_output.reshape(bags, dim)
+            grad_output = grad_output.reshape(count, dim)
         grad, grad_stride = rows_in_place(grad_output.to(torch.float32))
         table.step += 1
         name, arguments, _ = table.optimizer.kernel(table.step)

@@ -123,16 +123,16 @@ class AgeingTuner:
         """Distinct ``keys`` (int64 CPU) were looked up ``counts`` times each; True if the choice
         changed."""
         keys, counts = keys.contiguous(), cpu_int64(counts)
-        sampled = self._replay(
-            keys.data_ptr(),
-            counts.data_ptr(),
-            keys.numel(),
-            self._threshold,
-            self._shadows,
-            len(RUNGS),
-            self._memory,
-            self._hits_address,
-        )
+        sampled = self._replay(keys.data_ptr(), counts.data_ptr(), keys.numel(), *self.replay_arguments())
+        return self.replayed(sampled)
+
+    def replay_arguments(self) -> tuple:
+        """``ageing_replay``'s arguments after the keys, their counts and their number: for a native
+        call that replays a batch as it looks it up (then given to ``replayed``)."""
+        return self._threshold, ctypes.addressof(self._shadows), len(RUNGS), self._memory, self._hits_address
+
+    def replayed(self, sampled: int) -> bool:
+        """After a replay that sampled ``sampled`` lookups: True if the choice changed."""
         if sampled == 0:
             return False
         self.sampled += sampled

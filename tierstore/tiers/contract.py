@@ -16,6 +16,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..errors import CacheCapacityError
+
+
+def too_many_distinct(tier_name: str, capacity: int, count: int) -> CacheCapacityError:
+    """The error of a batch of ``count`` distinct ids for a top tier of ``capacity`` rows."""
+    return CacheCapacityError(
+        f"this batch has {count} distinct ids but the top cache tier ({tier_name}) holds "
+        f"{capacity} rows; raise {tier_name}_cache or split the batch"
+    )
+
 
 @dataclasses.dataclass
 class Rows:

@@ -155,7 +155,21 @@ class LfuWithAgeing(EvictionPolicy):
         """Distinct ``keys`` were looked up in the tier ``counts`` times each: the shadow caches
         replay the sampled ones, and the ageing follows their choice."""
         if self.tuner is not None and keys.device.type == "cpu" and self.tuner.observe(keys, counts):
-            self._growth = 2.0 ** (1.0 / self.tuner.half_life)  # inf: 1, plain LFU
+            self._follow_tuner()
+
+    def native_replay(self) -> tuple | None:
+        """For a native call that replays a batch through the shadow caches as it looks it up:
+        ``AgeingTuner.replay_arguments`` (None: no shadow caches), then ``replayed``."""
+        return None if self.tuner is None else self.tuner.replay_arguments()
+
+    def replayed(self, sampled: int) -> None:
+        """A native call replayed ``sampled`` lookups (``native_replay``): the ageing follows the
+        shadows' choice, as ``observe`` leaves it."""
+        if self.tuner is not None and self.tuner.replayed(sampled):
+            self._follow_tuner()
+
+    def _follow_tuner(self) -> None:
+        self._growth = 2.0 ** (1.0 / self.tuner.half_life)  # inf: 1, plain LFU
 
     def touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         if counts is None:

@@ -86,11 +86,16 @@ class RowCache:
     def make_room(self, keys: torch.Tensor) -> None:
         """Grow (``grow``, up to ``max_capacity``) where the rows of distinct ``keys`` not resident
         would not fit in the free slots: a tier that can grow evicts only once it is full."""
-        if self.capacity >= self.max_capacity or keys.numel() <= self._free_count:
+        if self.fits_as_sized(keys.numel()):
             return
         missing = int((self.find(keys) < 0).sum())
         if missing > self._free_count:
             self._grow_for(missing)
+
+    def fits_as_sized(self, count: int) -> bool:
+        """Whether ``count`` rows more need no growth: the tier is at its full size or has as many
+        free slots."""
+        return self.capacity >= self.max_capacity or count <= self._free_count
 
     def _grow_for(self, count: int) -> None:
         """At least ``count`` free slots, up to ``max_capacity``: doubling (growth costs O(1) a row)

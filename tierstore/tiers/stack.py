@@ -18,7 +18,7 @@ from ..errors import CacheCapacityError
 from ..initializer import initial_rows, native_initial_rows
 from ..metadata import StoreMetadata
 from .cold import ColdStore
-from .contract import CacheTier, Rows
+from .contract import CacheTier, Rows, too_many_distinct
 
 FLUSH_BATCH_ROWS = 1 << 14  # dirty rows copied out and staged at once by a flush
 
@@ -40,10 +40,7 @@ class TierStack:
         times, fetching and evicting as needed."""
         top = self.top
         if unique.numel() > top.max_capacity:
-            raise CacheCapacityError(
-                f"this batch has {unique.numel()} distinct ids but the top cache tier ({top.name}) holds "
-                f"{top.max_capacity} rows; raise {top.name}_cache or split the batch"
-            )
+            raise too_many_distinct(top.name, top.max_capacity, unique.numel())
         top.make_room(unique)
         top.policy.observe(unique, counts)
         if self._admits_directly():  # one native call: found, victims chosen, misses read in
@@ -65,6 +62,16 @@ class TierStack:
             slots[missed] = self._bring_in(unique[missed_cpu], counts[missed_cpu], slots[hit])
         top.touch(slots, counts, missed)
         return slots
+
+    def lookup_bags(self, ids: torch.Tensor, padding: int | None, bags) -> tuple | None:
+        """A training lookup in one native call where a single host tier over the mmap cold store
+        serves it and is at its full size or has room for every id (``ColdStore.lookup_bags_in``:
+        ``(Distinct of ids, their slots, (pooled, entry bags, scales))``, as ``make_resident`` and
+        ``StepPasses.pooled`` of ``bags`` give them); None where the batch takes the general path."""
+        top = self.top
+        if not self._admits_directly() or not top.fits_as_sized(ids.numel()):
+            return None
+        return self.cold.lookup_bags_in(top, ids, padding, bags, self._native_initial())
 
     def _bring_in(self, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         """Top-tier slots of ``keys`` (distinct, none in the top tier), taken from the tiers below and

@@ -129,6 +129,15 @@ class ColdStore(ABC):
         row or a failed write raise, the rows staying where they were."""
         raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")
 
+    def lookup_bags_in(self, tier, ids: torch.Tensor, padding: int | None, bags, initial) -> tuple:
+        """A training lookup in one native call (where ``admits_into(tier)``): the distinct ``ids``
+        (int64 CPU, validated; entries equal to ``padding`` left out) made resident as
+        ``make_resident_in`` makes them, the tier's shadow caches replaying them, and ``bags`` (a
+        ``kernels.step_passes.Bags``) pooled from the rows where they lie. Returns ``(Distinct of
+        ids, their slots int64 [U], (pooled, each entry's bag, its gradient scale))``; more distinct
+        ids than the tier holds raise ``CacheCapacityError`` before any change."""
+        raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")
+
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [N]: which ``keys`` (distinct) the store holds. Counts nothing."""
         return self._get(keys)[1]

@@ -64,6 +64,7 @@ from ...kernels.cache_passes import cache_passes_of
 from ...kernels.step_passes import ColdFiles, Residency, host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ...validation import cpu_int64
+from ..contract import too_many_distinct
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .base import ColdStore
@@ -637,16 +638,37 @@ class MmapColdStore(ColdStore):
     def make_resident_in(
         self, tier, keys: torch.Tensor, counts: torch.Tensor, protected: torch.Tensor | None, initial
     ) -> torch.Tensor:
+        keys, counts = cpu_int64(keys), cpu_int64(counts)
+        protected = None if protected is None else cpu_int64(protected)
+        admission, held = self._admission(tier, keys.numel(), initial)
+        slots, done = host_passes().make_resident(keys, counts, protected, *admission)
+        self._admitted(tier, done, held, admission[3])
+        return slots
+
+    def lookup_bags_in(self, tier, ids: torch.Tensor, padding: int | None, bags, initial) -> tuple:
+        admission, held = self._admission(tier, ids.numel(), initial)  # at most: every id new
+        policy = tier.policy
+        distinct, slots, outputs, done, sampled = host_passes().lookup_bags(
+            ids, padding, bags, tier.max_capacity, policy.native_replay(), admission
+        )
+        if done.status == Residency.TOO_MANY:  # refused before any change
+            raise too_many_distinct(tier.name, tier.max_capacity, done.detail)
+        policy.replayed(sampled)
+        self._admitted(tier, done, held, admission[3])
+        return distinct, slots, outputs
+
+    def _admission(self, tier, rows: int, initial) -> tuple[tuple, tuple]:
+        """``StepPasses.make_resident``'s arguments from ``tier`` on for up to ``rows`` rows coming in
+        (the log's room made first: a full disk raises here, before any change), and the tensors
+        behind the tier's choice (``RowCache.native_choice``), for ``_admitted``."""
         tier_arrays = tier.native_arrays()
         if tier_arrays.row_width * 4 != self.row_bytes:
             raise ValueError(
                 f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
             )
-        keys, counts = cpu_int64(keys), cpu_int64(counts)
-        protected = None if protected is None else cpu_int64(protected)
-        choice, held = tier.native_choice(keys.numel())
+        choice, held = tier.native_choice(rows)
         start = self._wal_count
-        victims = max(0, keys.numel() - choice.free_count)  # at most: every key a miss
+        victims = max(0, rows - choice.free_count)  # at most: every key a miss
         self._wal_rows.reserve(start + victims)  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + victims)
         self._wal_index.make_room(victims)
@@ -667,22 +689,17 @@ class MmapColdStore(ColdStore):
             codec.row_bytes,
             codec.check_bytes,
         )
-        advise = self._reads.advise(keys.numel())
-        slots, done = host_passes().make_resident(
-            keys,
-            counts,
-            protected,
-            tier_arrays,
-            choice,
-            files,
-            advise,
-            (self._wal_rows.fileno(), self._wal_keys.fileno()),
-            initial,
-        )
-        self._reads.done(done.misses, advise)
+        advise = self._reads.advise(rows)
+        log_files = (self._wal_rows.fileno(), self._wal_keys.fileno())
+        return (tier_arrays, choice, files, advise, log_files, initial), held
+
+    def _admitted(self, tier, done: Residency, held: tuple, advised: bool) -> None:
+        """After a native admission (``_admission``'s arguments): the tier and this store's counters
+        moved, or the error of a damaged row or a failed write raised (nothing having changed)."""
+        self._reads.done(done.misses, advised)
         tier.settle_native(done, held)  # raises where too few slots were evictable
         if done.status == Residency.DAMAGED:
-            raise codec.damaged(self.directory / ROWS_FILE, done.bad, done.detail)
+            raise self.codec.damaged(self.directory / ROWS_FILE, done.bad, done.detail)
         if done.status == Residency.WRITE_FAILED:
             raise OSError(done.detail, os.strerror(done.detail))
         self.stats.rows_read += done.misses
@@ -690,8 +707,7 @@ class MmapColdStore(ColdStore):
         self.stats.initialized += done.missed_lookups - done.held_lookups
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
-        log.live += done.new_to_log
-        return slots
+        self._wal_index.live += done.new_to_log
 
     def can_bulk_load(self) -> bool:
         """Not read-only, an empty log, and (``index.bin`` being changed in place) no reader open:
