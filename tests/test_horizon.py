@@ -16,6 +16,7 @@ import tierstore
 from tierstore import TieredStore, optim
 from tierstore.budget import horizon_accesses
 from tierstore.cli.reference_policies import belady_hits
+from tierstore.kernels.host import openmp_runtime
 
 
 @settings(max_examples=25, deadline=None)
@@ -152,6 +153,33 @@ def test_a_cyclic_scan_one_row_too_large_keeps_all_but_one_row(backend):
     optimal_misses = keys.size - belady_hits(keys, capacity)
     assert lfu > 3 * optimal_misses  # measured: 345 against 73
     assert foreseen <= 1.1 * optimal_misses  # measured: 73
+
+
+def test_the_horizons_native_passes_do_not_depend_on_the_thread_count():
+    """Batches of thousands of ids run the horizon's passes on the OpenMP team (the map's changes on
+    one thread, the tier's side on another): the same rows brought in, the same tier and pins, at
+    any thread count."""
+    runtime = openmp_runtime()
+    if runtime is None:
+        pytest.skip("the OpenMP runtime (libgomp) is not loaded: one thread count only")
+    rng = np.random.default_rng(4)
+    batches = torch.from_numpy((rng.zipf(1.1, 60_000) - 1) % 40_000).split(5_000)  # ~2,700 ids each
+    threads, results = runtime.omp_get_max_threads(), []
+    try:
+        for count in (1, 2, 3):
+            runtime.omp_set_num_threads(count)
+            with closing(TieredStore(None, dim=2, host_cache=8_000)) as store:
+                top, pinned = store.stack.top, []
+                for ids in tierstore.prefetch(batches, store, 1, background=False, horizon="4x"):
+                    store.get(ids)
+                    pinned.append(top.pinned_count())
+                assert max(pinned) > 1_000  # the horizon held rows
+                results.append((store.stats()["host"]["rows_in"], top.slot_keys.clone(), pinned))
+    finally:
+        runtime.omp_set_num_threads(threads)
+    for rows_in, slot_keys, pinned in results[1:]:
+        assert rows_in == results[0][0] and pinned == results[0][2]
+        assert torch.equal(slot_keys, results[0][1])
 
 
 def test_horizon_ids_feed_the_same_horizon_as_the_batches():

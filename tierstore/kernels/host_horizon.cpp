@@ -1,15 +1,16 @@
 // A lookahead horizon's passes (tierstore/horizon.py's Foresight, through
 // tierstore/kernels/step_passes.py; included by host_step.cpp into the tuned host build), each one
-// call a batch on one thread:
+// call a batch:
 // - horizon_enter: a batch read ahead links each of its ids to its latest entry in the horizon
 //   (an id -> entry map, linear probing without tombstones), giving that entry this batch as its
 //   next use; an id new to the horizon whose row is resident in the top tier gets the horizon's pin;
 // - horizon_consume: a batch has run: each of its rows' pins follows its id's next use (kept, with
 //   the next use recorded, or dropped where there is none), its ids with no next use leave the map,
 //   and the slots the next batch needs beyond the horizon's pins are counted.
-// Entries are numbered (codes); an entry's next use lives at next_use[code & ring_mask] (NEVER: none
-// in the horizon). The horizon's pin of a slot: pinned_key[slot] holds the slot's key and pins[slot]
-// (the tier's pin count, which the window's pins share) counts it once.
+// The map's changes run on one thread, the tier's side beside them on another (from PARALLEL_FROM
+// keys). Entries are numbered (codes); an entry's next use lives at next_use[code & ring_mask]
+// (NEVER: none in the horizon). The horizon's pin of a slot: pinned_key[slot] holds the slot's key
+// and pins[slot] (the tier's pin count, which the window's pins share) counts it once.
 
 #define HORIZON_NEVER 0x7fffffff  // a next use (a batch number, int) of none
 
@@ -43,34 +44,48 @@ static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 ne
 
 // keys[0..n) (distinct) enter as batch `sequence`, their entries coded first_code + i. The map has
 // room for them (the caller sizes it). out[0]: the pins added; out[1]: the ids new to the map.
+// The map's changes run on one thread (inserts claim positions in order), beside the keys' slots
+// found in the tier on another; then the new ids' rows are pinned on the team (distinct keys hold
+// distinct slots: one writer a slot).
 extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_code, i64 sequence,
                               i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                               int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                               i64* __restrict__ out) {
-    i64 pinned = 0, added = 0;
-    for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {
-            const i64 ahead = keys[i + AHEAD];
-            prefetch_home<1>(map_keys, map_values, map_mask, ahead);
-            prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, ahead);
-        }
-        const i64 key = keys[i], code = first_code + i;
-        next_use[code & ring_mask] = HORIZON_NEVER;
-        u64 position = mix((u64)key) & (u64)map_mask;
-        while (map_keys[position] != EMPTY_KEY && map_keys[position] != key) {
-            position = (position + 1) & (u64)map_mask;
-        }
-        if (map_keys[position] == key) {  // its latest entry now has a next use: this batch
-            next_use[map_values[position] & ring_mask] = (int)sequence;
+    std::vector<i64> slots(n);
+    std::vector<unsigned char> new_ids(n);
+    i64 added = 0;
+#pragma omp parallel sections num_threads(2) if (n >= PARALLEL_FROM)
+    {
+#pragma omp section
+        for (i64 i = 0; i < n; ++i) {
+            if (i + AHEAD < n) prefetch_home<1>(map_keys, map_values, map_mask, keys[i + AHEAD]);
+            const i64 key = keys[i], code = first_code + i;
+            next_use[code & ring_mask] = HORIZON_NEVER;
+            u64 position = mix((u64)key) & (u64)map_mask;
+            while (map_keys[position] != EMPTY_KEY && map_keys[position] != key) {
+                position = (position + 1) & (u64)map_mask;
+            }
+            if (map_keys[position] == key) {  // its latest entry now has a next use: this batch
+                next_use[map_values[position] & ring_mask] = (int)sequence;
+                map_values[position] = code;
+                continue;
+            }
+            map_keys[position] = key;
             map_values[position] = code;
-            continue;
+            new_ids[i] = 1;
+            ++added;
         }
-        map_keys[position] = key;
-        map_values[position] = code;
-        ++added;
-        const i64 slot = horizon_slot(*tier, key);
-        if (slot >= 0) pinned += horizon_pin(*tier, slot, key, sequence);
+#pragma omp section
+        for (i64 i = 0; i < n; ++i) {
+            if (i + AHEAD < n)
+                prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, keys[i + AHEAD]);
+            slots[i] = horizon_slot(*tier, keys[i]);
+        }
     }
+    i64 pinned = 0;
+#pragma omp parallel for schedule(static) reduction(+ : pinned) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i)
+        if (new_ids[i] && slots[i] >= 0) pinned += horizon_pin(*tier, slots[i], keys[i], sequence);
     out[0] = pinned;
     out[1] = added;
 }
@@ -78,41 +93,56 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
 // keys[0..n) (distinct, coded first_code + i) have run. next_keys[0..next_n): the next batch in the
 // horizon. out[0]: the pins added less those dropped; out[1]: the ids that left the map; out[2]: the
 // next batch's ids whose rows the horizon does not pin (its misses, and hits the cap unpinned): the
-// slots it may claim beyond the horizon's pins.
+// slots it may claim beyond the horizon's pins. The keys' slots are found on the team; then the
+// ids with no next use leave the map on one thread (erasing moves entries) while another moves the
+// pins on and counts the next batch's.
 extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_code,
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                                 const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                                 const i64* __restrict__ next_keys, i64 next_n, i64* __restrict__ out) {
-    i64 change = 0, removed = 0, removed_value = 0;
+    std::vector<i64> slots(n);
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) {
-            const i64 ahead = keys[i + AHEAD];
-            prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, ahead);
-            if (next_use[(first_code + i + AHEAD) & ring_mask] == HORIZON_NEVER) {
-                prefetch_home<1>(map_keys, map_values, map_mask, ahead);
+        if (i + AHEAD < n)
+            prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, keys[i + AHEAD]);
+        slots[i] = horizon_slot(*tier, keys[i]);
+    }
+    i64 change = 0, removed = 0, needed = 0;
+#pragma omp parallel sections num_threads(2) if (n + next_n >= PARALLEL_FROM)
+    {
+#pragma omp section
+        {
+            i64 removed_value = 0;
+            for (i64 i = 0; i < n; ++i) {
+                if (i + AHEAD < n && next_use[(first_code + i + AHEAD) & ring_mask] == HORIZON_NEVER)
+                    prefetch_home<1>(map_keys, map_values, map_mask, keys[i + AHEAD]);
+                if (next_use[(first_code + i) & ring_mask] == HORIZON_NEVER)
+                    removed += erase_shifting(map_keys, map_values, map_mask, &keys[i], 1, &removed_value);
             }
         }
-        const i64 key = keys[i];
-        const i64 following = next_use[(first_code + i) & ring_mask];
-        if (following == HORIZON_NEVER) {
-            removed += erase_shifting(map_keys, map_values, map_mask, &key, 1, &removed_value);
+#pragma omp section
+        {
+            for (i64 i = 0; i < n; ++i) {
+                const i64 slot = slots[i], key = keys[i];
+                if (slot < 0) continue;
+                const i64 following = next_use[(first_code + i) & ring_mask];
+                if (following != HORIZON_NEVER) {
+                    change += horizon_pin(*tier, slot, key, following);
+                } else if (horizon_holds(*tier, slot, key)) {
+                    tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
+                    tier->pinned_key[slot] = -1;
+                    change -= 1;
+                }
+            }
+            for (i64 i = 0; i < next_n;
+                 ++i) {  // after the pins moved on: a key in both batches keeps its pin
+                if (i + AHEAD < next_n)
+                    prefetch_home(tier->index_keys, tier->index_values, tier->index_mask,
+                                  next_keys[i + AHEAD]);
+                const i64 slot = horizon_slot(*tier, next_keys[i]);
+                needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
+            }
         }
-        const i64 slot = horizon_slot(*tier, key);
-        if (slot < 0) continue;
-        if (following != HORIZON_NEVER) {
-            change += horizon_pin(*tier, slot, key, following);
-        } else if (horizon_holds(*tier, slot, key)) {
-            tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
-            tier->pinned_key[slot] = -1;
-            change -= 1;
-        }
-    }
-    i64 needed = 0;
-    for (i64 i = 0; i < next_n; ++i) {
-        if (i + AHEAD < next_n)
-            prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, next_keys[i + AHEAD]);
-        const i64 slot = horizon_slot(*tier, next_keys[i]);
-        needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
     }
     out[0] = change;
     out[1] = removed;
