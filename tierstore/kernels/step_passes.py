@@ -236,15 +236,22 @@ class Distinct:
     by part of their hashes, first appearance within a part; ``step_distinct``), ``counts [U]``,
     ``entry_rows [N]`` (each entry's row in ``unique``; U for padding entries), ``starts [U + 1]``
     and ``order [M]`` (row r's entries are ``order[starts[r]:starts[r + 1]]``, ascending); all int64,
-    views of one buffer (``step_distinct``'s), the last three made when read: the native passes take
+    views of one buffer (``step_distinct``'s) made when read (``count``: U): the native passes take
     their addresses."""
 
-    __slots__ = ("unique", "counts", "padding_row", "entries", "_buffer")
+    __slots__ = ("count", "padding_row", "entries", "_buffer")
 
     def __init__(self, buffer: torch.Tensor, entries: int, count: int, padding_row: int) -> None:
-        self._buffer, self.entries = buffer, entries  # N
-        self.unique, self.counts = buffer[:count], buffer[entries : entries + count]
+        self._buffer, self.entries, self.count = buffer, entries, count  # N, U
         self.padding_row = padding_row  # -1: no padding
+
+    @property
+    def unique(self) -> torch.Tensor:
+        return self._buffer[: self.count]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._buffer[self.entries : self.entries + self.count]
 
     # Where each part lies in the buffer (N-entry parts: unique, counts, entry rows, order, starts).
     @property
@@ -265,12 +272,12 @@ class Distinct:
 
     @property
     def starts(self) -> torch.Tensor:
-        rows = self.unique.numel() + (self.padding_row >= 0)
+        rows = self.count + (self.padding_row >= 0)
         return self._buffer[4 * self.entries : 4 * self.entries + rows + 1]
 
     @property
     def order(self) -> torch.Tensor:
-        kept = int(self._buffer[4 * self.entries + self.unique.numel()])  # starts[U]
+        kept = int(self._buffer[4 * self.entries + self.count])  # starts[U]
         return self._buffer[3 * self.entries : 3 * self.entries + kept]
 
 
@@ -375,7 +382,7 @@ class StepPasses:
         """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``).
         ``update``: ``(rows, slots int64 [U], dirty, optimizer kernel name, its float arguments)``:
         applied to the rows in place (returns None); None: the sums ``[U, dim]`` are returned."""
-        count = distinct.unique.numel()
+        count = distinct.count
         if update is None:
             summed = torch.empty(count, dim, dtype=torch.float32)
             rows = slots = dirty = None

@@ -64,7 +64,7 @@ def embedding_bag(
         vacated, slots, pooled, entry_bag, scale = store.read_resident(distinct.unique, distinct.counts, pool)
 
     def backward(grad_output: torch.Tensor) -> None:
-        if distinct.unique.numel() == 0:
+        if distinct.count == 0:
             return
         if shape is not None:  # the bags' rows again (a copy only where shape's rows are spaced out)
             grad_output = grad_output.reshape(count, dim)
