@@ -24,8 +24,8 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
 - ``collection_lookahead_worker``: the same with the pipeline's worker thread forced on, where
   this machine's default runs the pipeline inline (few cores; ``tierstore.lookahead``);
 - ``collection_horizon``: with ``--horizon H``, a collection like the lookahead one trained through
-  ``tierstore.prefetch(..., horizon=H)`` as well (evicting by next use within H row lookups; each
-  round's batches are its whole horizon);
+  ``tierstore.prefetch(..., horizon=H)`` as well (evicting by next use within H row lookups), one
+  loop over the warm-up's and every round's batches, so its horizon reads ahead across rounds;
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);
@@ -218,16 +218,44 @@ def lookahead_run(
     """A run of ``step`` over a list of batches through ``tierstore.prefetch`` (``background`` and
     ``horizon`` as it takes them: None, the default for this machine; no horizon)."""
 
-    def features(batch):
-        ids, lengths = batch
-        return KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
-
     def run(batches: list) -> None:
-        loop = prefetch(batches, collection, lookahead, ids=features, background=background, horizon=horizon)
+        loop = prefetch(
+            batches, collection, lookahead, ids=_features(work), background=background, horizon=horizon
+        )
         for batch in loop:
             step(*batch)
 
     return run
+
+
+def streamed_run(step, collection, work: Workload, lookahead: int, horizon: str, stream: list):
+    """A run of ``step`` over a list of batches, all runs' batches taken from one
+    ``tierstore.prefetch(stream, ..., horizon=horizon)``: ``stream`` holds every batch the runs will
+    be given, in order (filled before the first run), so the horizon reads ahead across runs as a
+    training loop's does across its epoch, instead of filling anew at each run's first batch."""
+    loop = None
+
+    def run(batches: list) -> None:
+        nonlocal loop
+        if loop is None:
+            loop = iter(prefetch(stream, collection, lookahead, ids=_features(work), horizon=horizon))
+        for expected in batches:
+            batch = next(loop)
+            if batch is not expected:
+                raise RuntimeError("the horizon's stream is out of step with the batches its runs are given")
+            step(*batch)
+
+    return run
+
+
+def _features(work: Workload):
+    """A batch ``(ids [tables, samples], lengths)`` as the collection's ``KeyedJaggedTensor``."""
+
+    def features(batch):
+        ids, lengths = batch
+        return KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
+
+    return features
 
 
 def waited(run, wait):
@@ -541,7 +569,10 @@ def main() -> None:
                 )
         if args.horizon:
             step, collection, _, horizon_store = collection_step(work, args, Path(directory) / "horizon")
-            foreseeing = lookahead_run(step, collection, work, max(args.lookahead, 1), horizon=args.horizon)
+            horizon_stream: list = []  # the warm-up's and the timed rounds' batches, once made
+            foreseeing = streamed_run(
+                step, collection, work, max(args.lookahead, 1), args.horizon, horizon_stream
+            )
             runs["collection_horizon"] = counted(foreseeing, horizon_store, host_horizon := {})
         if not args.device_share:  # these run on the CPU alone
             runs["separate"] = each(separate_step(work, args, Path(directory), memory))
@@ -552,6 +583,9 @@ def main() -> None:
         wait = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None
         runs = {name: waited(run, wait) for name, run in runs.items()}
         warm_up = [batch() for _ in range(args.warm_up)]
+        timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
+        if args.horizon:
+            horizon_stream.extend(warm_up + [one for batches in timed for one in batches])
         for run in tqdm(runs.values(), desc="warming up", leave=False, disable=None):
             run(warm_up)
         host.clear()
@@ -559,7 +593,6 @@ def main() -> None:
             host_lookahead.clear()
         if args.horizon:
             host_horizon.clear()
-        timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
         rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
         costs = step_costs(
