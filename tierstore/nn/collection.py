@@ -244,9 +244,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 raise
             self._sharding.refuse(error)  # the others raise too
         lengths = batch.lengths
-        plan = self._plans.get(batch.layout_key)
-        if plan is None:
-            plan = self._plans[batch.layout_key] = _FeaturePlan(batch.tables, list(self.groups))
+        plan = self._plan(batch)
         plan.starts_seen += batch.feature_starts  # folded into lookups when read
         blocks = []  # each group's [batch, features x dim]
         for group_name, group in self.groups.items():
@@ -280,12 +278,18 @@ class TieredEmbeddingBagCollection(nn.Module):
         lookahead pipeline (``tierstore.prefetch``); bad input raises as ``forward`` would."""
         refuse_prefetch(self._sharding)
         batch = self._batch(features)
-        stores = []
-        for group_name, group in self.groups.items():
-            positions = _in_group(group_name, batch.tables)
-            if positions:
-                stores.append((group.store, distinct_ids(batch.group_bags(positions)[0])))
-        return stores
+        return [
+            (self.groups[group_name].store, distinct_ids(batch.group_bags(positions)[0]))
+            for group_name, (positions, _, _) in self._plan(batch).groups.items()
+            if positions
+        ]
+
+    def _plan(self, batch: JaggedBatch) -> _FeaturePlan:
+        """The plan of ``batch``'s order of features, made at its first batch."""
+        plan = self._plans.get(batch.layout_key)
+        if plan is None:
+            plan = self._plans[batch.layout_key] = _FeaturePlan(batch.tables, list(self.groups))
+        return plan
 
     def flush(self) -> None:
         """Make every table's updates durable: each group's store commits atomically, and the
