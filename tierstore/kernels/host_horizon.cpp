@@ -134,8 +134,8 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                     change -= 1;
                 }
             }
-            for (i64 i = 0; i < next_n;
-                 ++i) {  // after the pins moved on: a key in both batches keeps its pin
+            // After the pins moved on: a key in both batches keeps its pin.
+            for (i64 i = 0; i < next_n; ++i) {
                 if (i + AHEAD < next_n)
                     prefetch_home(tier->index_keys, tier->index_values, tier->index_mask,
                                   next_keys[i + AHEAD]);

@@ -308,13 +308,17 @@ class StepPasses:
             self._scratch.distinct = scratch, entries
         return scratch
 
+    def _distinct_room(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """``(ids flat, their number N, step_distinct's scratch, room for a Distinct [5N + 2])``: the
+        room holds unique, counts, entry rows, order and starts, in that order."""
+        flat = ids.reshape(-1).contiguous()
+        entries = flat.numel()
+        return flat, entries, self._distinct_scratch(entries), torch.empty(5 * entries + 2, dtype=torch.int64)
+
     def distinct(self, ids: torch.Tensor, padding: int | None) -> Distinct:
         """``Distinct`` of ``ids`` (int64 CPU, any shape, validated), leaving out entries equal to
         ``padding`` (None: none)."""
-        flat = ids.reshape(-1).contiguous()
-        entries = flat.numel()
-        scratch = self._distinct_scratch(entries)
-        out = torch.empty(5 * entries + 2, dtype=torch.int64)  # unique, counts, entry rows, order, starts
+        flat, entries, scratch, out = self._distinct_room(ids)
         address = out.data_ptr()
         count = self._functions["step_distinct"](
             flat.data_ptr(),
@@ -607,10 +611,7 @@ class StepPasses:
         as ``pooled`` pools ``bags``. Returns ``(Distinct, slots int64 [U], pooled's three outputs,
         what it did, the lookups the replay sampled)``; slots and outputs hold nothing unless the
         status is ``RESIDENT``."""
-        flat = ids.reshape(-1).contiguous()
-        entries = flat.numel()
-        scratch = self._distinct_scratch(entries)
-        buffer = torch.empty(5 * entries + 2, dtype=torch.int64)  # as distinct's
+        flat, entries, scratch, buffer = self._distinct_room(ids)
         slots = torch.empty(entries, dtype=torch.int64)
         outputs = out, entry_bag, scale = bags.outputs(entries)
         threshold, shadows, shadow_count, memory, hits = replay or (0, None, 0, 0.0, None)
