@@ -51,7 +51,7 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
                               i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                               int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                               i64* __restrict__ out) {
-    std::vector<i64> slots(n);
+    Room<i64> slots(n);
     std::vector<unsigned char> new_ids(n);
     i64 added = 0;
 #pragma omp parallel sections num_threads(2) if (n >= PARALLEL_FROM)
@@ -100,7 +100,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                                 const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                                 const i64* __restrict__ next_keys, i64 next_n, i64* __restrict__ out) {
-    std::vector<i64> slots(n);
+    Room<i64> slots(n);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n)

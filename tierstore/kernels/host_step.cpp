@@ -22,6 +22,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "embedding_cache.cu"
@@ -37,6 +38,16 @@ static inline void prefetch_lines(const void* address, i64 bytes) {
     for (uintptr_t line = (uintptr_t)address & ~(uintptr_t)63; line <= last; line += 64)
         __builtin_prefetch((const void*)line, Write);
 }
+
+// Room for n items of a trivial type, not zeroed: for scratch whose every item is written before it
+// is read (a std::vector would clear it first).
+template <typename T>
+struct Room {
+    std::unique_ptr<T[]> items;
+    explicit Room(i64 n) : items(new T[n > 0 ? n : 1]) {}
+    T* data() const { return items.get(); }
+    T& operator[](i64 i) const { return items[i]; }
+};
 
 #include "host_cache.cpp"
 #include "host_horizon.cpp"
@@ -713,7 +724,7 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
                          row_bytes,
                          check_bytes};
     const RowChecks checks(row_bytes);
-    std::vector<const unsigned char*> sources(n);
+    Room<const unsigned char*> sources(n);
     locate_stored_rows(keys, n, cold, advise, sources.data());
     i64 bad = 0, first = n;
 #pragma omp parallel for schedule(static) reduction(+ : bad) reduction(min : first) if (n >= PARALLEL_FROM)
@@ -747,7 +758,7 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
     const i64 stored_bytes = row_bytes + check_bytes;
     // Two passes, as the read's: where each row goes (the log's index, in order: the packing), then
     // the rows and their checks, asking for the target of row i + AHEAD while writing row i.
-    std::vector<unsigned char*> targets(n);
+    Room<unsigned char*> targets(n);
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
@@ -828,7 +839,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     const HostTier& tier = *tier_arrays;
     const ColdFiles& cold = *cold_files;
     const RowChecks checks(cold.row_bytes);
-    std::vector<const unsigned char*> sources(n);
+    Room<const unsigned char*> sources(n);
     locate_stored_rows(keys, n, cold, advise, sources.data());
     i64 bad = 0, first = n, held_lookups = 0;
 #pragma omp parallel for schedule(static) reduction(+ : bad, held_lookups) \
@@ -857,8 +868,10 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         i64 position;  // the key's position in the log's index (-1: new to the log)
     };
     const i64* victim_slots = slots + (n - victims);
-    std::vector<i64> victim_keys(victims), appended_keys;
+    Room<i64> victim_keys(victims);
+    std::vector<i64> appended_keys;
     std::vector<Staged> rewritten, appended_rows;
+    appended_keys.reserve(victims), rewritten.reserve(victims), appended_rows.reserve(victims);
     for (i64 j = 0; j < victims; ++j) {  // asking for the memory of item j + AHEAD, as everywhere
         if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
         victim_keys[j] = tier.slot_keys[victim_slots[j]];
@@ -866,7 +879,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     auto store = [&](unsigned char* target, const float* row, i64 key) {
         store_row(target, (const unsigned char*)row, key, cold.row_bytes, cold.check_bytes, checks);
     };
-    std::vector<int> former(victims), slot_values(n);
+    Room<int> former(victims), slot_values(n);
     for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
     int error = 0;
     i64 new_to_log = 0;
@@ -893,10 +906,10 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             }
             const i64 appended = (i64)appended_rows.size();
             if (appended) {
-                std::vector<unsigned char> packed(appended * cold.stored_bytes);
+                Room<unsigned char> packed(appended * cold.stored_bytes);
                 for (i64 j = 0; j < appended; ++j) {
                     if (j + AHEAD < appended) prefetch_lines(appended_rows[j + AHEAD].row, cold.row_bytes);
-                    store(&packed[j * cold.stored_bytes], appended_rows[j].row, appended_rows[j].key);
+                    store(packed.data() + j * cold.stored_bytes, appended_rows[j].row, appended_rows[j].key);
                 }
                 error = write_all(log_rows_fd, packed.data(), appended * cold.stored_bytes,
                                   cold.log_count * cold.stored_bytes);
@@ -936,7 +949,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         }
     }
     if (error) {  // the tier's index as it was: the keys out, the victims back at their slots
-        std::vector<int> gone(n);
+        Room<int> gone(n);
         erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, keys, n, gone.data());
         int status = 0;
         insert_serial(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), former.data(),
@@ -1032,7 +1045,7 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     *out = Residency{};
     out->pool_taken = -1;
     const i64 started = steady_ns();
-    std::vector<i64> hit_slots(n), missed(n);
+    Room<i64> hit_slots(n), missed(n);
     i64 lookups[2];
     const i64 misses = cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, keys, counts, n,
                                      tier.scores, increment, slots, hit_slots.data(), missed.data(), lookups);
@@ -1044,7 +1057,7 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     out->find_ns = found - started;
     if (misses == 0) return;
 
-    std::vector<i64> claimed(misses), missed_keys(misses), missed_counts(misses);
+    Room<i64> claimed(misses), missed_keys(misses), missed_counts(misses);
     for (i64 i = 0; i < misses; ++i) {
         missed_keys[i] = keys[missed[i]];
         missed_counts[i] = counts[missed[i]];

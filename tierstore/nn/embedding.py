@@ -314,13 +314,17 @@ class _TieredTable(nn.Module):
                 else:
                     grad = grad.masked_fill(padding.to(grad.device).unsqueeze(1), 0)
         if self.sharding is not None:  # every rank takes part, whatever its batch held
-            self.step += 1
-            self.sharding.apply_gradients(self.store, slots, grad, self.optimizer, self.step)
+            self.sharding.apply_gradients(self.store, slots, grad, self.optimizer, self.next_step())
             return
         if unique.numel() == 0:
             return
-        self.step += 1
-        self.store.apply_gradients(unique, grad, self.optimizer, self.step, slots)
+        self.store.apply_gradients(unique, grad, self.optimizer, self.next_step(), slots)
+
+    def next_step(self) -> int:
+        """The update count, raised by one for an update and returned (a plain int, set past
+        ``nn.Module.__setattr__``'s checks for parameters, buffers and modules)."""
+        step = self.__dict__["step"] = self.step + 1
+        return step
 
     def fused_optimizer(self) -> FusedOptimizer:
         """The table's fused optimizer as a ``torch.optim.Optimizer`` (``FusedOptimizer``): a learning

@@ -69,8 +69,8 @@ def embedding_bag(
         if shape is not None:  # the bags' rows again (a copy only where shape's rows are spaced out)
             grad_output = grad_output.reshape(count, dim)
         grad, grad_stride = rows_in_place(grad_output.to(torch.float32))
-        table.step += 1
-        name, arguments, _ = table.optimizer.kernel(table.step)
+        step = table.next_step()
+        name, arguments, _ = table.optimizer.kernel(step)
 
         def in_place(top) -> bool:
             if top.vacated != vacated and passes.rows_moved(top.slot_keys, slots, distinct.unique):
@@ -81,7 +81,7 @@ def embedding_bag(
 
         if not store.update_top_tier(in_place):
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
-            store.apply_gradients(distinct.unique, summed, table.optimizer, table.step, slots)
+            store.apply_gradients(distinct.unique, summed, table.optimizer, step, slots)
 
     anchor = table.trainable if distributed() else _ANCHOR
     return _UpdateInBackward.apply(anchor, [pooled], backward)  # the output's backward
