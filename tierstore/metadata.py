@@ -1,7 +1,7 @@
 """The store directory's versioned metadata file, ``tierstore.json``.
 
 It records what every reader must agree on: format version, backend, row ``dim``, ``dtype``,
-optimizer-state width and the initialisation seed. It is written once, atomically, when a store is
+optimizer-state width and dtype, and the initialisation seed. It is written once, atomically, when a store is
 created; opening validates it before any other file is touched, so a bad open changes nothing.
 """
 
@@ -50,6 +50,9 @@ class StoreMetadata:
     seed: int
     format_version: int = FORMAT_VERSION
     optimizer: str | None = None  # the optimizer's registry name; None: not recorded (older stores)
+    # "float32": a float16/bfloat16 row holds its optimizer state as float32 (``packs_float32_state``);
+    # None: the state in the row's dtype (float32 and float64 rows, and half rows of older stores).
+    state_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -68,11 +71,17 @@ class StoreMetadata:
             raise TypeError(f"optimizer must be an optimizer's name or None, got {self.optimizer!r}")
         if self.dtype not in DTYPES:
             raise TypeError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.state_dtype not in (None, "float32") or (
+            self.state_dtype is not None and self.dtype not in HALF_DTYPES
+        ):
+            raise ValueError(
+                f"state_dtype must be None, or 'float32' for float16/bfloat16 rows, got {self.state_dtype!r}"
+            )
 
     @property
     def row_width(self) -> int:
-        """Values per stored row: weights then optimizer state."""
-        return self.dim + self.optimizer_state_width
+        """Values (of ``dtype``) per stored row: weights then optimizer state (``state_columns``)."""
+        return row_width(self.dim, self.optimizer_state_width, self.state_dtype is not None)
 
     @property
     def row_checksums(self) -> bool:
@@ -86,6 +95,42 @@ class StoreMetadata:
     @property
     def row_bytes(self) -> int:
         return self.row_width * self.torch_dtype.itemsize
+
+
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def row_width(dim: int, state_width: int, float32_state: bool) -> int:
+    """Values per stored row of ``dim`` weights and ``state_width`` optimizer-state values: with
+    ``float32_state`` (a 16-bit row), each state value is a float32 held as two of the row's values,
+    after the weights padded to an even count (so the state lies on 4-byte boundaries)."""
+    if not float32_state or not state_width:
+        return dim + state_width
+    return dim + dim % 2 + 2 * state_width
+
+
+def state_of(rows: torch.Tensor, dim: int, state_width: int) -> torch.Tensor:
+    """The optimizer state of stored ``rows [N, row_width]`` (weights of ``dim`` values, ``state_width``
+    state values): a ``[N, state_width]`` view, float32 where the rows hold it so (``row_width``),
+    else in the rows' dtype."""
+    if rows.shape[1] == dim + state_width:
+        return rows[:, dim:]
+    return rows[:, dim + dim % 2 :].view(torch.float32)
+
+
+def finite_rows(rows: torch.Tensor, dim: int, state_width: int) -> torch.Tensor:
+    """Whether each of stored ``rows [N, row_width]`` holds finite weights and state (bool [N]),
+    the state read as stored (``state_of``: float32 state's halves are not numbers of their own)."""
+    if rows.shape[1] == dim + state_width:
+        return torch.isfinite(rows).all(dim=1)
+    weights, state = rows[:, :dim], state_of(rows, dim, state_width)
+    return torch.isfinite(weights).all(dim=1) & torch.isfinite(state).all(dim=1)
+
+
+def new_state_dtype(dtype: str) -> str | None:
+    """The optimizer state's dtype a new store of ``dtype`` rows records: float32 for 16-bit rows
+    (their own precision and range lose updates: a float16 sum of squares overflows), else None."""
+    return "float32" if dtype in HALF_DTYPES else None
 
 
 def read_metadata(directory: Path) -> StoreMetadata:
@@ -151,19 +196,21 @@ def resolve_metadata(
     return _new_metadata(requested), True
 
 
-_OPTIONAL_FIELDS = {"optimizer"}  # fields added later: a store written before them lacks them
+_OPTIONAL_FIELDS = {"optimizer", "state_dtype"}  # fields added later: a store written before them lacks them
 
 
 def _new_metadata(requested: dict[str, Any]) -> StoreMetadata:
     if requested["dim"] is None:
         raise ValueError("dim is required to create a new store")
+    dtype = requested["dtype"] or "float32"
     metadata = StoreMetadata(
         backend=requested["backend"] or "mmap",
         dim=requested["dim"],
-        dtype=requested["dtype"] or "float32",
+        dtype=dtype,
         optimizer_state_width=requested["optimizer_state_width"] or 0,
         seed=requested["seed"] or 0,
         optimizer=requested.get("optimizer"),
+        state_dtype=new_state_dtype(dtype),
     )
     return metadata
 

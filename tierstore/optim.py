@@ -1,7 +1,9 @@
 """Fused sparse optimizers whose per-row state lives in the stored row, after the weights.
 
 A tiered table's row is ``[weights (dim) | optimizer state (state_width(dim))]``, so the state
-travels with the row through every tier and is never lost or mixed up on eviction. The
+travels with the row through every tier and is never lost or mixed up on eviction. float16 and
+bfloat16 rows are updated in float32 (the state kept in float32 inside the row, as
+``metadata.row_width`` lays it out) and their weights rounded to nearest once per update. The
 embedding modules reduce a batch's gradients to one row per distinct id and call ``update`` on
 those rows where they live (the top cache tier) during ``backward``: there is no
 ``optimizer.step()`` for the embeddings, as with FBGEMM's and TorchRec's fused optimizers.
@@ -21,6 +23,8 @@ import dataclasses
 from typing import ClassVar
 
 import torch
+
+from .metadata import state_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +64,22 @@ class SparseOptimizer(abc.ABC):
             if buffer is None
             else torch.index_select(table, 0, slots, out=buffer[: slots.numel()])
         )
-        self.update_rows(rows, grad, step)
+        if rows.dtype in (torch.float16, torch.bfloat16):
+            self._update_16_bit_rows(rows, grad, step)
+        else:
+            self.update_rows(rows, grad, step)
         table.index_copy_(0, slots, rows)
+
+    def _update_16_bit_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """``update_rows`` of 16-bit ``rows`` computed in float32: the weights widened, updated with
+        the float32 ``grad`` and rounded once; the state read and written as stored (``state_of``:
+        float32, or the rows' dtype in stores made before state was kept in float32)."""
+        dim = grad.shape[1]
+        state = state_of(rows, dim, self.state_width(dim))
+        work = torch.cat([rows[:, :dim].float(), state.float()], dim=1)
+        self.update_rows(work, grad.float(), step)
+        rows[:, :dim] = work[:, :dim]
+        state.copy_(work[:, dim:])
 
     @abc.abstractmethod
     def update_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:

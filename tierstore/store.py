@@ -211,7 +211,12 @@ class TieredStore:
         self._check_writable("put")
         ids = as_ids(ids)
         rows = as_rows(
-            rows, ids.numel(), (self.dim, self.row_width), self.dtype, allow_nonfinite=allow_nonfinite
+            rows,
+            ids.numel(),
+            (self.dim, self.row_width),
+            self.dtype,
+            allow_nonfinite=allow_nonfinite,
+            state=self.metadata.optimizer_state_width,
         )
         unique, counts, last = _distinct_with_last(ids)
         top = self.stack.top
@@ -234,7 +239,12 @@ class TieredStore:
         self._check_writable("load")
         ids = as_ids(ids)
         rows = as_rows(
-            rows, ids.numel(), (self.dim, self.row_width), self.dtype, allow_nonfinite=allow_nonfinite
+            rows,
+            ids.numel(),
+            (self.dim, self.row_width),
+            self.dtype,
+            allow_nonfinite=allow_nonfinite,
+            state=self.metadata.optimizer_state_width,
         )
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .errors import BadOffsetsError, IdOutOfRangeError, NegativeIdError, WeightsNeedSumError, WrongDtypeError
+from .metadata import finite_rows
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -148,9 +149,11 @@ def as_rows(
     dtype: torch.dtype,
     name: str = "rows",
     allow_nonfinite: bool = False,
+    state: int | None = None,
 ) -> torch.Tensor:
     """``rows`` as a ``[count, w]`` CPU tensor of ``dtype`` with ``w`` in ``widths``, finite unless
-    ``allow_nonfinite``.
+    ``allow_nonfinite``. ``state``: with ``widths`` ``(dim, row_width)``, the optimizer-state values
+    of a whole row (read as stored: ``metadata.finite_rows``).
 
     Raises ``TypeError`` for a wrong dtype (no silent casts) and ``ValueError`` for a wrong shape,
     a device that holds no data (``meta``) or NaN/Inf values.
@@ -169,10 +172,18 @@ def as_rows(
     if rows.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} must be on the CPU or a CUDA device, got a tensor on {rows.device}")
     rows = rows.cpu()
+    if allow_nonfinite:
+        return rows
+    if state is not None and rows.shape[1] == widths[-1]:  # whole rows, their state read as stored
+        finite = finite_rows(rows, widths[0], state)
+        first = None if bool(finite.all()) else int((~finite).nonzero()[0, 0])
     # A NaN or Inf makes the sum non-finite; a finite sum proves every value finite in one cheap
     # pass (an overflowing sum of finite values falls back to the exact check).
-    if not allow_nonfinite and not (bool(torch.isfinite(rows.sum())) or bool(torch.isfinite(rows).all())):
+    elif bool(torch.isfinite(rows.sum())) or bool(torch.isfinite(rows).all()):
+        first = None
+    else:
         first = int((~torch.isfinite(rows)).any(dim=1).nonzero()[0, 0])
+    if first is not None:
         raise ValueError(
             f"{name} hold NaN or Inf (first in row {first}); a table of trained rows should not, so they are "
             f"refused: pass allow_nonfinite=True to store them anyway"

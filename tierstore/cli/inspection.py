@@ -11,7 +11,7 @@ import torch
 
 from .. import optim
 from ..errors import StoreFormatError
-from ..metadata import METADATA_FILE, StoreMetadata, read_metadata
+from ..metadata import METADATA_FILE, StoreMetadata, finite_rows, read_metadata
 from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
 from ..nn.flush_record import flush_mismatch, read_flush_record
 from ..nn.jagged_batch import id_bound
@@ -120,7 +120,7 @@ def verify_store(
         ) as bar:
             try:
                 for ids, rows in store.iter_rows(chunk_rows, with_state=True):
-                    bad = ~torch.isfinite(rows).all(dim=1)
+                    bad = ~finite_rows(rows, store.dim, store.metadata.optimizer_state_width)
                     if bool(bad.any()):
                         problems.append(
                             f"{int(bad.sum())} row(s) hold non-finite values (first id: {int(ids[bad][0])})"

@@ -20,7 +20,7 @@ import torch
 
 from .. import optim
 from ..kernels import host_kernels
-from ..metadata import StoreMetadata, dtype_name, fsync_directory, write_metadata
+from ..metadata import StoreMetadata, dtype_name, fsync_directory, new_state_dtype, write_metadata
 from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout, table_keys
 from ..store import TieredStore
 from ..tiers.cold import open_cold_store
@@ -63,6 +63,7 @@ def import_table(
         optimizer_state_width=state_width(optimizer, dim),
         seed=seed,
         optimizer=None if optimizer == "none" else optimizer,
+        state_dtype=new_state_dtype(dtype_name(dtype)),
     )
     building = store_path.parent / f".{store_path.name}.importing-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)

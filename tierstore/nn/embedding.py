@@ -242,13 +242,18 @@ class _TieredTable(nn.Module):
             weight = self._rows_without_growing(unique)
         if padding is not None:
             weight = torch.cat([weight, weight.new_zeros(1, self.embedding_dim)])
-        # Computed in the rows' dtype, or the outputs' where it is wider: a half-precision output's
-        # gradient is still summed per row in float32, as torch's sparse gradient of float32 rows.
-        weight = weight.to(self._output_like.device, torch.promote_types(weight.dtype, self.output_dtype))
+        # Computed in float32, or the rows' or the outputs' dtype where wider: a half-precision
+        # output's gradient, and 16-bit rows', are still summed per row in float32 (a table of
+        # integers, whose rows hold their bits, is read as stored).
+        wide = torch.promote_types(weight.dtype, self.output_dtype)
+        if self.integers is None:
+            wide = torch.promote_types(wide, torch.float32)
+        weight = weight.to(self._output_like.device, wide)
         if training:
+            update_dtype = torch.promote_types(self.store.dtype, torch.float32)  # optim computes in it
             weight.requires_grad_(True)
             weight.register_hook(
-                lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()].to(self.store.dtype))
+                lambda grad: self._apply_gradient(unique, slots, grad[: unique.numel()].to(update_dtype))
             )
             weight = native_step.tied_to(self.trainable, weight)
         return weight, local.to(weight.device)

@@ -66,7 +66,8 @@ class TorchRows:
         buffer = self._update_buffers.get(rows.device)
         if buffer is None or buffer.shape[0] < slots.numel() or buffer.shape[1] != rows.shape[1]:
             buffer = self._update_buffers[rows.device] = rows.new_empty(slots.numel(), rows.shape[1])
-        optimizer.update(rows, slots, grad.to(rows.device, rows.dtype), step, buffer)
+        grad = grad.to(rows.device, torch.promote_types(rows.dtype, torch.float32))  # 16-bit rows: float32
+        optimizer.update(rows, slots, grad, step, buffer)
 
 
 class KernelRows:

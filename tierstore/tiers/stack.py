@@ -143,9 +143,8 @@ class TierStack:
 
     def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         metadata = self.metadata
-        return initial_rows(
-            keys, metadata.dim, metadata.optimizer_state_width, metadata.seed, metadata.torch_dtype
-        )
+        state_columns = metadata.row_width - metadata.dim  # zero: the state of every optimizer at the start
+        return initial_rows(keys, metadata.dim, state_columns, metadata.seed, metadata.torch_dtype)
 
     def _fetch(self, keys: torch.Tensor, counts: torch.Tensor, level: int, taken: list) -> Rows:
         """Rows of ``keys`` (none in tiers above ``level``, same order), taken out of the tiers below

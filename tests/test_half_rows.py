@@ -1,0 +1,174 @@
+"""float16 and bfloat16 tables train: updates computed in float32, the optimizer state kept in float32
+inside the row, the weights rounded to nearest once per update. The oracle is a float32 table whose
+weights are rounded to the 16-bit dtype after every update (its state left in float32)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tierstore import (
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+    TieredStore,
+    optim,
+)
+from tierstore.cli.inspection import verify_store
+from tierstore.initializer import initial_weights
+from tierstore.metadata import METADATA_FILE, StoreMetadata, state_of
+from tierstore.tiers.cold import open_cold_store
+
+NUM, DIM = 200, 5  # an odd dim: the float32 state starts after one padding value
+OPTIMIZERS = {
+    "sgd": optim.SGD(lr=0.05),
+    "adagrad": optim.Adagrad(lr=0.05),
+    "rowwise-adagrad": optim.RowWiseAdagrad(lr=0.05),
+    "adam": optim.Adam(lr=0.01),
+}
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # relative spacing at 1
+
+
+def random_batch(rng, dtype, scale):
+    """Bags of distinct-enough ids, and a loss weight per output value representable in ``dtype``
+    (so the 16-bit output's gradient is exactly the float32 reference's)."""
+    lengths = rng.integers(1, 5, 6)
+    ids = torch.from_numpy(rng.integers(0, NUM, int(lengths.sum())))
+    offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+    target = torch.from_numpy(rng.standard_normal((6, DIM)).astype(np.float32)).to(dtype).float() * scale
+    return ids, offsets, target
+
+
+class RoundedFloat32Table:
+    """The oracle: float32 weights and state, updated by ``optimizer.update_rows`` in float32, the
+    weights rounded to ``dtype`` after every update."""
+
+    def __init__(self, optimizer, dtype):
+        self.optimizer, self.dtype, self.step = optimizer, dtype, 0
+        self.weights = initial_weights(torch.arange(NUM), DIM, 0, dtype).float()
+        self.state = torch.zeros(NUM, optimizer.state_width(DIM))
+
+    def train(self, ids, offsets, target):
+        weights = self.weights.clone().requires_grad_(True)
+        (F.embedding_bag(ids, weights, offsets, mode="sum") * target).sum().backward()
+        unique = ids.unique()
+        rows = torch.cat([self.weights[unique], self.state[unique]], dim=1)
+        self.step += 1
+        self.optimizer.update_rows(rows, weights.grad[unique], self.step)
+        self.weights[unique] = rows[:, :DIM].to(self.dtype).float()
+        self.state[unique] = rows[:, DIM:]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_rows_train_as_float32_rows_rounded_after_every_update(name, dtype, backend, store_path):
+    optimizer = OPTIMIZERS[name]
+    ours = TieredEmbeddingBag(
+        NUM,
+        DIM,
+        mode="sum",
+        optimizer=optimizer,
+        dtype=dtype,
+        path=store_path,
+        backend=backend,
+        host_cache=24,
+    )
+    oracle = RoundedFloat32Table(optimizer, dtype)
+    rng = np.random.default_rng(3)
+    for step in range(40):
+        # Gradients of ~1e3 later on: a float16 sum of their squares overflows (Adagrad's state).
+        ids, offsets, target = random_batch(rng, dtype, 1.0 if step < 20 else 1024.0)
+        output = ours(ids, offsets)
+        assert output.dtype == dtype
+        (output.float() * target).sum().backward()
+        oracle.train(ids, offsets, target)
+    assert ours.store.stats()["cold"]["rows_read"] > 0  # rows went to the cold store and came back
+    ours.close()
+    with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
+        rows = reopened.get(torch.arange(NUM), with_state=True)
+        assert reopened.metadata.state_dtype == "float32"
+        weights, state = rows[:, :DIM], state_of(rows, DIM, optimizer.state_width(DIM))
+    assert weights.dtype == dtype
+    torch.testing.assert_close(weights.float(), oracle.weights, rtol=ULP[dtype], atol=1e-4)
+    if name != "sgd":  # SGD keeps no state
+        assert state.dtype == torch.float32
+        torch.testing.assert_close(state, oracle.state, rtol=1e-4, atol=1e-6)
+    if "adagrad" in name:  # sums of squares past float16's range: float32 state, or nothing would train
+        assert float(state.max()) > 65504
+
+
+def test_a_16_bit_store_made_before_float32_state_keeps_its_state_in_the_rows_dtype(backend, store_path):
+    """Such a store (no ``state_dtype`` in its metadata) keeps its layout; its updates are still
+    computed in float32 and rounded once, weights and state."""
+    older = StoreMetadata(backend=backend, dim=4, dtype="float16", optimizer_state_width=4, seed=0)
+    store_path.mkdir()
+    open_cold_store(backend, store_path, older.row_width, torch.float16, read_only=False).close()
+    document = {"format": "tierstore", **dataclasses.asdict(older)}
+    del document["state_dtype"]  # as written before the field was
+    (store_path / METADATA_FILE).write_text(json.dumps(document))
+    optimizer = optim.Adagrad(lr=0.1)
+    ids, grad = torch.arange(6), torch.linspace(-2, 3, 24).view(6, 4)
+    with TieredStore(store_path, backend=backend, host_cache=8) as store:
+        assert store.row_width == 8 and store.metadata.state_dtype is None
+        start = store.get(ids, with_state=True)
+        store.apply_gradients(ids, grad, optimizer, step=1)
+        after = store.get(ids, with_state=True)
+    expected = start.float()
+    optimizer.update_rows(expected, grad, 1)
+    torch.testing.assert_close(after, expected.to(torch.float16), rtol=0, atol=0)
+
+
+def test_whole_rows_of_a_16_bit_store_go_back_in_by_their_float32_state(store_path):
+    """``get(with_state=True)`` returns the stored form; its state halves are no numbers of their own
+    (one may look like a float16 NaN), so ``put`` and ``verify`` read the state as float32."""
+    optimizer = optim.Adagrad(lr=0.1)
+    table = TieredEmbeddingBag(NUM, DIM, optimizer=optimizer, dtype=torch.float16, path=store_path)
+    (table(torch.arange(4), torch.tensor([0, 2])).float() * 100).sum().backward()
+    rows = table.store.get(torch.arange(4), with_state=True)
+    state = state_of(rows, DIM, DIM)
+    state[0, 0] = torch.tensor([0x3F807E00], dtype=torch.int32).view(torch.float32)  # a half reads 0x7E00
+    assert bool(torch.isnan(rows).any()) and bool(torch.isfinite(state).all())
+    table.store.put(torch.arange(10, 14), rows)
+    stored = table.store.get(torch.arange(10, 14), with_state=True)
+    assert torch.equal(stored.view(torch.int16), rows.view(torch.int16))  # bit for bit
+    table.store.flush()
+    assert verify_store(store_path) == []
+    state[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        table.store.put(torch.arange(20, 24), rows)
+    table.store.put(torch.arange(20, 24), rows, allow_nonfinite=True)
+    table.close()
+    assert any("non-finite" in problem for problem in verify_store(store_path))
+
+
+def test_new_stores_record_where_their_state_lives(tmp_path):
+    for dtype, recorded in [(torch.float16, "float32"), (torch.bfloat16, "float32"), (torch.float32, None)]:
+        with TieredStore(tmp_path / str(dtype), dim=3, dtype=dtype, optimizer_state_width=3) as store:
+            assert store.metadata.state_dtype == recorded
+            assert store.row_width == (3 + 1 + 2 * 3 if recorded else 6)
+    with pytest.raises(ValueError, match="state_dtype"):
+        StoreMetadata(
+            backend="mmap", dim=3, dtype="float32", optimizer_state_width=3, seed=0, state_dtype="float32"
+        )
+
+
+def test_a_float16_collection_trains_with_gradients_whose_squares_overflow_float16(tmp_path):
+    """The issue's case through the collection: float16 rows, Adagrad, gradients of ~1e3."""
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])]
+    collection = TieredEmbeddingBagCollection(
+        tables, tmp_path / "c", dtype=torch.float16, optimizer=optim.Adagrad(lr=0.01), host_cache=50
+    )
+    ids = torch.arange(8)
+    before = collection.embedding_bags["t"].rows(ids).float()
+    for _ in range(3):
+        batch = KeyedJaggedTensor(["f"], ids, lengths=torch.ones(8, dtype=torch.int64))
+        (collection(batch).values().float() * 1000).sum().backward()
+    after = collection.embedding_bags["t"].rows(ids).float()
+    # Adagrad's k-th step of a steady gradient g is lr * g / sqrt(k g^2) = lr / sqrt(k), whatever g
+    expected = -0.01 * (1 + 2**-0.5 + 3**-0.5)
+    torch.testing.assert_close(after - before, torch.full_like(before, expected), rtol=0, atol=1e-3)
+    collection.close()
