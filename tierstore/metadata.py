@@ -1,8 +1,9 @@
 """The store directory's versioned metadata file, ``tierstore.json``.
 
 It records what every reader must agree on: format version, backend, row ``dim``, ``dtype``,
-optimizer-state width and dtype, and the initialisation seed. It is written once, atomically, when a store is
-created; opening validates it before any other file is touched, so a bad open changes nothing.
+optimizer-state width and dtype, and the initialisation seed. It is written once, atomically, when
+a store is created; opening validates it before any other file is touched, so a bad open changes
+nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class StoreMetadata:
     seed: int
     format_version: int = FORMAT_VERSION
     optimizer: str | None = None  # the optimizer's registry name; None: not recorded (older stores)
-    # "float32": a float16/bfloat16 row holds its optimizer state as float32 (``packs_float32_state``);
+    # "float32": a float16/bfloat16 row holds its optimizer state as float32 (``row_width``);
     # None: the state in the row's dtype (float32 and float64 rows, and half rows of older stores).
     state_dtype: str | None = None
 
@@ -80,7 +81,7 @@ class StoreMetadata:
 
     @property
     def row_width(self) -> int:
-        """Values (of ``dtype``) per stored row: weights then optimizer state (``state_columns``)."""
+        """Values (of ``dtype``) per stored row: weights then optimizer state (``row_width``)."""
         return row_width(self.dim, self.optimizer_state_width, self.state_dtype is not None)
 
     @property
@@ -121,8 +122,6 @@ def state_of(rows: torch.Tensor, dim: int, state_width: int) -> torch.Tensor:
 def finite_rows(rows: torch.Tensor, dim: int, state_width: int) -> torch.Tensor:
     """Whether each of stored ``rows [N, row_width]`` holds finite weights and state (bool [N]),
     the state read as stored (``state_of``: float32 state's halves are not numbers of their own)."""
-    if rows.shape[1] == dim + state_width:
-        return torch.isfinite(rows).all(dim=1)
     weights, state = rows[:, :dim], state_of(rows, dim, state_width)
     return torch.isfinite(weights).all(dim=1) & torch.isfinite(state).all(dim=1)
 

@@ -210,7 +210,18 @@ class TieredStore:
         """
         self._check_writable("put")
         ids = as_ids(ids)
-        rows = as_rows(
+        rows = self._checked_rows(ids, rows, allow_nonfinite)
+        unique, counts, last = _distinct_with_last(ids)
+        top = self.stack.top
+        for start in range(0, unique.numel(), top.max_capacity):  # more ids than the top tier holds: in parts
+            part = slice(start, start + top.max_capacity)
+            slots = self.stack.make_resident(unique[part], counts[part])
+            top.write(slots, rows[last[part]], rows.shape[1])
+
+    def _checked_rows(self, ids: torch.Tensor, rows: Any, allow_nonfinite: bool) -> torch.Tensor:
+        """``rows`` for ``ids`` checked (``as_rows``): weights ``[N, dim]`` or whole rows ``[N, row_width]``
+        of the store's dtype, finite (whole rows' state read as stored) unless ``allow_nonfinite``."""
+        return as_rows(
             rows,
             ids.numel(),
             (self.dim, self.row_width),
@@ -218,12 +229,6 @@ class TieredStore:
             allow_nonfinite=allow_nonfinite,
             state=self.metadata.optimizer_state_width,
         )
-        unique, counts, last = _distinct_with_last(ids)
-        top = self.stack.top
-        for start in range(0, unique.numel(), top.max_capacity):  # more ids than the top tier holds: in parts
-            part = slice(start, start + top.max_capacity)
-            slots = self.stack.make_resident(unique[part], counts[part])
-            top.write(slots, rows[last[part]], rows.shape[1])
 
     @_serialized
     def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
@@ -238,14 +243,7 @@ class TieredStore:
         """
         self._check_writable("load")
         ids = as_ids(ids)
-        rows = as_rows(
-            rows,
-            ids.numel(),
-            (self.dim, self.row_width),
-            self.dtype,
-            allow_nonfinite=allow_nonfinite,
-            state=self.metadata.optimizer_state_width,
-        )
+        rows = self._checked_rows(ids, rows, allow_nonfinite)
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         in_order = bool((ids[1:] > ids[:-1]).all())  # distinct and ascending (an arange): no gather
