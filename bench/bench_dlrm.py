@@ -152,15 +152,28 @@ def upstream_gradient(batch: int, width: int, device: str = "cpu") -> torch.Tens
     return (torch.randn(batch, width, generator=generator) * 1e-3).to(device)
 
 
-def preload(store, keys: torch.Tensor, dim: int, state_width: int) -> None:
-    """Write the initial rows of ``keys`` straight to ``store``'s cold tier (as a trained table holds)."""
+def preload(store, keys: torch.Tensor, dim: int) -> None:
+    """Write the initial rows of ``keys`` straight to ``store``'s cold tier (as a trained table holds:
+    initial weights, zero optimizer state in the store's row layout)."""
     for part in keys.split(1 << 20):
-        store.load(part, initial_rows(part, dim, state_width, 0, torch.float32))
+        store.load(part, initial_rows(part, dim, store.row_width - dim, 0, store.dtype))
 
 
-def collection_step(work: Workload, args, directory: Path, memory: dict | None = None):
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # --dtype's names
+
+
+def collection_step(
+    work: Workload,
+    args,
+    directory: Path,
+    memory: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    host_bytes: int | None = None,
+):
     """``(step, the collection, its top cache tier's rows, its store)``, that tier (``top_tier``)
-    filled until it evicts; ``memory["collection"]``: what it holds as built (``tables_memory``)."""
+    filled until it evicts; ``memory["collection"]``: what it holds as built (``tables_memory``).
+    ``dtype``: the rows'; ``host_bytes``: the host cache's budget in bytes (else ``--host-share``
+    of the rows)."""
     configs = [
         EmbeddingBagConfig(rows, args.dim, name=f"t{index:02d}", feature_names=[feature])
         for index, (rows, feature) in enumerate(zip(work.cardinalities, work.features))
@@ -172,10 +185,13 @@ def collection_step(work: Workload, args, directory: Path, memory: dict | None =
         top_rows = max(int(sum(work.rows) * args.device_share), len(configs) * args.batch_size)
         on_device = {"device": args.device, "device_cache": top_rows}
     resident = psutil.Process().memory_info().rss
+    host_cache = host_rows if host_bytes is None else f"{host_bytes}B"
     collection = TieredEmbeddingBagCollection(
-        configs, directory, host_cache=host_rows, optimizer=kind, **on_device
+        configs, directory, host_cache=host_cache, optimizer=kind, dtype=dtype, **on_device
     )
     store = collection.groups[f"dim{args.dim}"].store
+    if host_bytes is not None:
+        top_rows = store.stats()["host"]["budget_rows"]
     if memory is not None:
         memory["collection"] = tables_memory([store], resident)
     if work.preloaded:
@@ -183,7 +199,7 @@ def collection_step(work: Workload, args, directory: Path, memory: dict | None =
             tqdm(work.cardinalities, desc="preloading the collection", leave=False, disable=None), configs
         ):
             table = collection._tables[config.name]
-            preload(store, table_keys(table, torch.arange(rows)), args.dim, kind.state_width(args.dim))
+            preload(store, table_keys(table, torch.arange(rows)), args.dim)
 
     def step(ids, lengths):  # the batch's ids on the CPU, where the store looks them up
         kjt = KeyedJaggedTensor(work.features, ids.reshape(-1), lengths=lengths)
@@ -305,7 +321,6 @@ def host_figures(totals: dict, host_rows: int) -> dict:
 
 def separate_step(work: Workload, args, directory: Path, memory: dict):
     """The step of one ``TieredEmbeddingBag`` per table; ``memory["separate"]``: what they hold."""
-    kind = tiered_optimizer(args.optimizer)
     resident = psutil.Process().memory_info().rss
     tables = [
         TieredEmbeddingBag(
@@ -323,7 +338,7 @@ def separate_step(work: Workload, args, directory: Path, memory: dict):
         for rows, table in zip(
             tqdm(work.cardinalities, desc="preloading the tables", leave=False, disable=None), tables
         ):
-            preload(table.store, torch.arange(rows), args.dim, kind.state_width(args.dim))
+            preload(table.store, torch.arange(rows), args.dim)
     offsets = torch.arange(args.batch_size)
 
     def step(ids, lengths):
@@ -528,6 +543,11 @@ def main() -> None:
         type=float,
         help="device cache, share of all rows (default: 0.10 on a GPU, none on the CPU)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="also time the collection with 16-bit rows, its host cache the float32 one's bytes",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/results/dlrm.json"))
     args = parser.parse_args()
     if args.device_share is None:
@@ -567,6 +587,12 @@ def main() -> None:
                     f"collection_lookahead_worker left out: its store ({footprint / 2**30:.1f} GiB) would "
                     "push the other stores' files out of this machine's page cache"
                 )
+        if args.dtype:  # the same bytes of host cache hold more 16-bit rows
+            float32_bytes = store.stats()["host"]["memory_bytes"]
+            step, _, rows_16, store_16 = collection_step(
+                work, args, Path(directory) / args.dtype, dtype=DTYPES[args.dtype], host_bytes=float32_bytes
+            )
+            runs[f"collection_{args.dtype}"] = counted(each(step), store_16, host_16 := {}, tier)
         if args.horizon:
             step, collection, _, horizon_store = collection_step(work, args, Path(directory) / "horizon")
             horizon_stream: list = []  # the warm-up's and the timed rounds' batches, once made
@@ -593,6 +619,8 @@ def main() -> None:
             host_lookahead.clear()
         if args.horizon:
             host_horizon.clear()
+        if args.dtype:
+            host_16.clear()
         rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
         costs = step_costs(
@@ -607,6 +635,8 @@ def main() -> None:
         caches["collection_lookahead"] = host_figures(host_lookahead, top_rows)
     if args.horizon:
         caches["collection_horizon"] = host_figures(host_horizon, top_rows)
+    if args.dtype:
+        caches[f"collection_{args.dtype}"] = host_figures(host_16, rows_16)
     moved_per_step = caches["collection"]["rows_in_per_step"]
     if moved_per_step and not args.device_share:  # the native calls' own timers, per row moved in
         admission = sum(
@@ -627,7 +657,8 @@ def main() -> None:
         print(f"{name:<22}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
     for name, figures in caches.items():
         print(
-            f"{name}'s {tier} cache while timed: its steps' lookups hit {figures['hit_rate']:.3f}, "
+            f"{name}'s {tier} cache ({figures['rows']:,} rows) while timed: its steps' lookups hit "
+            f"{figures['hit_rate']:.3f}, "
             f"{figures['rows_in_per_step']:,.0f} rows moved in per step, "
             f"{figures['major_faults_per_step']:,.1f} major page faults per step (pages read from disk)"
         )
