@@ -373,3 +373,48 @@ def test_progress_bars_show_on_a_terminal_only_and_quiet_silences_them(tmp_path,
     assert "importing dense.npy" in _stderr_of(importing("a"), terminal=True)
     assert _stderr_of(importing("b"), terminal=False) == ""  # a log or a pipe: no bar
     assert "importing" not in _stderr_of(importing("c", "--quiet"), terminal=True)
+
+
+def test_import_and_export_convert_the_rows_dtype(tmp_path, dense):
+    rows = torch.from_numpy(dense)
+    assert (
+        run(
+            "import",
+            tmp_path / "dense.npy",
+            tmp_path / "half",
+            "--dtype",
+            "float16",
+            "--optimizer",
+            "adagrad",
+        )
+        == 0
+    )
+    with TieredStore(tmp_path / "half", read_only=True, host_cache=1024) as store:
+        assert store.dtype == torch.float16 and store.metadata.state_dtype == "float32"
+        assert torch.equal(store.get(torch.arange(rows.shape[0])), rows.to(torch.float16))
+    assert run("export", tmp_path / "half", tmp_path / "wide.pt", "--dtype", "float32") == 0
+    assert torch.equal(torch.load(tmp_path / "wide.pt")["weight"], rows.to(torch.float16).float())
+
+
+def test_a_conversion_that_would_lose_a_row_is_refused_before_anything_is_written(tmp_path, capsys):
+    rows = np.ones((6, 3), dtype=np.float32)
+    rows[4, 1] = 1e6  # past float16's 65504
+    np.save(tmp_path / "rows.npy", rows)
+    assert run("import", tmp_path / "rows.npy", tmp_path / "half", "--dtype", "float16") == 2
+    assert "id 4's row holds 1e+06, past what torch.float16 holds" in capsys.readouterr().err
+    assert not (tmp_path / "half").exists() and not list(tmp_path.glob(".half*"))  # no store, no leftovers
+    assert run("import", tmp_path / "rows.npy", tmp_path / "wide") == 0
+    assert run("export", tmp_path / "wide", tmp_path / "half.npy", "--dtype", "float16") == 2
+    assert "id 4's row holds 1e+06" in capsys.readouterr().err
+    assert not (tmp_path / "half.npy").exists()
+
+
+def test_whole_rows_are_exported_in_the_stores_dtype_only(tmp_path, dense, capsys):
+    assert run("import", tmp_path / "dense.npy", tmp_path / "a", "--optimizer", "adagrad") == 0
+    assert run("export", tmp_path / "a", tmp_path / "b.pt", "--with-state", "--dtype", "float16") == 2
+    assert "laid out for torch.float32" in capsys.readouterr().err
+    assert not (tmp_path / "b.pt").exists()
+    assert (
+        run("import", tmp_path / "dense.npy", tmp_path / "c", "--dtype", "float16") == 0
+    )  # no state: nothing to lay out
+    assert run("export", tmp_path / "c", tmp_path / "c.pt", "--with-state", "--dtype", "float32") == 0

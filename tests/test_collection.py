@@ -323,3 +323,6 @@ def test_the_cli_inspects_a_collection_and_imports_and_exports_one_table(tmp_pat
     reopened.close()
     assert main(["export", str(tmp_path / "c"), str(tmp_path / "x.npy"), "--table", "nope"]) != 0
     assert "has no table 'nope'" in capsys.readouterr().err
+    source = str(tmp_path / "rows.npy")
+    assert main(["import", source, collection_dir, "--ids", ids, "--table", "ad", "--dtype", "float16"]) == 2
+    assert "keeps the collection's dtype" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import torch
 from ..budget import horizon_accesses, parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
+from ..metadata import DTYPES
 from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
@@ -85,6 +86,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def dtype_choice(text: str) -> torch.dtype:
+    """An argparse type: a store's dtype by name ("float16", as ``metadata.DTYPES`` names them)."""
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Tiered embedding store tools.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -149,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument("--seed", type=int, default=0, help="initial rows of ids added later")
     command.add_argument(
+        "--dtype",
+        type=dtype_choice,
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="the store's rows (default: SRC's), converted; a row it cannot hold is refused",
+    )
+    command.add_argument(
         "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
     )
     command.add_argument(
@@ -173,6 +187,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument(
         "--with-state", action="store_true", help="whole rows: weights, then optimizer state"
+    )
+    command.add_argument(
+        "--dtype",
+        type=dtype_choice,
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="the file's rows (default: the store's), converted; a row it cannot hold is refused",
     )
     command.add_argument(
         "--chunk-rows", type=positive_int, default=1 << 16, help="rows per chunk (memory bound)"
@@ -349,6 +369,8 @@ def _import(args) -> int:
     source = open_table(args.source, key=args.key, ids_path=args.ids)
     if args.table is not None:
         _check_store(args.store)
+        if args.dtype is not None:
+            raise TableFileError("--dtype: a collection's table keeps the collection's dtype; leave it out")
         table = import_into_table(source, args.store, args.table, args.chunk_rows, _progress(args))
         print(f"loaded {len(source):,} rows into table {table['name']!r} of {args.store}")
         return 0
@@ -360,6 +382,7 @@ def _import(args) -> int:
         seed=args.seed,
         chunk_rows=args.chunk_rows,
         progress=_progress(args),
+        dtype=args.dtype,
     )
     print(
         f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
@@ -380,6 +403,7 @@ def _export(args) -> int:
         chunk_rows=args.chunk_rows,
         progress=_progress(args),
         table_name=args.table,
+        dtype=args.dtype,
     )
     print(f"exported {count:,} rows to {args.destination}")
     return 0

@@ -41,6 +41,30 @@ def state_width(optimizer: str, dim: int) -> int:
     return 0 if optimizer == "none" else optim.OPTIMIZERS[optimizer]().state_width(dim)
 
 
+def converted(ids: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``rows`` (of ``ids``) as ``dtype`` (None: as they are); ``TableFileError`` naming the first id
+    whose finite values ``dtype`` cannot hold (they would round to inf)."""
+    if dtype is None or rows.dtype == dtype:
+        return rows
+    out = rows.to(dtype)
+    lost = torch.isfinite(rows).all(dim=1) & ~torch.isfinite(out).all(dim=1)
+    if bool(lost.any()):
+        first = int(lost.nonzero()[0, 0])
+        raise TableFileError(
+            f"id {int(ids[first])}'s row holds {float(rows[first].abs().max()):g}, past what {dtype} holds "
+            f"(at most {torch.finfo(dtype).max:g}); keep the rows' dtype, or scale them first"
+        )
+    return out
+
+
+def check_convertible(rows: Iterator, dtype: torch.dtype | None) -> None:
+    """``converted``'s check over every ``(ids, rows)`` of ``rows`` (a pass before anything is written)."""
+    if dtype is None:
+        return
+    for ids, chunk in rows:
+        converted(ids, chunk, dtype)
+
+
 def import_table(
     source: TableSource,
     store_path: Path,
@@ -49,13 +73,15 @@ def import_table(
     seed: int = 0,
     chunk_rows: int = CHUNK_ROWS,
     progress: bool | None = None,
+    dtype: torch.dtype | None = None,
 ) -> StoreMetadata:
     """Build a new store at ``store_path`` (which must not exist) holding ``source``'s rows, with
-    zeroed optimizer state (the state every optimizer here starts from) of ``optimizer``'s width."""
+    zeroed optimizer state (the state every optimizer here starts from) of ``optimizer``'s width;
+    ``dtype``: the store's (None: the rows'), the rows converted to it."""
     store_path = Path(store_path)
     if store_path.exists():
         raise FileExistsError(f"{store_path} exists; import into a new path (or remove it first)")
-    dim, dtype = source.rows.shape[1], source.rows.dtype
+    dim, dtype = source.rows.shape[1], dtype or source.rows.dtype
     metadata = StoreMetadata(
         backend=backend,
         dim=dim,
@@ -80,7 +106,7 @@ def import_table(
         )
         with _import_bar(source, progress) as bar:
             for ids, rows in source.chunks(chunk_rows):
-                stored = rows
+                stored = rows = converted(ids, rows, dtype)
                 if metadata.optimizer_state_width:
                     stored = torch.zeros(rows.shape[0], metadata.row_width, dtype=dtype)
                     stored[:, :dim] = rows
@@ -117,7 +143,7 @@ def import_into_table(
             for ids, rows in source.chunks(chunk_rows):
                 if ids.numel() and int(ids.max()) > ID_MASK:
                     raise TableFileError(f"{source.path}: ids must be below 2**{ID_BITS} in a collection")
-                store.load(table_keys(table, ids), rows.to(store.dtype))
+                store.load(table_keys(table, ids), converted(ids, rows, store.dtype))
                 bar.update(rows.shape[0])
     return table
 
@@ -148,23 +174,35 @@ def export_table(
     chunk_rows: int = CHUNK_ROWS,
     progress: bool | None = None,
     table_name: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> int:
     """Write every row of the store at ``store_path`` (or of table ``table_name`` of the collection
     there) to ``destination`` (format from its suffix); returns the row count. Rows whose ids are
     exactly 0..N-1 are written dense (row i = id i); any others sparse: ids beside the rows
     (``ids_path`` for ``.npy``, a tensor ``ids`` in ``.pt``/``.safetensors``). ``with_state``:
-    whole rows ``[weights | optimizer state]``."""
+    whole rows ``[weights | optimizer state]``. ``dtype``: the file's (None: the store's), every row
+    checked to fit it before anything is written; whole rows are written in the store's dtype only
+    (their state is laid out for it: ``metadata.row_width``)."""
     table = None if table_name is None else _table_of(store_path, table_name)
     if table is not None:
         store_path = group_path(store_path, table)
     with TieredStore(store_path, read_only=True, host_cache=1) as store:
         rows_of = lambda: _rows_of(store, chunk_rows, with_state, table)  # noqa: E731 (one pass each)
+        dtype = None if dtype == store.dtype else dtype
+        if dtype is not None and with_state and store.row_width > store.dim:
+            raise TableFileError(
+                f"whole rows hold their optimizer state laid out for {store.dtype}: export them in it, "
+                f"or convert the weights alone to {dtype} (no --with-state)"
+            )
         count = len(store) if table is None else sum(ids.numel() for ids, _ in rows_of())
+        check_convertible(rows_of(), dtype)
         width = store.row_width if with_state else store.dim
         dense = count == 0 or _ids_are_a_range(rows_of(), count)
         if dense and ids_path is not None:
             dense = False  # the caller asked for ids: write them
-        writer = TableWriter(destination, count, width, store.dtype, sparse=not dense, ids_path=ids_path)
+        writer = TableWriter(
+            destination, count, width, dtype or store.dtype, sparse=not dense, ids_path=ids_path
+        )
         position = 0
         with progress_bar(
             total=count,
@@ -174,6 +212,7 @@ def export_table(
             progress=progress,
         ) as bar:
             for ids, rows in rows_of():
+                rows = converted(ids, rows, dtype)
                 if dense:
                     order = torch.argsort(ids)  # dense: rows land at their ids, in runs
                     ids, rows = ids[order], rows[order]
