@@ -21,6 +21,7 @@ from tierstore import (
 from tierstore.cli.inspection import verify_store
 from tierstore.initializer import initial_weights
 from tierstore.metadata import METADATA_FILE, StoreMetadata, state_of
+from tierstore.rounding import stochastically_rounded
 from tierstore.tiers.cold import open_cold_store
 
 NUM, DIM = 200, 5  # an odd dim: the float32 state starts after one padding value
@@ -172,3 +173,49 @@ def test_a_float16_collection_trains_with_gradients_whose_squares_overflow_float
     expected = -0.01 * (1 + 2**-0.5 + 3**-0.5)
     torch.testing.assert_close(after - before, torch.full_like(before, expected), rtol=0, atol=1e-3)
     collection.close()
+
+
+def sgd_updates(store_path, stochastic, host_cache, steps=100, dtype=torch.float16):
+    """Rows of 8 ids (dim 64) starting at 1.0 after ``steps`` SGD updates of -1e-4 each: below half
+    a float16 gap at 1.0 (2.4e-4), so rounding to nearest drops every one."""
+    ids = torch.arange(8)
+    optimizer = optim.SGD(lr=1.0, stochastic_rounding=stochastic)
+    with TieredStore(store_path, dim=64, dtype=dtype, host_cache=host_cache) as store:
+        store.put(ids, torch.ones(8, 64, dtype=dtype))
+        for step in range(1, steps + 1):
+            for part in ids.split(host_cache):  # a small cache: rows go out and come back between steps
+                store.apply_gradients(part, torch.full((part.numel(), 64), 1e-4), optimizer, step)
+        return store.get(ids)
+
+
+def test_stochastic_rounding_adds_up_updates_that_rounding_to_nearest_drops(tmp_path):
+    nearest = sgd_updates(tmp_path / "nearest", stochastic=False, host_cache=8)
+    assert bool((nearest == 1).all())  # every update lost
+    rounded = sgd_updates(tmp_path / "stochastic", stochastic=True, host_cache=8)
+    assert abs(float(rounded.float().mean()) - 0.99) < 1e-3  # float32's 1 - 100 x 1e-4, unbiased
+    values = set(rounded.float().unique().tolist())
+    assert len(values) > 3  # each value drew its own way
+
+
+def test_stochastic_rounding_is_the_same_from_run_to_run_and_whatever_the_cache(tmp_path):
+    first = sgd_updates(tmp_path / "a", stochastic=True, host_cache=8, steps=20)
+    again = sgd_updates(tmp_path / "b", stochastic=True, host_cache=8, steps=20)
+    moving = sgd_updates(tmp_path / "c", stochastic=True, host_cache=2, steps=20)
+    assert torch.equal(first, again) and torch.equal(first, moving)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_picks_a_neighbour_as_often_as_it_is_near(dtype):
+    values = torch.tensor([[1.0 + 0.3 * ULP[dtype], -2.0 - 0.75 * 2 * ULP[dtype], 0.5, float("inf")]])
+    keys = torch.arange(20_000)
+    rounded = stochastically_rounded(values.expand(keys.numel(), 4), dtype, keys, step=3).float()
+    low, high = 1.0, 1.0 + ULP[dtype]
+    assert set(rounded[:, 0].unique().tolist()) == {low, high}
+    assert abs(float((rounded[:, 0] == high).double().mean()) - 0.3) < 0.02
+    assert abs(float((rounded[:, 1] == -2.0 - 2 * ULP[dtype]).double().mean()) - 0.75) < 0.02
+    assert bool((rounded[:, 2] == 0.5).all()) and bool(torch.isinf(rounded[:, 3]).all())  # exact, inf kept
+
+
+def test_stochastic_rounding_is_a_flag():
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
+        optim.Adagrad(lr=0.1, stochastic_rounding="yes")

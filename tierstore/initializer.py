@@ -51,14 +51,18 @@ def initial_weights(ids: torch.Tensor, dim: int, seed: int, dtype: torch.dtype) 
 
     Uniform in ``[-1/sqrt(dim), 1/sqrt(dim))``, drawn from 53 hashed bits per value.
     """
-    columns = torch.arange(dim, dtype=torch.int64, device=ids.device)
-    stream = splitmix64(
-        ids.to(torch.int64) * 0x5851F42D4C957F2D + splitmix64(torch.tensor(seed)).to(ids.device)
-    )
-    bits = splitmix64(stream[:, None] + columns[None, :] * _GOLDEN)
-    unit = _logical_shift_right(bits, 11).to(torch.float64) * 2.0**-53  # [0, 1)
+    unit = unit_draws(ids, dim, splitmix64(torch.tensor(seed)))
     bound = 1.0 / math.sqrt(dim)
     return ((2.0 * unit - 1.0) * bound).to(dtype)
+
+
+def unit_draws(ids: torch.Tensor, columns: int, stream: torch.Tensor) -> torch.Tensor:
+    """``[N, columns]`` float64 draws in [0, 1) for ``ids`` (int64 [N]), from 53 hashed bits of
+    (id, ``stream``: an int64 0-d tensor naming the draws' purpose, column), on ``ids.device``."""
+    column = torch.arange(columns, dtype=torch.int64, device=ids.device)
+    start = splitmix64(ids.to(torch.int64) * 0x5851F42D4C957F2D + stream.to(ids.device))
+    bits = splitmix64(start[:, None] + column[None, :] * _GOLDEN)
+    return _logical_shift_right(bits, 11).to(torch.float64) * 2.0**-53
 
 
 def initial_rows(

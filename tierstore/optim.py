@@ -3,7 +3,8 @@
 A tiered table's row is ``[weights (dim) | optimizer state (state_width(dim))]``, so the state
 travels with the row through every tier and is never lost or mixed up on eviction. float16 and
 bfloat16 rows are updated in float32 (the state kept in float32 inside the row, as
-``metadata.row_width`` lays it out) and their weights rounded to nearest once per update. The
+``metadata.row_width`` lays it out) and their weights rounded once per update: to nearest, or
+stochastically (``stochastic_rounding=True``, as FBGEMM offers: ``rounding``). The
 embedding modules reduce a batch's gradients to one row per distinct id and call ``update`` on
 those rows where they live (the top cache tier) during ``backward``: there is no
 ``optimizer.step()`` for the embeddings, as with FBGEMM's and TorchRec's fused optimizers.
@@ -25,6 +26,7 @@ from typing import ClassVar
 import torch
 
 from .metadata import state_of
+from .rounding import stochastically_rounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +35,12 @@ class SparseOptimizer(abc.ABC):
 
     name: ClassVar[str]
     lr: float
+    # 16-bit rows' weights rounded stochastically (``rounding``) instead of to nearest; by keyword.
+    stochastic_rounding: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be True or False, got {self.stochastic_rounding!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             values = value if isinstance(value, tuple) else (value,)
@@ -54,23 +60,27 @@ class SparseOptimizer(abc.ABC):
         grad: torch.Tensor,
         step: int,
         buffer: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
     ) -> None:
         """Apply ``grad [U, dim]`` (one row per id) to rows ``slots`` (int64 [U], distinct) of
         ``table [R, dim + state_width]``, weights and state, in place. ``buffer``: a reusable
         ``[>= U, R's width]`` tensor to gather the rows into (a fresh tensor per step costs
-        more in page faults than the update itself)."""
+        more in page faults than the update itself). ``keys [U]``: the rows' ids, which
+        ``stochastic_rounding`` of 16-bit rows draws by."""
         rows = (
             table.index_select(0, slots)
             if buffer is None
             else torch.index_select(table, 0, slots, out=buffer[: slots.numel()])
         )
         if rows.dtype in (torch.float16, torch.bfloat16):
-            self._update_16_bit_rows(rows, grad, step)
+            self._update_16_bit_rows(rows, grad, step, keys)
         else:
             self.update_rows(rows, grad, step)
         table.index_copy_(0, slots, rows)
 
-    def _update_16_bit_rows(self, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+    def _update_16_bit_rows(
+        self, rows: torch.Tensor, grad: torch.Tensor, step: int, keys: torch.Tensor | None
+    ) -> None:
         """``update_rows`` of 16-bit ``rows`` computed in float32: the weights widened, updated with
         the float32 ``grad`` and rounded once; the state read and written as stored (``state_of``:
         float32, or the rows' dtype in stores made before state was kept in float32)."""
@@ -78,7 +88,12 @@ class SparseOptimizer(abc.ABC):
         state = state_of(rows, dim, self.state_width(dim))
         work = torch.cat([rows[:, :dim].float(), state.float()], dim=1)
         self.update_rows(work, grad.float(), step)
-        rows[:, :dim] = work[:, :dim]
+        if self.stochastic_rounding:
+            if keys is None:
+                raise ValueError("stochastic_rounding draws by the rows' ids: pass keys")
+            rows[:, :dim] = stochastically_rounded(work[:, :dim], rows.dtype, keys, step)
+        else:
+            rows[:, :dim] = work[:, :dim]
         state.copy_(work[:, dim:])
 
     @abc.abstractmethod

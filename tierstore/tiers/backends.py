@@ -60,14 +60,21 @@ class TorchRows:
         return scores.masked_fill((slot_keys < 0) | blocked.bool(), float("inf"))
 
     def optimizer_step(
-        self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int
+        self,
+        optimizer,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        keys: torch.Tensor | None = None,
     ) -> None:
-        """``optimizer``'s update of ``rows`` at ``slots`` (distinct) with ``grad [N, dim]``, in place."""
+        """``optimizer``'s update of ``rows`` at ``slots`` (distinct) with ``grad [N, dim]``, in place
+        (``keys``: the rows' ids, for ``stochastic_rounding``)."""
         buffer = self._update_buffers.get(rows.device)
         if buffer is None or buffer.shape[0] < slots.numel() or buffer.shape[1] != rows.shape[1]:
             buffer = self._update_buffers[rows.device] = rows.new_empty(slots.numel(), rows.shape[1])
         grad = grad.to(rows.device, torch.promote_types(rows.dtype, torch.float32))  # 16-bit rows: float32
-        optimizer.update(rows, slots, grad, step, buffer)
+        optimizer.update(rows, slots, grad, step, buffer, keys)
 
 
 class KernelRows:
@@ -140,8 +147,15 @@ class KernelRows:
         return candidates
 
     def optimizer_step(
-        self, optimizer, rows: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor, step: int
+        self,
+        optimizer,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        grad: torch.Tensor,
+        step: int,
+        keys: torch.Tensor | None = None,
     ) -> None:
+        """As ``TorchRows.optimizer_step``; float32 rows, so ``keys`` are not needed."""
         name, arguments, per_row = optimizer.kernel(step)
         dim = grad.shape[1]
         grad = grad.to(rows.device, rows.dtype).contiguous()

@@ -308,7 +308,8 @@ class RowCache:
         self.dirty[slots] = True
 
     def apply_optimizer(self, optimizer, slots: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        self.backend.optimizer_step(optimizer, self.rows, slots, grad, step)
+        keys = self.slot_keys[slots] if optimizer.stochastic_rounding else None  # its draws' ids
+        self.backend.optimizer_step(optimizer, self.rows, slots, grad, step, keys)
         self.dirty[slots] = True
 
     def holds(self, slots: torch.Tensor, keys: torch.Tensor) -> bool:
