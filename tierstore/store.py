@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pickle
 import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,11 @@ import torch
 
 from .config import TierConfig
 from .errors import ReadOnlyStoreError, StoreClosedError
+from .directories import exchange
 from .metadata import create_store, dtype_name, resolve_metadata
+from .snapshot import StoreSnapshot
 from .optim import SparseOptimizer
-from .tiers.build import build_caches, check_backends, open_tiers
+from .tiers.build import build_caches, check_backends, open_cold, open_tiers
 from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
 from .warm_start import hot_ids, warm_caches
 
@@ -138,6 +141,7 @@ class TieredStore:
                 _remove_contents(self.path, remove_directory=not existed or self._temporary)
             raise
         self._closed = False
+        self._snapshots: weakref.WeakSet[StoreSnapshot] = weakref.WeakSet()
         _OPEN_HERE[self.path.resolve()] = self
         self.warmed_rows = 0  # rows a warm start preloaded
         if warm_ids is not None:
@@ -366,6 +370,8 @@ class TieredStore:
             if not self.read_only and not self._temporary:
                 self.flush()
         finally:
+            for snapshot in list(self._snapshots):
+                snapshot.close()
             self.stack.cold.close()
             self._closed = True
             if self._remove_temporary is not None:
@@ -406,6 +412,58 @@ class TieredStore:
         """Load every row of ``source`` (same layout), newest values, as they are (``load``)."""
         for ids, rows in source.iter_rows(batch_size=1 << 18, with_state=True):  # a commit per batch
             self.load(ids, rows, allow_nonfinite=True)
+
+    @_serialized
+    def snapshot(self) -> StoreSnapshot:
+        """The table's rows as of now (a flush first), read later or from another thread while the
+        store goes on being trained; close it when read (see ``tierstore.snapshot``)."""
+        self._check_writable("take a snapshot")
+        self.flush()
+        snapshot = StoreSnapshot(self.metadata, self.stack.cold.snapshot())
+        self._snapshots.add(snapshot)
+        return snapshot
+
+    @_serialized
+    def replace_rows(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make the table hold exactly the rows of ``batches`` (``(ids [n], whole rows [n,
+        row_width])``, each id once) and nothing else, updates since the last flush dropped: a
+        checkpoint restored. The rows are written to a new store beside this one, which then takes
+        its place in one step (``directories.exchange``): a crash at any moment leaves the old rows
+        or the new ones, whole. Cached rows are dropped; open snapshots are closed."""
+        self._check_writable("replace its rows")
+        pinned = sum(cache.pinned_count() for cache in self.stack.caches)
+        if pinned:
+            raise RuntimeError(
+                f"{pinned} rows are pinned for batches in flight (a lookahead pipeline): finish or close "
+                f"it before replacing the table's rows"
+            )
+        staging = self.path.with_name(f".{self.path.name}.replacing-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)  # left by a replacement this process did not finish
+        create_store(staging, self.metadata)
+        closed = False
+        try:
+            cold = open_cold(staging, self.metadata, self.config, read_only=False, new=True)
+            try:
+                for ids, rows in batches:
+                    ids = as_ids(ids)
+                    cold.put(ids, self._checked_rows(ids, rows, allow_nonfinite=True))
+                cold.flush()
+            finally:
+                cold.close()
+            for snapshot in list(self._snapshots):
+                snapshot.close()
+            self.stack.cold.close()
+            closed = True
+            exchange(staging, self.path)
+        except BaseException:
+            if closed:
+                self.stack.cold = open_cold(self.path, self.metadata, self.config, False, False)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # the old rows
+        for cache in self.stack.caches:
+            cache.clear()
+        self.stack.cold = open_cold(self.path, self.metadata, self.config, read_only=False, new=False)
 
     def __deepcopy__(self, memo: dict) -> TieredStore:
         return self.copy()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..budget import parse_bytes
+from ..checkpoint import CheckpointWriting
 from ..config import TierConfig
 from ..errors import StoreFormatError
 from ..kernels.step_passes import distinct_ids
@@ -40,6 +41,7 @@ from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_o
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
 from .sharding import refuse_prefetch
+from .table_checkpoints import restore_checkpoint, write_checkpoint
 
 ID_MASK = (1 << ID_BITS) - 1
 MAX_TABLES_PER_GROUP = 1 << 16
@@ -305,6 +307,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         with self._changing_every_group():
             for group in self.groups.values():
                 group.close()
+
+    def checkpoint(self, path: str | Path, background: bool = False) -> CheckpointWriting:
+        """Every table's rows, optimizer state and step count as of now, in the new directory
+        ``path`` (a part per group); see ``TieredEmbeddingBag.checkpoint``."""
+        return write_checkpoint(path, dict(self.groups.items()), self._sharding, background)
+
+    def restore(self, path: str | Path) -> None:
+        """Every table exactly as the checkpoint at ``path`` holds it (``TieredEmbeddingBag.restore``
+        per group; a restore cut short between groups is found at the next open, as a flush is)."""
+        with self._changing_every_group():
+            restore_checkpoint(path, dict(self.groups.items()), self._sharding)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         with self._changing_every_group():  # each group loads (and commits) its rows

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..checkpoint import CheckpointWriting
 from ..config import TierConfig
 from ..errors import PaddingIdxError
 from ..kernels.step_passes import distinct_ids
@@ -42,6 +43,7 @@ from ..validation import (
 from . import native_step, pooled_lookup
 from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_optimizer
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
+from .table_checkpoints import restore_checkpoint, write_checkpoint
 
 _MISSING = ("init", "zero", "error")
 
@@ -389,6 +391,19 @@ class _TieredTable(nn.Module):
             self.store.flush()
         else:
             self.sharding.flush(self.store, self.step)
+
+    def checkpoint(self, path: str | Path, background: bool = False) -> CheckpointWriting:
+        """Write every row, its optimizer state and the step count as of now (a flush) to the new
+        directory ``path``: training may go on while a ``background`` one is written (``wait()`` on
+        the returned handle gives its path). Sharded, every rank calls it (each writes its own part).
+        ``restore(path)`` brings the table back to that moment; see ``tierstore.checkpoint``."""
+        return write_checkpoint(path, {None: self}, self.sharding, background)
+
+    def restore(self, path: str | Path) -> None:
+        """Give the table exactly the rows, optimizer state and step count of the checkpoint at
+        ``path``: rows added since are removed, updates since are undone (the store's rows are
+        replaced in one step: a crash leaves the old ones or the restored ones)."""
+        restore_checkpoint(path, {None: self}, self.sharding)
 
     def close(self) -> None:
         """Flush and close the store (a temporary store is deleted); sharded, on every rank."""

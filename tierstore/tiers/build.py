@@ -65,10 +65,15 @@ def open_tiers(
     read_only: bool,
     new: bool,
 ) -> TierStack:
-    """``caches`` over the cold store at ``path`` (``new``: create its files), whose key indexes
-    follow the host tier's backend."""
+    """``caches`` over the cold store at ``path`` (``new``: create its files)."""
+    return TierStack(caches, open_cold(path, metadata, config, read_only, new), metadata)
+
+
+def open_cold(path: Path, metadata: StoreMetadata, config: TierConfig, read_only: bool, new: bool):
+    """The cold store at ``path`` (``new``: create its files), whose key indexes follow the host
+    tier's backend."""
     index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
-    cold = open_cold_store(
+    return open_cold_store(
         metadata.backend,
         path,
         metadata.row_width,
@@ -78,7 +83,6 @@ def open_tiers(
         new,
         checksums=metadata.row_checksums,
     )
-    return TierStack(caches, cold, metadata)
 
 
 def _cache_tier(

@@ -13,6 +13,7 @@ import fcntl
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -42,6 +43,18 @@ class WriterLock:
         if not self._file.closed:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+
+
+class ColdSnapshot(Protocol):
+    """One flush of a cold store, read while its writer goes on (``ColdStore.snapshot``)."""
+
+    flushes: int
+
+    def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class ColdStore(ABC):
@@ -188,6 +201,12 @@ class ColdStore(ABC):
     @abstractmethod
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every ``(keys [n], rows [n, row_width])`` the store holds (staged rows included)."""
+
+    @abstractmethod
+    def snapshot(self) -> ColdSnapshot:
+        """The committed rows as of the last completed flush, as a reader opened now sees them, on a
+        writable store with nothing staged: readable from another thread (``iter_rows``, ``len``)
+        while this store goes on being written, until the snapshot is closed."""
 
     @abstractmethod
     def __len__(self) -> int:

@@ -503,6 +503,11 @@ class LmdbColdStore(ColdStore):
                     keys = keys[~held]
                     yield keys, self._read(txn, keys, databases[position:])[0]
 
+    def snapshot(self) -> LmdbSnapshot:
+        if self.read_only or self._pending_count or self._applying is not None:
+            raise RuntimeError("a snapshot is taken of a flushed, writable store: flush first")
+        return LmdbSnapshot(self)
+
     def _decode(self, chunk: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked ``(keys, rows)`` of a chunk of ``(key, value)`` entries (map views)."""
         keys, values = zip(*chunk)
@@ -686,3 +691,27 @@ class LmdbColdStore(ColdStore):
             self._record_as_left()
         _OPEN_IN_THIS_PROCESS.discard(self._path.resolve())
         self._release_lock()
+
+
+class LmdbSnapshot:
+    """The rows of a flushed LMDB store in one read transaction (LMDB's own snapshot): its writer
+    goes on committing beside it, and reuses none of the pages it holds until it is closed."""
+
+    def __init__(self, store: LmdbColdStore) -> None:
+        self._store = store
+        self._txn = store._env.begin(buffers=True)
+        self.flushes = store.flushes
+
+    def __len__(self) -> int:
+        return self._txn.stat(self._store._rows)["entries"]
+
+    def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        items = self._txn.cursor(self._store._rows).iternext()
+        try:
+            while chunk := list(itertools.islice(items, batch_size)):
+                yield self._store._decode(chunk)
+        except lmdb.Error as error:
+            raise self._store._damaged(error) from None
+
+    def close(self) -> None:
+        self._txn.abort()

@@ -587,6 +587,21 @@ class MmapColdStore(ColdStore):
             stored = self._wal_rows_tensor().index_select(0, new_records[start : start + batch_size])
             yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / WAL_ROWS_FILE)
 
+    def snapshot(self) -> MmapColdStore:
+        """A reader of this directory (see the module docstring): while it is open, flushes append to
+        the log and leave ``rows.bin`` as it is."""
+        if self._wal_count > self._wal_committed or self._appended:
+            raise RuntimeError("a snapshot is taken of a flushed store: flush first")
+        return MmapColdStore(
+            self.directory,
+            self.row_width,
+            self.dtype,
+            read_only=True,
+            index_kernels=self._index_kernels,
+            create=False,
+            checksums=bool(self.codec.check_bytes),
+        )
+
     def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys in the log but not in ``rows.bin``, and their last record numbers."""
         keys, records = self._log_latest()

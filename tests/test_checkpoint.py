@@ -1,0 +1,230 @@
+"""Point-in-time checkpoints (``table.checkpoint`` / ``restore``): a checkpoint holds every row,
+its optimizer state and the step count as of one flush while training goes on, and restoring it in
+a fresh process resumes exactly as a run never interrupted; a kill while one is written leaves the
+store and earlier checkpoints whole."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, TieredEmbeddingBagCollection
+from tierstore.checkpoint import TableCheckpoint
+from tierstore.optim import SGD, Adagrad, Adam
+
+BACKENDS = ["mmap", "lmdb"]
+OPTIMIZERS = {"sgd": lambda: SGD(lr=0.1), "adagrad": lambda: Adagrad(lr=0.1), "adam": lambda: Adam(lr=0.01)}
+
+
+def batches(count, seed=0, ids_below=400):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, ids_below, (24, 3), generator=generator) for _ in range(count)]
+
+
+def train(table, inputs):
+    for ids in inputs:
+        table(ids).pow(2).sum().backward()
+
+
+def all_rows(store):
+    """``{id: whole row}`` of every row the store holds."""
+    return {int(key): row.clone() for ids, rows in store.iter_rows(with_state=True) for key, row in zip(ids, rows)}
+
+
+def same_rows(first, second):
+    """Bit for bit (a half row's float32 state, read as halves, may hold NaN patterns)."""
+    return first.keys() == second.keys() and all(
+        torch.equal(first[key].view(torch.uint8), second[key].view(torch.uint8)) for key in first
+    )
+
+
+def table(path, backend, optimizer, dtype=torch.float32, rows=48):
+    return TieredEmbeddingBag(
+        None, 8, path=path, backend=backend, optimizer=OPTIMIZERS[optimizer](), host_cache=rows * 200, dtype=dtype
+    )
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, sys.argv[4])
+    from test_checkpoint import table, train, batches
+    store, checkpoint, backend, _, optimizer, out = sys.argv[1:]
+    resumed = table(store, backend, optimizer)
+    resumed.restore(checkpoint)
+    step = resumed.step
+    train(resumed, batches(9)[step:])
+    ids, rows = (torch.cat(part) for part in zip(*resumed.store.iter_rows(with_state=True)))
+    torch.save({"step": step, "ids": ids, "rows": rows, "after": resumed.step}, out)
+    resumed.close()
+    """
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_checkpoint_restored_in_a_fresh_process_resumes_as_a_run_never_interrupted(tmp_path, backend, optimizer):
+    """Checkpoint after 4 steps in the background while 3 more train (the cache a few rows, so
+    rows move through every tier meanwhile); a fresh process restores it into the same store (so
+    rows added since must go) and trains the last 5 batches: every row and its optimizer state
+    equal, bit for bit, those of a table trained on all 9 batches without a break."""
+    inputs = batches(9)
+    interrupted = table(tmp_path / "store", backend, optimizer)
+    train(interrupted, inputs[:4])
+    at_four = all_rows(interrupted.store)
+    writing = interrupted.checkpoint(tmp_path / "checkpoint", background=True)
+    train(interrupted, inputs[4:7])
+    assert writing.wait() == tmp_path / "checkpoint"
+    saved = TableCheckpoint(tmp_path / "checkpoint")
+    assert saved.step == 4 and len(saved) == len(at_four)
+    assert same_rows(at_four, {int(key): row for ids, rows in saved.iter_rows(50) for key, row in zip(ids, rows)})
+    interrupted.close()
+
+    out = tmp_path / "resumed.pt"
+    script = [sys.executable, "-c", RESUME, str(tmp_path / "store"), str(tmp_path / "checkpoint"), backend]
+    result = subprocess.run(
+        [*script, os.path.dirname(__file__), optimizer, str(out)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(out)
+    assert resumed["step"] == 4 and resumed["after"] == 9
+
+    uninterrupted = table(tmp_path / "uninterrupted", backend, optimizer)
+    train(uninterrupted, inputs)
+    expected = all_rows(uninterrupted.store)
+    uninterrupted.close()
+    assert same_rows(expected, {int(key): row for key, row in zip(resumed["ids"], resumed["rows"])})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restoring_removes_rows_added_since_and_undoes_updates_since(tmp_path, backend):
+    embedding = table(tmp_path / "store", backend, "adagrad")
+    train(embedding, batches(3, ids_below=100))
+    before = all_rows(embedding.store)
+    embedding.checkpoint(tmp_path / "checkpoint")
+    train(embedding, batches(3, seed=1, ids_below=300))  # ids up to 300: new rows
+    embedding.store.put(torch.tensor([10_000]), torch.ones(1, 8))  # staged, never flushed
+    assert len(embedding.store) > len(before)
+    embedding.restore(tmp_path / "checkpoint")
+    assert same_rows(before, all_rows(embedding.store)) and embedding.step == 3
+    assert not bool(embedding.store.contains(torch.tensor([10_000]))[0])
+    embedding.close()
+    reopened = table(tmp_path / "store", backend, "adagrad")  # the restored rows are durable
+    assert same_rows(before, all_rows(reopened.store))
+    reopened.close()
+
+
+def test_a_checkpoint_is_never_overwritten_and_a_layout_that_differs_is_refused_before_any_change(tmp_path):
+    embedding = table(tmp_path / "store", "mmap", "adagrad")
+    train(embedding, batches(2))
+    embedding.checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        embedding.checkpoint(tmp_path / "checkpoint")
+    other = TieredEmbeddingBag(None, 8, path=tmp_path / "sgd", optimizer=SGD(lr=0.1))
+    train(other, batches(1))
+    rows = all_rows(other.store)
+    with pytest.raises(ValueError, match="optimizer_state_width 8 .the table's: 0"):
+        other.restore(tmp_path / "checkpoint")
+    assert same_rows(rows, all_rows(other.store))
+    with pytest.raises(FileNotFoundError, match="not a tierstore checkpoint"):
+        other.restore(tmp_path / "store")
+    for closing in (embedding, other):
+        closing.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_rows_and_their_float32_state_round_trip_exactly(tmp_path, dtype):
+    embedding = table(tmp_path / "store", "mmap", "adam", dtype=dtype)
+    train(embedding, batches(3))
+    before = all_rows(embedding.store)
+    embedding.checkpoint(tmp_path / "checkpoint")
+    saved = np.load(tmp_path / "checkpoint" / "rows.npy", mmap_mode="r")
+    assert saved.dtype == (np.uint16 if dtype == torch.bfloat16 else np.float16)
+    train(embedding, batches(2, seed=3))
+    embedding.restore(tmp_path / "checkpoint")
+    assert same_rows(before, all_rows(embedding.store))
+    embedding.close()
+
+
+def test_a_collection_checkpoints_and_restores_every_group(tmp_path):
+    configs = [
+        EmbeddingBagConfig(name="small", embedding_dim=4, num_embeddings=50, feature_names=["a"]),
+        EmbeddingBagConfig(name="large", embedding_dim=8, num_embeddings=10**6, feature_names=["b"]),
+    ]
+    collection = TieredEmbeddingBagCollection(configs, path=tmp_path / "store", optimizer=Adagrad(lr=0.1))
+
+    def step(seed):
+        generator = torch.Generator().manual_seed(seed)
+        values = torch.cat([torch.randint(0, 50, (16,), generator=generator), torch.randint(0, 10**6, (16,), generator=generator)])
+        features = KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=torch.full((8,), 4))
+        collection(features).values().pow(2).sum().backward()
+
+    for seed in range(3):
+        step(seed)
+    before = {name: all_rows(group.store) for name, group in collection.groups.items()}
+    collection.checkpoint(tmp_path / "checkpoint")
+    assert sorted(path.name for path in (tmp_path / "checkpoint").iterdir()) == ["dim4", "dim8"]
+    for seed in range(3, 6):
+        step(seed)
+    collection.restore(tmp_path / "checkpoint")
+    for name, group in collection.groups.items():
+        assert same_rows(before[name], all_rows(group.store)) and group.step == 3
+    collection.close()
+
+
+KILLED_WHILE_WRITING = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    sys.path.insert(0, sys.argv[3])
+    import tierstore.checkpoint
+    from tierstore.snapshot import StoreSnapshot
+    from test_checkpoint import table, train, batches
+    tierstore.checkpoint.COPY_ROWS = 16
+    embedding = table(sys.argv[1], sys.argv[2], "adagrad")
+    train(embedding, batches(6))
+    rows = StoreSnapshot.iter_rows
+
+    def killed_on_the_third_part(self, batch_size):
+        for number, part in enumerate(rows(self, batch_size)):
+            if number == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield part
+
+    StoreSnapshot.iter_rows = killed_on_the_third_part
+    writing = embedding.checkpoint(sys.argv[1] + ".second", background=True)
+    train(embedding, batches(3, seed=1))
+    writing.wait()
+    """
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_checkpoint_whole(tmp_path, backend):
+    store = tmp_path / "store"
+    embedding = table(store, backend, "adagrad")
+    train(embedding, batches(2))
+    embedding.checkpoint(tmp_path / "first")
+    first = all_rows(embedding.store)
+    embedding.close()
+    script = [sys.executable, "-c", KILLED_WHILE_WRITING, str(store), backend, os.path.dirname(__file__)]
+    result = subprocess.run(script, capture_output=True, text=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert not (tmp_path / "store.second").exists()  # no checkpoint, only its partial directory
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".store.second.partial")]
+
+    reopened = table(store, backend, "adagrad")  # the store: its last flush (the one the snapshot took)
+    expected = table(tmp_path / "expected", backend, "adagrad")
+    train(expected, batches(2) + batches(6))
+    assert same_rows(all_rows(expected.store), all_rows(reopened.store))
+    reopened.restore(tmp_path / "first")  # the earlier checkpoint
+    assert same_rows(first, all_rows(reopened.store))
+    info = json.loads((tmp_path / "first" / "checkpoint.json").read_text())
+    assert info["rows"] == len(first) and info["step"] == 2
+    for closing in (reopened, expected):
+        closing.close()

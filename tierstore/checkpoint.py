@@ -1,0 +1,196 @@
+"""Point-in-time checkpoints of tables: every row, its optimizer state and the step count as of one
+flush, written while training goes on, restored exactly.
+
+A checkpoint is a directory; a table's part of it (the directory itself, or one subdirectory per
+group of a collection) holds ``checkpoint.json`` (the store's layout, the row count, the flush and
+the step it captures), ``ids.npy`` (int64 ``[rows]``) and ``rows.npy`` (``[rows, row_width]`` whole
+rows: weights then optimizer state; bfloat16 rows as their uint16 bits). Plain ``.npy`` files:
+numpy reads them, memory-mapped.
+
+Writing reads a ``StoreSnapshot`` (taken at the call, after a flush) on a thread of its own while
+the caller trains on, into ``.NAME.partial-PID`` beside the target, which is renamed into place once
+every file is synced: a kill at any moment leaves no checkpoint at the target (an earlier one at
+another path is untouched), and the store itself is only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import StoreFormatError
+from .metadata import StoreMetadata, fsync_directory
+from .snapshot import StoreSnapshot
+
+FORMAT = "tierstore-checkpoint/1"
+INFO_FILE, IDS_FILE, ROWS_FILE = "checkpoint.json", "ids.npy", "rows.npy"
+COPY_ROWS = 1 << 16  # rows copied from the snapshot at once
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """How rows of ``dtype`` are kept in ``rows.npy`` (bfloat16, which numpy lacks, as uint16 bits)."""
+    return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePart:
+    """One table's rows in a checkpoint: ``snapshot`` written to ``name`` (None: the directory itself)."""
+
+    name: str | None
+    snapshot: StoreSnapshot
+    step: int
+
+
+class CheckpointWriting:
+    """A checkpoint being written on its own thread: ``wait()`` returns its path once it is complete
+    (or raises what stopped it); ``done()`` says whether it has finished."""
+
+    def __init__(self, path: str | os.PathLike, parts: list[TablePart], background: bool = True) -> None:
+        self.path = Path(path)
+        if self.path.exists():
+            for part in parts:
+                part.snapshot.close()
+            raise FileExistsError(f"checkpoint path {self.path} exists; give a new path (a checkpoint is never overwritten)")
+        self._parts = parts
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, name="tierstore-checkpoint", daemon=True)
+        if background:
+            self._thread.start()
+        else:
+            self._thread.run()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """The checkpoint's path once it is complete; raises ``TimeoutError`` after ``timeout`` seconds,
+        or what stopped the writing (then no checkpoint is at the path)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        if not self.done():
+            raise TimeoutError(f"checkpoint {self.path} is still being written")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def _write(self) -> None:
+        partial = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            for part in self._parts:
+                directory = partial if part.name is None else partial / part.name
+                directory.mkdir(exist_ok=True)
+                _write_table(part.snapshot, directory, part.step)
+            fsync_directory(partial)
+            os.rename(partial, self.path)
+            fsync_directory(self.path.parent)
+        except BaseException as error:  # reported by wait()
+            self._error = error
+            shutil.rmtree(partial, ignore_errors=True)
+        finally:
+            for part in self._parts:
+                part.snapshot.close()
+
+
+def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
+    metadata, count = snapshot.metadata, len(snapshot)
+    ids = np.lib.format.open_memmap(directory / IDS_FILE, "w+", np.int64, (count,))
+    rows = np.lib.format.open_memmap(
+        directory / ROWS_FILE, "w+", numpy_dtype(metadata.torch_dtype), (count, metadata.row_width)
+    )
+    written = 0
+    for keys, values in snapshot.iter_rows(COPY_ROWS):
+        stop = written + keys.numel()
+        if stop > count:
+            raise StoreFormatError(f"the snapshot yielded more than its {count} rows")
+        ids[written:stop] = keys.numpy()
+        rows[written:stop] = _as_numpy(values)
+        written = stop
+    if written != count:
+        raise StoreFormatError(f"the snapshot yielded {written} of its {count} rows")
+    ids.flush()
+    rows.flush()
+    info = {
+        "format": FORMAT,
+        "store": dataclasses.asdict(metadata),
+        "rows": count,
+        "flushes": snapshot.flushes,
+        "step": int(step),
+    }
+    with open(directory / INFO_FILE, "w") as file:
+        json.dump(info, file, indent=2)
+    for name in (IDS_FILE, ROWS_FILE, INFO_FILE):
+        descriptor = os.open(directory / name, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    fsync_directory(directory)
+
+
+def _as_numpy(rows: torch.Tensor) -> np.ndarray:
+    return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy()
+
+
+class TableCheckpoint:
+    """One table's part of a checkpoint at ``path``, read memory-mapped: ``metadata`` (the store's
+    layout), ``step``, ``flushes``, ``len()`` rows and ``iter_rows``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            info = json.loads((self.path / INFO_FILE).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.path} is not a tierstore checkpoint: it has no {INFO_FILE}") from None
+        except (ValueError, UnicodeDecodeError) as error:
+            raise StoreFormatError(f"{self.path / INFO_FILE} is damaged: {error}") from None
+        if not isinstance(info, dict) or info.get("format") != FORMAT:
+            raise StoreFormatError(f"{self.path / INFO_FILE} is not a {FORMAT} checkpoint")
+        try:
+            self.metadata = StoreMetadata(**info["store"])
+            self.step, self.flushes, count = int(info["step"]), int(info["flushes"]), int(info["rows"])
+            self._ids = np.load(self.path / IDS_FILE, mmap_mode="r")
+            self._rows = np.load(self.path / ROWS_FILE, mmap_mode="r")
+        except (KeyError, TypeError, ValueError, OSError) as error:
+            raise StoreFormatError(f"checkpoint {self.path} is damaged: {error}") from None
+        expected = ((count,), (count, self.metadata.row_width))
+        if (self._ids.shape, self._rows.shape) != expected or self._rows.dtype != numpy_dtype(
+            self.metadata.torch_dtype
+        ):
+            raise StoreFormatError(
+                f"checkpoint {self.path} is damaged: its files hold {self._ids.shape} ids and "
+                f"{self._rows.shape} {self._rows.dtype} rows where {INFO_FILE} says {expected}"
+            )
+
+    def __len__(self) -> int:
+        return self._ids.shape[0]
+
+    def iter_rows(self, batch_size: int = COPY_ROWS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(ids [n], whole rows [n, row_width])`` of every row, ``batch_size`` at a time."""
+        for start in range(0, len(self), batch_size):
+            ids = torch.from_numpy(np.array(self._ids[start : start + batch_size]))
+            rows = torch.from_numpy(np.array(self._rows[start : start + batch_size]))
+            yield ids, rows.view(torch.bfloat16) if self.metadata.torch_dtype == torch.bfloat16 else rows
+
+    def check_layout(self, metadata: StoreMetadata) -> None:
+        """Raise ``ValueError`` unless rows laid out as this checkpoint's fit a store of ``metadata``."""
+        fields = ("dim", "dtype", "optimizer_state_width", "state_dtype", "seed")
+        different = [
+            f"{name} {getattr(self.metadata, name)!r} (the table's: {getattr(metadata, name)!r})"
+            for name in fields
+            if getattr(self.metadata, name) != getattr(metadata, name)
+        ]
+        if different:
+            raise ValueError(
+                f"checkpoint {self.path} holds rows of another layout: {', '.join(different)}; restore it "
+                f"into a table built with the checkpoint's settings"
+            )
