@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, TieredEmbeddingBagCollection
+from torch.distributed.checkpoint.api import CheckpointException
+
 from tierstore.checkpoint import TableCheckpoint
 from tierstore.optim import SGD, Adagrad, Adam
 
@@ -228,3 +230,108 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_c
     assert info["rows"] == len(first) and info["step"] == 2
     for closing in (reopened, expected):
         closing.close()
+
+
+class Model(torch.nn.Module):
+    """A tiered table under a dense layer, as a model holds one."""
+
+    def __init__(self, path, backend="mmap", dim=8):
+        super().__init__()
+        self.embedding = TieredEmbeddingBag(
+            None, dim, path=path, backend=backend, optimizer=Adagrad(lr=0.1), host_cache=48 * 200
+        )
+        self.dense = torch.nn.Linear(dim, 1)
+
+    def forward(self, ids):
+        return self.dense(self.embedding(ids)).sum()
+
+
+def train_model(model, inputs):
+    for ids in inputs:
+        model(ids).backward()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """dcp.save writes a table's rows in chunks of 10 rows (and reads them back as many)."""
+    from tierstore.nn import table_rows
+
+    monkeypatch.setattr(table_rows, "CHUNK_BYTES", 10 * (8 + 16 * 4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dcp_saves_the_rows_of_the_moment_and_loads_them_into_a_model_on_an_empty_store(tmp_path, backend, small_chunks):
+    """``dcp.save({"model": model})`` mid-run captures the table's rows, optimizer state and step
+    with the dense weights; training goes on; ``dcp.load`` into a model built on a new, empty store
+    gives it exactly those, and it then trains exactly as the uninterrupted model."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    inputs = batches(8)
+    model = Model(tmp_path / "store", backend)
+    train_model(model, inputs[:4])
+    saved_rows, saved_dense = all_rows(model.embedding.store), model.dense.weight.detach().clone()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model}, checkpoint_id=tmp_path / "dcp")
+    train_model(model, inputs[4:])
+
+    loaded = Model(tmp_path / "other", backend)
+    loaded(inputs[7])  # a row of its own, which the load removes
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": loaded}, checkpoint_id=tmp_path / "dcp")
+    assert same_rows(saved_rows, all_rows(loaded.embedding.store)) and loaded.embedding.step == 4
+    assert torch.equal(loaded.dense.weight, saved_dense)
+    train_model(loaded, inputs[4:])
+    assert same_rows(all_rows(model.embedding.store), all_rows(loaded.embedding.store))
+
+    with pytest.warns(UserWarning, match="single process"):  # into the model that went on: back to step 4
+        dcp.load({"model": model}, checkpoint_id=tmp_path / "dcp")
+    assert same_rows(saved_rows, all_rows(model.embedding.store)) and model.embedding.step == 4
+    for closing in (model, loaded):
+        closing.embedding.close()
+
+
+def test_dcp_load_into_a_table_of_another_layout_is_refused_before_any_change(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    model = Model(tmp_path / "store")
+    train_model(model, batches(2))
+    with pytest.warns(UserWarning):
+        dcp.save({"model": model.embedding}, checkpoint_id=tmp_path / "dcp")
+    wider = Model(tmp_path / "wider", dim=16)  # rows of other bytes: dcp refuses them
+    train_model(wider, batches(1))
+    before = all_rows(wider.embedding.store)
+    with pytest.raises(CheckpointException, match="Size mismatch"), pytest.warns(UserWarning):
+        dcp.load({"model": wider.embedding}, checkpoint_id=tmp_path / "dcp")
+    assert same_rows(before, all_rows(wider.embedding.store))
+    # rows of the same bytes, another layout (dim 16 and SGD: 16 floats; dim 8 and Adagrad: 8 + 8)
+    plain = TieredEmbeddingBag(None, 16, path=tmp_path / "plain", optimizer=SGD(lr=0.1))
+    train(plain, batches(1))
+    before = all_rows(plain.store)
+    with pytest.raises(ValueError, match="dim is 8 but this module's is 16"), pytest.warns(UserWarning):
+        dcp.load({"model": plain}, checkpoint_id=tmp_path / "dcp")
+    assert same_rows(before, all_rows(plain.store))
+    assert not [path for path in tmp_path.iterdir() if ".incoming-" in path.name]
+    for closing in (model.embedding, wider.embedding, plain):
+        closing.close()
+
+
+def test_a_state_dict_holds_the_rows_of_its_moment_and_pickles_as_the_stores_location(tmp_path):
+    """``state_dict()``'s ``rows`` entry is a snapshot: loading it later restores that moment's
+    rows, whatever trained since. ``torch.save`` of a state dict leaves the rows out (it names the
+    store, as before), and reloading it resumes from the store."""
+    model = Model(tmp_path / "store")
+    train_model(model, batches(2))
+    moment = all_rows(model.embedding.store)
+    state = model.state_dict()
+    assert tuple(state["embedding.rows"].shape) == (len(moment), 8 + 16 * 4)
+    train_model(model, batches(2, seed=5))
+    latest = all_rows(model.embedding.store)
+    model.load_state_dict(state)
+    assert same_rows(moment, all_rows(model.embedding.store))
+    train_model(model, batches(2, seed=5))
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    pickled = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert pickled["embedding.rows"] is None
+    model.load_state_dict(pickled)
+    assert same_rows(latest, all_rows(model.embedding.store))
+    with pytest.raises(RuntimeError, match="records of a store snapshot"):
+        state["embedding.rows"] + 1
+    model.embedding.close()

@@ -44,6 +44,7 @@ from . import native_step, pooled_lookup
 from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_optimizer
 from .sharding import RowSharding, refuse_prefetch, replicated_keys
 from .table_checkpoints import restore_checkpoint, write_checkpoint
+from .table_rows import TableRows
 
 _MISSING = ("init", "zero", "error")
 
@@ -434,19 +435,47 @@ class _TieredTable(nn.Module):
         return not self._parameters["trainable"].requires_grad  # (not through Module.__getattr__: each step)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # its extra state flushes
         del destination[prefix + "trainable"]  # a switch, not a weight: state_dicts hold no tensor of it
+        if not self.store.read_only:
+            destination[prefix + self._rows_key()] = TableRows(self.store, self.store.snapshot())
+
+    def _rows_key(self) -> str:
+        """The state dict's key of the table's rows (``TableRows``); a sharded table's rank has its own."""
+        if self.sharding is None:
+            return "rows"
+        return f"rows.rank{self.sharding.rank}-of-{self.sharding.world_size}"
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
-        if prefix + "trainable" in missing:
-            missing.remove(prefix + "trainable")
+        extra = state_dict.get(prefix + "_extra_state")
+        rows = state_dict.get(prefix + self._rows_key())
+        try:
+            if extra is not None:
+                self._check_extra_state(extra)  # before the rows change
+            batches = rows.rows_for(self.store) if isinstance(rows, TableRows) else None
+        except BaseException:
+            if isinstance(rows, TableRows):
+                rows.discard_received()
+            raise
+        if batches is not None:
+            self.store.replace_rows(batches)
+        self._rows_given = batches is not None  # (read by set_extra_state)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        finally:
+            self._rows_given = False
+        for key in (prefix + "trainable", prefix + self._rows_key()):
+            for keys in (missing, unexpected):
+                if key in keys:
+                    keys.remove(key)
 
     def get_extra_state(self) -> dict:
-        """The table's part of ``state_dict()``: the store's location and layout, the optimizer
-        and its step count — not the rows, which stay in the store (flushed first). Reloading
-        into a module on the same store resumes it; into a module on another store copies the
-        rows over, streaming. A temporary store is deleted on ``close()``: give ``path=`` to keep one."""
+        """The table's ``_extra_state`` in ``state_dict()``: the store's location and layout, the
+        optimizer and its step count. Its rows as of the call are the ``rows`` entry (``TableRows``:
+        a snapshot, read by ``torch.distributed.checkpoint`` or ``load_state_dict``). A state dict
+        without it (pickled: ``torch.save(model.state_dict())``) names the store: reloaded into a
+        module on the same store it resumes it; on another store it copies the rows over as they
+        are now, streaming. A temporary store is deleted on ``close()``: give ``path=`` to keep one."""
         if not self.store.read_only:
             self.flush()
         return {
@@ -459,14 +488,21 @@ class _TieredTable(nn.Module):
             "step": self.step,
         }
 
-    def set_extra_state(self, state: Any) -> None:
+    def _check_extra_state(self, state: Any) -> dict:
+        """This table's own extra state, once ``state`` is found to describe a table like it."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise ValueError(f"not a tierstore table state (expected format {_STATE_FORMAT!r}): {state!r}")
         mine = self.get_extra_state()
         for key in ("dim", "dtype", "optimizer", "optimizer_state_width"):
             if state[key] != mine[key]:
                 raise ValueError(f"state_dict {key} is {state[key]!r} but this module's is {mine[key]!r}")
-        if Path(state["path"]) != Path(mine["path"]):  # a copy of the rows, as they are
+        return mine
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self._check_extra_state(state)
+        if self.__dict__.get("_rows_given"):  # the state dict's rows replaced the table's
+            pass
+        elif Path(state["path"]) != Path(mine["path"]):  # a copy of the rows, as they are
             source = TieredStore.open_here(state["path"])
             if source is not None:
                 self.store.copy_rows_from(source)
