@@ -13,10 +13,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
-from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, TieredEmbeddingBagCollection
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, TieredEmbeddingBagCollection
 from tierstore.checkpoint import TableCheckpoint
 from tierstore.optim import SGD, Adagrad, Adam
 
@@ -36,7 +35,9 @@ def train(table, inputs):
 
 def all_rows(store):
     """``{id: whole row}`` of every row the store holds."""
-    return {int(key): row.clone() for ids, rows in store.iter_rows(with_state=True) for key, row in zip(ids, rows)}
+    return {
+        int(key): row.clone() for ids, rows in store.iter_rows(with_state=True) for key, row in zip(ids, rows)
+    }
 
 
 def same_rows(first, second):
@@ -48,7 +49,13 @@ def same_rows(first, second):
 
 def table(path, backend, optimizer, dtype=torch.float32, rows=48):
     return TieredEmbeddingBag(
-        None, 8, path=path, backend=backend, optimizer=OPTIMIZERS[optimizer](), host_cache=rows * 200, dtype=dtype
+        None,
+        8,
+        path=path,
+        backend=backend,
+        optimizer=OPTIMIZERS[optimizer](),
+        host_cache=rows * 200,
+        dtype=dtype,
     )
 
 
@@ -71,7 +78,9 @@ RESUME = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_a_checkpoint_restored_in_a_fresh_process_resumes_as_a_run_never_interrupted(tmp_path, backend, optimizer):
+def test_a_checkpoint_restored_in_a_fresh_process_resumes_as_a_run_never_interrupted(
+    tmp_path, backend, optimizer
+):
     """Checkpoint after 4 steps in the background while 3 more train (the cache a few rows, so
     rows move through every tier meanwhile); a fresh process restores it into the same store (so
     rows added since must go) and trains the last 5 batches: every row and its optimizer state
@@ -85,7 +94,9 @@ def test_a_checkpoint_restored_in_a_fresh_process_resumes_as_a_run_never_interru
     assert writing.wait() == tmp_path / "checkpoint"
     saved = TableCheckpoint(tmp_path / "checkpoint")
     assert saved.step == 4 and len(saved) == len(at_four)
-    assert same_rows(at_four, {int(key): row for ids, rows in saved.iter_rows(50) for key, row in zip(ids, rows)})
+    assert same_rows(
+        at_four, {int(key): row for ids, rows in saved.iter_rows(50) for key, row in zip(ids, rows)}
+    )
     interrupted.close()
 
     out = tmp_path / "resumed.pt"
@@ -163,7 +174,12 @@ def test_a_collection_checkpoints_and_restores_every_group(tmp_path):
 
     def step(seed):
         generator = torch.Generator().manual_seed(seed)
-        values = torch.cat([torch.randint(0, 50, (16,), generator=generator), torch.randint(0, 10**6, (16,), generator=generator)])
+        values = torch.cat(
+            [
+                torch.randint(0, 50, (16,), generator=generator),
+                torch.randint(0, 10**6, (16,), generator=generator),
+            ]
+        )
         features = KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=torch.full((8,), 4))
         collection(features).values().pow(2).sum().backward()
 
@@ -207,7 +223,9 @@ KILLED_WHILE_WRITING = textwrap.dedent(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_checkpoint_whole(tmp_path, backend):
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_checkpoint_whole(
+    tmp_path, backend
+):
     store = tmp_path / "store"
     embedding = table(store, backend, "adagrad")
     train(embedding, batches(2))
@@ -260,7 +278,9 @@ def small_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dcp_saves_the_rows_of_the_moment_and_loads_them_into_a_model_on_an_empty_store(tmp_path, backend, small_chunks):
+def test_dcp_saves_the_rows_of_the_moment_and_loads_them_into_a_model_on_an_empty_store(
+    tmp_path, backend, small_chunks
+):
     """``dcp.save({"model": model})`` mid-run captures the table's rows, optimizer state and step
     with the dense weights; training goes on; ``dcp.load`` into a model built on a new, empty store
     gives it exactly those, and it then trains exactly as the uninterrupted model."""

@@ -58,7 +58,9 @@ class CheckpointWriting:
         if self.path.exists():
             for part in parts:
                 part.snapshot.close()
-            raise FileExistsError(f"checkpoint path {self.path} exists; give a new path (a checkpoint is never overwritten)")
+            raise FileExistsError(
+                f"checkpoint path {self.path} exists; give a new path (a checkpoint is never overwritten)"
+            )
         self._parts = parts
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._write, name="tierstore-checkpoint", daemon=True)
@@ -150,7 +152,9 @@ class TableCheckpoint:
         try:
             info = json.loads((self.path / INFO_FILE).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{self.path} is not a tierstore checkpoint: it has no {INFO_FILE}") from None
+            raise FileNotFoundError(
+                f"{self.path} is not a tierstore checkpoint: it has no {INFO_FILE}"
+            ) from None
         except (ValueError, UnicodeDecodeError) as error:
             raise StoreFormatError(f"{self.path / INFO_FILE} is damaged: {error}") from None
         if not isinstance(info, dict) or info.get("format") != FORMAT:

@@ -63,7 +63,9 @@ class StoreSnapshot:
                 rows.append(self._held[1][part])
                 position = self._held_start + part.stop
         if not ids:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.metadata.row_width, dtype=self.metadata.torch_dtype)
+            return torch.empty(0, dtype=torch.int64), torch.empty(
+                0, self.metadata.row_width, dtype=self.metadata.torch_dtype
+            )
         return torch.cat(ids), torch.cat(rows)
 
     def _restart(self) -> None:

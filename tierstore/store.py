@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from .config import TierConfig
-from .errors import ReadOnlyStoreError, StoreClosedError
 from .directories import exchange
+from .errors import ReadOnlyStoreError, StoreClosedError
 from .metadata import create_store, dtype_name, resolve_metadata
-from .snapshot import StoreSnapshot
 from .optim import SparseOptimizer
+from .snapshot import StoreSnapshot
 from .tiers.build import build_caches, check_backends, open_cold, open_tiers
 from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
 from .warm_start import hot_ids, warm_caches

@@ -461,7 +461,9 @@ class _TieredTable(nn.Module):
             self.store.replace_rows(batches)
         self._rows_given = batches is not None  # (read by set_extra_state)
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+            )
         finally:
             self._rows_given = False
         for key in (prefix + "trainable", prefix + self._rows_key()):

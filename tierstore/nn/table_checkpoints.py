@@ -23,7 +23,9 @@ def write_checkpoint(
     snapshots and write them to ``path`` (on a thread of its own if ``background``)."""
     target = rank_path(path, sharding)
     if target.exists():
-        raise FileExistsError(f"checkpoint path {target} exists; give a new path (a checkpoint is never overwritten)")
+        raise FileExistsError(
+            f"checkpoint path {target} exists; give a new path (a checkpoint is never overwritten)"
+        )
     parts = []
     try:
         for name, table in tables.items():

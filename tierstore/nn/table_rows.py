@@ -78,12 +78,16 @@ class TableRows(torch.Tensor):
 
     @staticmethod
     def __new__(cls, store: TieredStore, snapshot: StoreSnapshot):
-        return torch.Tensor._make_wrapper_subclass(cls, (len(snapshot), record_bytes(store)), dtype=torch.uint8)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, (len(snapshot), record_bytes(store)), dtype=torch.uint8
+        )
 
     def __init__(self, store: TieredStore, snapshot: StoreSnapshot) -> None:
         self.snapshot = snapshot
         self.record_bytes = record_bytes(store)
-        self._incoming = Path(store.path).with_name(f".{Path(store.path).name}.incoming-{os.getpid()}-{id(self)}")
+        self._incoming = Path(store.path).with_name(
+            f".{Path(store.path).name}.incoming-{os.getpid()}-{id(self)}"
+        )
         self._received_rows = None  # rows dcp.load wrote to the incoming file; None: none came
 
     def size(self, dim: int | None = None):
@@ -149,7 +153,9 @@ class TableRows(torch.Tensor):
         """Called by ``dcp.load`` only: from here on this object takes the rows it reads."""
         self._received_rows = 0
         self._incoming.unlink(missing_ok=True)
-        return [ChunkStorageMetadata(offsets=torch.Size((0, 0)), sizes=torch.Size((ANY_ROWS, self.record_bytes)))]
+        return [
+            ChunkStorageMetadata(offsets=torch.Size((0, 0)), sizes=torch.Size((ANY_ROWS, self.record_bytes)))
+        ]
 
     def receive(self, start: int, records: torch.Tensor) -> None:
         """``records`` (uint8 [n, record_bytes]) read by ``dcp.load``, rows ``start:start+n``."""
@@ -167,8 +173,8 @@ class TableRows(torch.Tensor):
         read into it, else its snapshot's; None if neither (a dcp.load that found no rows)."""
         if record_bytes(store) != self.record_bytes:
             raise ValueError(
-                f"the state_dict holds {self.record_bytes}-byte rows where this table's are {record_bytes(store)} "
-                f"bytes: its dim, dtype or optimizer differ"
+                f"the state_dict holds {self.record_bytes}-byte rows where this table's are "
+                f"{record_bytes(store)} bytes: its dim, dtype or optimizer differ"
             )
         if self._received_rows is not None:
             return self._incoming_rows(store)
@@ -182,9 +188,13 @@ class TableRows(torch.Tensor):
     def _incoming_rows(self, store: TieredStore) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         try:
             if self._received_rows:
-                records = np.memmap(self._incoming, np.uint8, "r", shape=(self._received_rows, self.record_bytes))
+                records = np.memmap(
+                    self._incoming, np.uint8, "r", shape=(self._received_rows, self.record_bytes)
+                )
                 for start in range(0, self._received_rows, self._chunk_rows()):
-                    yield _split(torch.from_numpy(np.array(records[start : start + self._chunk_rows()])), store)
+                    yield _split(
+                        torch.from_numpy(np.array(records[start : start + self._chunk_rows()])), store
+                    )
                 del records
         finally:
             self.discard_received()
@@ -219,7 +229,9 @@ class _Incoming(torch.Tensor):
         if func is torch.ops.aten.copy_.default:
             target.owner.receive(target.start, args[1])
             return target
-        raise RuntimeError(f"{func} on rows being loaded into a tiered table: only dcp.load's narrow and copy_ are taken")
+        raise RuntimeError(
+            f"{func} on rows being loaded into a tiered table: only dcp.load's narrow and copy_ are taken"
+        )
 
 
 def _left_out():
@@ -228,7 +240,13 @@ def _left_out():
 
 def _records(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """uint8 [n, 8 + row bytes]: each id's bytes, then its row's."""
-    return torch.cat([ids.view(torch.uint8).view(-1, _ID_BYTES), rows.contiguous().view(torch.uint8).view(ids.numel(), -1)], 1)
+    return torch.cat(
+        [
+            ids.view(torch.uint8).view(-1, _ID_BYTES),
+            rows.contiguous().view(torch.uint8).view(ids.numel(), -1),
+        ],
+        1,
+    )
 
 
 def _split(records: torch.Tensor, store: TieredStore) -> tuple[torch.Tensor, torch.Tensor]:
