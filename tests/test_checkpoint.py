@@ -15,7 +15,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredEmbeddingBag, TieredEmbeddingBagCollection
+from tierstore import (
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    TieredEmbeddingBag,
+    TieredEmbeddingBagCollection,
+    TieredStore,
+)
 from tierstore.checkpoint import TableCheckpoint
 from tierstore.optim import SGD, Adagrad, Adam
 
@@ -355,3 +361,15 @@ def test_a_state_dict_holds_the_rows_of_its_moment_and_pickles_as_the_stores_loc
     with pytest.raises(RuntimeError, match="records of a store snapshot"):
         state["embedding.rows"] + 1
     model.embedding.close()
+
+
+def test_a_snapshot_after_a_load_that_could_not_go_in_bulk_does_not_wait_on_its_own_store(tmp_path):
+    """``load`` of ids the store holds asks for the bulk path (readers held out) and then stages the
+    rows instead: the snapshot's reader must not wait on the lock its own writer still holds."""
+    store = TieredStore(tmp_path / "store", 4, backend="mmap", host_cache=64)
+    store.load(torch.arange(10), torch.ones(10, 4))
+    store.load(torch.arange(5), torch.full((5, 4), 2.0))
+    with store.snapshot() as snapshot:
+        ids, rows = snapshot.read(0, 10)
+    assert sorted(ids.tolist()) == list(range(10)) and sorted(rows[:, 0].tolist()) == [1.0] * 5 + [2.0] * 5
+    store.close()

@@ -592,6 +592,7 @@ class MmapColdStore(ColdStore):
         the log and leave ``rows.bin`` as it is."""
         if self._wal_count > self._wal_committed or self._appended:
             raise RuntimeError("a snapshot is taken of a flushed store: flush first")
+        self._let_readers_in()  # held out for a bulk load that did not come (a reader would wait)
         return MmapColdStore(
             self.directory,
             self.row_width,
