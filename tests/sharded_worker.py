@@ -282,3 +282,51 @@ def diverged(rank: int, world: int, port: int, out: str) -> None:
     table.close()
     _save(out, rank, {"before": before, "after": after})
     dist.destroy_process_group()
+
+
+def dcp_round_trip(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank trains its shard 4 steps, ``dcp.save``s the table, trains 3 more, then ``dcp.load``s
+    the checkpoint into a table on new stores and trains it the same 3 steps: saves whether its
+    shard's rows equal the saved ones after the load and the trained-on ones after the 3 steps."""
+    import torch.distributed.checkpoint as dcp
+
+    def shard_rows(table) -> dict[int, torch.Tensor]:
+        return {
+            int(key): row
+            for ids, rows in table.store.iter_rows(with_state=True)
+            for key, row in zip(ids, rows)
+        }
+
+    def same(first, second) -> bool:
+        return first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+    def steps(table, batches, first: int) -> None:
+        for step, bags in enumerate(batches, first):
+            share = len(bags) // world
+            pooled = table(*as_bags(rank_bags(bags, rank, world, step, -1)))
+            (pooled * targets(step, len(bags))[rank * share : (rank + 1) * share]).sum().backward()
+
+    try:
+        _join(rank, world, port)
+        batches = global_batches(world, 7)
+        table = _table(out, optimizer=optim.Adagrad(lr=0.1))
+        steps(table, batches[:4], 0)
+        dcp.save({"model": table}, checkpoint_id=Path(out) / "dcp")
+        saved = shard_rows(table)
+        steps(table, batches[4:], 4)
+        loaded = TieredEmbeddingBag(
+            None, DIM, mode="sum", path=Path(out) / "other", host_cache=32, process_group=dist.group.WORLD,
+            optimizer=optim.Adagrad(lr=0.1),
+        )  # fmt: skip
+        dcp.load({"model": loaded}, checkpoint_id=Path(out) / "dcp")
+        result = {"loaded": same(saved, shard_rows(loaded)), "step": loaded.step, "rows": len(saved)}
+        steps(loaded, batches[4:], 4)
+        result["trained"] = same(shard_rows(table), shard_rows(loaded))
+        for closing in (table, loaded):
+            closing.close()
+        _save(out, rank, result)
+    except BaseException:
+        _save(out, rank, {"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -15,6 +15,7 @@ from sharded_worker import (
     NUM,
     OPTIMIZERS,
     as_bags,
+    dcp_round_trip,
     dead_peer,
     disagree,
     diverged,
@@ -225,3 +226,12 @@ def test_the_replica_checksum_names_a_rank_whose_replica_differs(tmp_path):
     for result in run_ranks(diverged, 2, str(tmp_path)):
         assert result["before"] is None
         assert result["after"] == "ShardingError: the replicated rows of ranks [1] differ from rank 0's"
+
+
+def test_each_rank_saves_and_loads_its_shard_through_torch_distributed_checkpoint(tmp_path):
+    """``dcp.save``/``dcp.load`` of a sharded table over 2 ranks: each rank's shard (its own
+    ``rows.rankR-of-W`` entry) comes back exactly into tables on new stores, which then train
+    exactly as the tables that went on."""
+    for rank, result in enumerate(run_ranks(dcp_round_trip, 2, str(tmp_path))):
+        assert result["rows"] > 0 and result["step"] == 4, rank
+        assert result["loaded"] and result["trained"], rank
