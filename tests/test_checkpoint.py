@@ -199,7 +199,18 @@ def test_a_collection_checkpoints_and_restores_every_group(tmp_path):
     collection.restore(tmp_path / "checkpoint")
     for name, group in collection.groups.items():
         assert same_rows(before[name], all_rows(group.store)) and group.step == 3
-    collection.close()
+
+    dcp = pytest.importorskip("torch.distributed.checkpoint")  # the same through dcp, into new stores
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"tables": collection}, checkpoint_id=tmp_path / "dcp")
+    step(6)
+    loaded = TieredEmbeddingBagCollection(configs, path=tmp_path / "other", optimizer=Adagrad(lr=0.1))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"tables": loaded}, checkpoint_id=tmp_path / "dcp")
+    for name, group in loaded.groups.items():
+        assert same_rows(before[name], all_rows(group.store)) and group.step == 3
+    for closing in (collection, loaded):
+        closing.close()
 
 
 KILLED_WHILE_WRITING = textwrap.dedent(
