@@ -446,7 +446,11 @@ class TieredStore:
             try:
                 for ids, rows in batches:
                     ids = as_ids(ids)
-                    cold.put(ids, self._checked_rows(ids, rows, allow_nonfinite=True))
+                    rows = self._checked_rows(ids, rows, allow_nonfinite=True)
+                    if cold.can_bulk_load():  # written once, straight to their place (mmap)
+                        cold.bulk_load(ids, rows)
+                    else:
+                        cold.put(ids, rows)
                 cold.flush()
             finally:
                 cold.close()

@@ -26,7 +26,7 @@ for name in (b"rows", b"pending", b"pending.b", b"meta"):
         database = env.open_db(name, create=False)
     except lmdb.NotFoundError:
         continue
-    with env.begin(buffers=True) as txn:
+    with env.begin() as txn:
         for _ in txn.cursor(database).iternext():
             pass
 """
