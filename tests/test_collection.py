@@ -244,7 +244,7 @@ def test_bad_features_are_named_and_change_nothing(make, error, message):
     [
         ([TABLES[0], EmbeddingBagConfig(5, 8, name="user", feature_names=["x"])], "used twice"),
         ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], weight_init_max=0.1)], "weight_init_max"),
-        ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], data_type="FP16")], "data_type"),
+        ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], data_type="INT8")], "data_type"),
         ([EmbeddingBagConfig(5, 8, name="t", feature_names=["x"], pooling="max")], "pooling"),
         ([EmbeddingBagConfig(5, 0, name="t", feature_names=["x"])], "embedding_dim"),
         ([EmbeddingBagConfig(5, 8, name="", feature_names=["x"])], "name"),

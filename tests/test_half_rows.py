@@ -219,3 +219,47 @@ def test_stochastic_rounding_picks_a_neighbour_as_often_as_it_is_near(dtype):
 def test_stochastic_rounding_is_a_flag():
     with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
         optim.Adagrad(lr=0.1, stochastic_rounding="yes")
+
+
+def test_a_collections_tables_each_take_their_data_type(tmp_path):
+    """``data_type=FP16``/``BF16`` on a table's config: its rows are of that dtype, in a group (a
+    store) of their own beside the float32 tables of the same dim, and train exactly as a single
+    table of that dtype trained on the same bags; reopening finds each group again."""
+    configs = [
+        EmbeddingBagConfig(
+            name="half", embedding_dim=4, num_embeddings=60, feature_names=["a"], data_type="FP16"
+        ),
+        EmbeddingBagConfig(name="full", embedding_dim=4, num_embeddings=60, feature_names=["b"]),
+        EmbeddingBagConfig(
+            name="brain", embedding_dim=4, num_embeddings=60, feature_names=["c"], data_type="BF16"
+        ),
+    ]
+    dtypes = {"half": torch.float16, "full": torch.float32, "brain": torch.bfloat16}
+    settings = dict(optimizer=optim.Adagrad(lr=0.05), host_cache=12)  # each group: 12 of 60 rows
+    collection = TieredEmbeddingBagCollection(configs, tmp_path / "c", **{**settings, "host_cache": 36})
+    assert sorted(collection.groups) == ["dim4", "dim4-bfloat16", "dim4-float16"]
+    singles = {
+        name: TieredEmbeddingBag(None, 4, mode="sum", dtype=dtype, **settings)
+        for name, dtype in dtypes.items()
+    }
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        ids = {name: torch.from_numpy(rng.integers(0, 60, 8)) for name in dtypes}
+        lengths = torch.tensor([2, 2, 2, 2] * 3)
+        features = KeyedJaggedTensor(["a", "b", "c"], torch.cat(list(ids.values())), lengths=lengths)
+        target = torch.from_numpy(rng.standard_normal((4, 12)).astype(np.float32)).half().float()
+        pooled = collection(features)
+        assert pooled.values().dtype == torch.float32  # the groups' outputs side by side, promoted
+        for position, (name, table) in enumerate(singles.items()):
+            out = table(ids[name], torch.arange(0, 8, 2))
+            (out.float() * target[:, 4 * position : 4 * position + 4]).sum().backward()
+        (pooled.values() * target).sum().backward()
+    for name, table in singles.items():
+        rows = collection.embedding_bags[name].rows(torch.arange(60))
+        assert rows.dtype == dtypes[name] and torch.equal(rows, table.store.get(torch.arange(60)))
+    collection.close()
+    reopened = TieredEmbeddingBagCollection(configs, tmp_path / "c", **{**settings, "host_cache": 36})
+    assert torch.equal(
+        reopened.embedding_bags["half"].rows(torch.arange(60)), singles["half"].store.get(torch.arange(60))
+    )
+    reopened.close()

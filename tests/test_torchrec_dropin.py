@@ -257,7 +257,7 @@ def test_a_schedule_drives_the_collections_fused_optimizer():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("weight_init_max", 0.1), ("init_fn", print), ("need_pos", True), ("data_type", "FP16")]
+    "field, value", [("weight_init_max", 0.1), ("init_fn", print), ("need_pos", True), ("data_type", "INT8")]
 )
 def test_torchrecs_config_fields_a_tiered_table_cannot_honour_are_refused_by_name(field, value):
     config = EmbeddingBagConfig(10, 4, name="t", feature_names=["f"], **{field: value})

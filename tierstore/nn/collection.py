@@ -29,7 +29,7 @@ from ..checkpoint import CheckpointWriting
 from ..config import TierConfig
 from ..errors import StoreFormatError
 from ..kernels.step_passes import distinct_ids
-from ..metadata import METADATA_FILE, write_json_atomic
+from ..metadata import DTYPES, METADATA_FILE, write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
 from ..validation import as_path
@@ -51,9 +51,11 @@ LAYOUT_FILE = "collection.json"
 class TieredEmbeddingBagCollection(nn.Module):
     """Tables (``EmbeddingBagConfig``s, TorchRec's accepted) looked up by feature name.
 
-    Args: ``tables``; ``path`` (a directory holding one store per embedding dim and
+    Args: ``tables``; ``path`` (a directory holding one store per group of tables, ``dimN`` (and
+    ``dimN-float16``/``-bfloat16`` for tables whose config sets ``data_type``), and
     ``collection.json``; ``None``: temporary stores); ``backend``, ``seed``, ``optimizer`` (one
-    fused optimizer for every table, default ``optim.SGD(lr=0.01)``), ``dtype``, ``device`` and the
+    fused optimizer for every table, default ``optim.SGD(lr=0.01)``), ``dtype`` (of the tables whose
+    ``data_type`` is FP32, the default), ``device`` and the
     cache tiers' settings (``tiers=`` or keywords) as ``TieredEmbeddingBag`` takes them; ``warm``:
     table name -> hot ids (or a ``.npy`` of them), most wanted first, or an ``.npz`` of them (as
     ``tierstore profile --out`` writes), preloaded into the caches at open as ``TieredStore(warm=)``
@@ -105,38 +107,42 @@ class TieredEmbeddingBagCollection(nn.Module):
         auto = isinstance(replicate, str) and replicate == "auto"
         replicated = None if auto else self._replicated_keys(replicate, warm_keys)
         samples = self._group_samples(access_sample) if auto else None
-        dims = list(dict.fromkeys(table["embedding_dim"] for table in self._tables.values()))
+        members: dict[str, list[dict]] = {}  # group name -> its tables, in the tables' order
+        for table in self._tables.values():
+            members.setdefault(_group_name(table), []).append(table)
         config = TierConfig.from_settings(tiers, tier_settings)
-        if len(dims) > 1:
+        if len(members) > 1:
             config = TierConfig.from_settings(
                 config,
-                {name: _share(getattr(config, name), len(dims)) for name in ("host_cache", "device_cache")},
+                {
+                    name: _share(getattr(config, name), len(members))
+                    for name in ("host_cache", "device_cache")
+                },
             )
         root = as_path(path)
         if root is not None:
             _check_layout(root, self._tables, sharded=process_group is not None)
         groups: dict[str, TieredEmbeddingBag] = {}
         try:
-            for dim in dims:
-                groups[f"dim{dim}"] = TieredEmbeddingBag(
+            for group_name, group_tables in members.items():
+                data_type = group_tables[0].get("data_type")
+                groups[group_name] = TieredEmbeddingBag(
                     None,
-                    dim,
+                    group_tables[0]["embedding_dim"],
                     mode="sum",
-                    path=None if root is None else root / f"dim{dim}",
+                    path=None if root is None else root / group_name,
                     backend=backend,
                     seed=seed,
                     optimizer=copy.deepcopy(optimizer if optimizer is not None else SGD()),
-                    dtype=dtype,
+                    dtype=dtype if data_type is None else DTYPES[data_type],
                     device=device,
                     tiers=config,
                     process_group=process_group,
                     replicate="auto"
                     if auto
-                    else _group_keys(replicated, f"dim{dim}", torch.zeros(0, dtype=torch.int64)),
-                    access_sample=_group_keys(samples, f"dim{dim}", []),
-                    most_rows=_most_rows(
-                        table for table in self._tables.values() if table["embedding_dim"] == dim
-                    ),
+                    else _group_keys(replicated, group_name, torch.zeros(0, dtype=torch.int64)),
+                    access_sample=_group_keys(samples, group_name, []),
+                    most_rows=_most_rows(group_tables),
                 )
         except BaseException:
             _release(groups.values())  # a group that cannot open leaves none open
@@ -428,9 +434,9 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
     if not tables:
         raise ValueError("a collection needs at least one table")
     checked: dict[str, dict] = {}
-    per_dim: dict[int, int] = {}
+    per_group: dict[str, int] = {}
     for config in tables:
-        name, num_embeddings, dim, features, pooling = table_settings(config)
+        name, num_embeddings, dim, features, pooling, data_type = table_settings(config)
         if num_embeddings is not None and num_embeddings > 1 << ID_BITS:
             raise ValueError(
                 f"table {name!r}: num_embeddings={num_embeddings} is past the collection's key space: "
@@ -439,18 +445,21 @@ def _check_tables(tables: list[Any]) -> dict[str, dict]:
             )
         if name in checked:
             raise ValueError(f"table name {name!r} is used twice; every table needs its own name")
-        number = per_dim.get(dim, 0)
-        if number >= MAX_TABLES_PER_GROUP:
-            raise ValueError(f"more than {MAX_TABLES_PER_GROUP} tables of dim {dim}")
-        per_dim[dim] = number + 1
-        checked[name] = {
+        settings = {
             "name": name,
             "num_embeddings": num_embeddings,
             "embedding_dim": dim,
             "feature_names": list(features),
             "pooling": pooling,
-            "number": number,
         }
+        if data_type is not None:  # recorded only where set: older collections' layouts still match
+            settings["data_type"] = data_type
+        group = _group_name(settings)
+        number = per_group.get(group, 0)
+        if number >= MAX_TABLES_PER_GROUP:
+            raise ValueError(f"more than {MAX_TABLES_PER_GROUP} tables in group {group}")
+        per_group[group] = number + 1
+        checked[name] = {**settings, "number": number}
     return checked
 
 
@@ -460,7 +469,7 @@ def _check_layout(root: Path, tables: dict[str, dict], sharded: bool = False) ->
     the same time."""
     layout_file = root / LAYOUT_FILE
     if not layout_file.exists():
-        ours = re.compile(r"dim\d+|" + re.escape(LAYOUT_FILE) + r"(\.\d+\.tmp)?")
+        ours = re.compile(r"dim\d+(-\w+)?|" + re.escape(LAYOUT_FILE) + r"(\.\d+\.tmp)?")
         if root.exists() and any(not (sharded and ours.fullmatch(entry.name)) for entry in root.iterdir()):
             raise ValueError(f"{root} is not empty and holds no {LAYOUT_FILE}: not a tierstore collection")
         return
@@ -568,7 +577,9 @@ def _shared_features(tables: dict[str, dict]) -> dict[str, list[str]]:
 
 
 def _group_name(table: dict) -> str:
-    return f"dim{table['embedding_dim']}"
+    """The group (one store) holding a table's rows: its dim, and its ``data_type`` where set."""
+    data_type = table.get("data_type")
+    return f"dim{table['embedding_dim']}" + ("" if data_type is None else f"-{data_type}")
 
 
 def _share(budget: Any, parts: int) -> Any:

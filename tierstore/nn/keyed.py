@@ -42,6 +42,9 @@ class EmbeddingBagConfig:
     need_pos: bool = False
 
 
+# TorchRec's DataType names -> a table's row dtype (None: the collection's dtype=, float32 by default).
+DATA_TYPES = {"FP32": None, "FP16": "float16", "BF16": "bfloat16"}
+
 # A TorchRec config field -> (its default, why a tiered table keeps it), checked on every config.
 # TorchRec's own configs fill weight_init_min/max and init_fn with its default initialisation:
 # those are accepted (``_torchrecs_default_init``), and the rows start as every tiered row does.
@@ -56,9 +59,11 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], str]:
-    """``(name, num_embeddings, embedding_dim, feature_names, pooling)`` of an ``EmbeddingBagConfig``
-    or TorchRec's, checked; errors name the table and the field."""
+def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], str, str | None]:
+    """``(name, num_embeddings, embedding_dim, feature_names, pooling, data_type)`` of an
+    ``EmbeddingBagConfig`` or TorchRec's, checked; errors name the table and the field.
+    ``data_type``: "float16" or "bfloat16" (``DataType.FP16``/``BF16``), None for FP32 (the
+    collection's ``dtype=``)."""
     name = getattr(config, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"every table needs a non-empty str name, got {name!r}")
@@ -86,12 +91,13 @@ def table_settings(config: Any) -> tuple[str, int | None, int, tuple[str, ...], 
                 f"table {name!r}: {field}={value!r} is not supported ({reason}); leave it {default!r}"
             )
     data_type = getattr(config, "data_type", "FP32")
-    if str(getattr(data_type, "name", data_type)).upper() != "FP32":
+    label = str(getattr(data_type, "name", data_type)).upper()
+    if label not in DATA_TYPES:
         raise ValueError(
-            f"table {name!r}: data_type={data_type!r} is not supported: a collection's rows take its "
-            "dtype= (float32 by default); leave data_type FP32"
+            f"table {name!r}: data_type={data_type!r} is not supported: rows are trained, so they are "
+            f"floats: use one of {', '.join(DATA_TYPES)} (FP32: the collection's dtype=)"
         )
-    return name, num_embeddings, dim, features, pooling
+    return name, num_embeddings, dim, features, pooling, DATA_TYPES[label]
 
 
 def _torchrecs_default_init(config: Any) -> bool:
