@@ -24,6 +24,7 @@ from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
 from .bench import REFERENCE_POLICIES, cache_rows, format_table, horizon_lookups, plot_curve, run_bench
 from .cost_model import measure_bandwidths, recommend
+from .deltas import apply_delta, export_delta
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
 from .lmdb_probe import READING_COMMANDS, lmdb_damage
 from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
@@ -200,7 +201,33 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--table", metavar="NAME", help="STORE is a collection: write the rows of its table NAME"
     )
+    command.add_argument(
+        "--since",
+        metavar="CHECKPOINT",
+        type=Path,
+        help="a delta: only the rows changed or added since CHECKPOINT (a table.checkpoint() "
+        "directory), with the ids removed since (DST's tensor removed_ids, or --removed)",
+    )
+    command.add_argument(
+        "--removed", type=Path, help="for a .npy delta: where to write the removed ids (.npy)"
+    )
     command.set_defaults(run=_export)
+
+    command = commands.add_parser(
+        "apply-delta",
+        parents=[quiet],
+        help="bring a replica store one delta on",
+        description="Write the rows of DELTA (an 'export --since' file) into STORE and remove its "
+        "removed ids: applied in order to a store imported from an older export, deltas give it "
+        "exactly the newer rows. Without removals the rows are loaded in place; with them the "
+        "store's rows are replaced in one step (a crash leaves the old rows or the new).",
+    )
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.add_argument("delta", metavar="DELTA", type=Path)
+    command.add_argument("--ids", type=Path, help="for a .npy delta: its ids (.npy)")
+    command.add_argument("--removed", type=Path, help="for a .npy delta: its removed ids (.npy)")
+    command.add_argument("--table", metavar="NAME", help="STORE is a collection: apply to its table NAME")
+    command.set_defaults(run=_apply_delta)
 
     command = commands.add_parser(
         "inspect",
@@ -395,6 +422,27 @@ def _export(args) -> int:
     _check_store(args.store)
     if args.table is None:
         _refuse_whole_collection(args.store, "export the rows of one table")
+    if args.since is not None:
+        if args.dtype is not None:
+            raise CommandError(
+                "a delta keeps the store's dtype (its rows are compared bit for bit): leave out --dtype"
+            )
+        count, removed = export_delta(
+            args.store,
+            args.since,
+            args.destination,
+            ids_path=args.ids,
+            removed_path=args.removed,
+            with_state=args.with_state,
+            chunk_rows=args.chunk_rows,
+            progress=_progress(args),
+            table_name=args.table,
+        )
+        print(
+            f"exported {count:,} rows changed since {args.since} and {removed:,} removed ids "
+            f"to {args.destination}"
+        )
+        return 0
     count = export_table(
         args.store,
         args.destination,
@@ -632,6 +680,17 @@ def _check_writable(path: Path) -> None:
             path.unlink()
     except OSError as error:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _apply_delta(args) -> int:
+    _check_store(args.store)
+    if args.table is None:
+        _refuse_whole_collection(args.store, "apply a delta to one table")
+    count, removed = apply_delta(
+        args.store, args.delta, ids_path=args.ids, removed_path=args.removed, table_name=args.table
+    )
+    print(f"applied {count:,} rows and {removed:,} removed ids to {args.store}")
+    return 0
 
 
 def _refuse_whole_collection(path: Path, action: str) -> None:

@@ -210,8 +210,11 @@ class TableWriter:
         dtype: torch.dtype,
         sparse: bool,
         ids_path: Path | None = None,
+        removed: np.ndarray | None = None,
+        removed_path: Path | None = None,
     ) -> None:
         self.path, self.sparse, self.ids_path = Path(path), sparse, ids_path
+        self.removed, self.removed_path = removed, removed_path  # a delta's removed ids
         if self.path.suffix not in SUFFIXES:
             raise TableFileError(
                 f"{path}: unknown format {self.path.suffix!r}; use one of {', '.join(SUFFIXES)}"
@@ -220,6 +223,8 @@ class TableWriter:
             raise TableFileError(
                 "the store's ids are not 0..N-1: give --ids FILE.npy to write them beside the rows"
             )
+        if self.path.suffix == ".npy" and removed is not None and removed_path is None:
+            raise TableFileError("a delta's removed ids go beside its rows: give --removed FILE.npy")
         if dtype == torch.bfloat16 and self.path.suffix == ".npy":
             raise TableFileError("numpy has no bfloat16: export a bfloat16 store to .pt or .safetensors")
         self.dtype = dtype
@@ -252,12 +257,16 @@ class TableWriter:
         if self._ids is not None:
             self._ids.flush()
         if self.path.suffix == ".npy":
+            if self.removed is not None:
+                np.save(self.removed_path, self.removed.astype(np.int64))
             return
         tensors = {"weight": torch.from_numpy(np.load(self._rows_file, mmap_mode="r+"))}
         if self.dtype == torch.bfloat16:
             tensors["weight"] = tensors["weight"].view(torch.bfloat16)
         if self._ids is not None:
             tensors["ids"] = torch.from_numpy(np.load(self._ids_file, mmap_mode="r+"))
+        if self.removed is not None:
+            tensors["removed_ids"] = torch.from_numpy(self.removed.astype(np.int64))
         if self.path.suffix == ".safetensors":
             write_safetensors(self.path, tensors)
         else:
@@ -265,6 +274,23 @@ class TableWriter:
         self._rows_file.unlink()
         if self._ids is not None and self.ids_path is None:
             self._ids_file.unlink()
+
+
+def read_removed_ids(path: Path, removed_path: Path | None) -> np.ndarray:
+    """The ids a delta at ``path`` removes (int64): its tensor ``removed_ids``, or the ``.npy`` at
+    ``removed_path`` (a ``.npy`` delta); none where a file holds none."""
+    if removed_path is not None:
+        removed = _load_npy(Path(removed_path))
+    elif path.suffix == ".npy":
+        raise TableFileError(
+            f"{path}: a .npy delta's removed ids are in their own file: give --removed FILE.npy"
+        )
+    else:
+        tensors = _load_checkpoint(path) if path.suffix in CHECKPOINT_SUFFIXES else _load_safetensors(path)
+        removed = tensors.get("removed_ids", torch.empty(0, dtype=torch.int64)).numpy()
+    if removed.ndim != 1 or removed.dtype != np.int64:
+        raise TableFileError(f"{removed_path or path}: removed ids must be a 1-D int64 array")
+    return np.asarray(removed)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], chunk_bytes: int = 64 << 20) -> None:
@@ -284,6 +310,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], chunk_bytes:
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(encoded)) + encoded)
         for tensor in tensors.values():
+            if not tensor.numel():  # no data (and a view of it may have any strides)
+                continue
             raw = tensor.reshape(-1).view(torch.uint8)
             for start in range(0, raw.numel(), chunk_bytes):
                 file.write(raw[start : start + chunk_bytes].numpy().tobytes())
