@@ -19,7 +19,7 @@ def train(table, seed, ids_below, steps=3):
         table(torch.randint(0, ids_below, (16, 3), generator=generator)).pow(2).sum().backward()
 
 
-def exported(path, suffix, extra=()):
+def exported(path, suffix):
     """``{id: row}`` of an export file (ids beside a .npy)."""
     ids_path = path.with_name(path.stem + ".ids.npy") if suffix == ".npy" else None
     source = open_table(path, ids_path=ids_path)
