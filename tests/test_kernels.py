@@ -1,9 +1,11 @@
 """The kernels without a GPU: NVRTC compiles them for sm_80 and sm_90 (warnings fail), and
 their host build (host_shim.h, one thread) is checked against the torch reference."""
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -343,9 +345,10 @@ def test_cuda_backend_without_a_gpu_says_so(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_a_built_wheel_carries_the_kernel_sources_inside_the_package(tmp_path):
-    """The sources live in tierstore/kernels and ship as package data: an installed wheel (not the
-    source tree) finds them."""
+def test_a_wheel_installed_in_a_fresh_environment_compiles_its_kernels_from_the_installed_sources(tmp_path):
+    """The sources live in the top-level cuda/ and ship in the wheel as ``tierstore.kernel_sources``:
+    a wheel installed in a new virtual environment (not the source tree) finds them, and g++ (and
+    NVRTC, where installed) compiles the kernels from its own copy."""
     root = Path(__file__).parent.parent
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"), str(root)],
@@ -353,28 +356,48 @@ def test_a_built_wheel_carries_the_kernel_sources_inside_the_package(tmp_path):
         capture_output=True,
     )
     (wheel,) = (tmp_path / "wheel").glob("tierstore-*.whl")
+    sources = ["embedding_cache.cu", "host_ageing.cpp", "host_cache.cpp", "host_horizon.cpp", "host_shim.h"]
+    sources += ["host_step.cpp", "replay.cpp"]
     with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(tmp_path / "installed")
-    check = (
-        "from tierstore.kernels import source_dir; import tierstore; "
-        "print(source_dir(), tierstore.__file__, sorted(p.name for p in source_dir().glob('*.[ch]*')))"
-    )
-    shown = subprocess.run(
-        [sys.executable, "-c", check],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+        names = archive.namelist()
+    assert all(f"tierstore/kernel_sources/{name}" in names for name in sources)
+    modules = sorted(str(path.relative_to(root)) for path in (root / "tierstore").rglob("*.py"))
+    assert [name for name in modules if name not in names] == []  # pyproject.toml lists every package
+    environment = tmp_path / "venv"  # torch and the rest from this interpreter's site-packages
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(environment)], check=True)
+    python = environment / "bin" / "python"
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         check=True,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")},
-    ).stdout
-    assert str(tmp_path / "installed" / "tierstore") in shown
-    sources = [
-        "embedding_cache.cu",
-        "host_ageing.cpp",
-        "host_cache.cpp",
-        "host_horizon.cpp",
-        "host_shim.h",
-        "host_step.cpp",
-        "replay.cpp",
-    ]
-    assert str(sources) in shown
+        capture_output=True,
+    )
+    check = textwrap.dedent(
+        """
+        import json, tierstore
+        from tierstore.kernels import host, source_dir
+        from tierstore.kernels.cuda import compile_cubin
+        shown = {"package": tierstore.__file__, "sources": str(source_dir())}
+        shown["host"] = str(host.build(parallel=False))
+        try:
+            shown["cubin"] = len(compile_cubin())
+        except Exception as error:
+            shown["cubin"] = repr(error)
+        print(json.dumps(shown))
+        """
+    )
+    shown = json.loads(
+        subprocess.run(
+            [python, "-c", check],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "TIERSTORE_KERNEL_CACHE": str(tmp_path / "kernels")},
+        ).stdout
+    )
+    assert shown["package"].startswith(str(environment)) and shown["sources"].startswith(str(environment))
+    assert shown["sources"].endswith("tierstore/kernel_sources")
+    assert (
+        Path(shown["host"]).is_file() and Path(shown["host"]).parent == tmp_path / "kernels"
+    )  # built just now
+    assert isinstance(shown["cubin"], int) and shown["cubin"] > 0, shown["cubin"]  # NVRTC: the dev extra

@@ -8,6 +8,7 @@ output), and are written atomically (a rename), so concurrent processes never re
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +22,14 @@ AGEING_SOURCE = "host_ageing.cpp"  # LFU's shadow caches (included by STEP_SOURC
 
 
 def source_dir() -> Path:
-    """The directory holding the kernel sources (inside the package)."""
-    return Path(__file__).parent
+    """The directory holding the kernel sources: in an installed wheel, the package
+    ``tierstore.kernel_sources`` (the repository's top-level ``cuda/``, copied in at build time);
+    in a source checkout (an editable install), ``cuda/`` itself. (``cuda/`` has no ``__init__.py``:
+    run from the repository's root, one would hide cuda-python's own ``cuda`` package.)"""
+    spec = importlib.util.find_spec("tierstore.kernel_sources")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[2] / "cuda"
 
 
 def cache_dir() -> Path:
