@@ -73,7 +73,7 @@ from tierstore import (
     optim,
     prefetch,
 )
-from tierstore.cli.traces import load_trace
+from tierstore.analysis.traces import load_trace
 from tierstore.kernels.step_passes import Residency, StepPasses
 from tierstore.lookahead import default_background
 from tierstore.nn.collection import table_keys

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tierstore import TieredEmbeddingBag, optim
-from tierstore.cli.traces import load_trace
+from tierstore.analysis.traces import load_trace
 from tierstore.nn.replication import (
     GroupBandwidths,
     busiest_rank_bytes,

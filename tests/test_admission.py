@@ -9,9 +9,9 @@ import torch
 from helpers import puts_and_gets_against_a_dict
 
 from tierstore import TieredStore, admission_filter
+from tierstore.analysis.hit_rates import run_store
+from tierstore.analysis.traces import load_trace
 from tierstore.cli import main
-from tierstore.cli.bench import run_store
-from tierstore.cli.traces import load_trace
 from tierstore.tiers import RowCache, Rows
 from tierstore.tiers.admission import WINDOW_SHARE, FrequencySketch
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstore import TieredStore
-from tierstore.cli.bench import run_store
-from tierstore.cli.traces import load_trace
+from tierstore.analysis.hit_rates import run_store
+from tierstore.analysis.traces import load_trace
 from tierstore.kernels.host import host_step_library
 from tierstore.tiers.ageing import (
     MEMORY,

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierstore.analysis.reference_policies import belady_hits, next_uses, policy_hit_counts, policy_hits
+from tierstore.analysis.traces import load_trace, split_columns
 from tierstore.cli import main
-from tierstore.cli.reference_policies import belady_hits, next_uses, policy_hit_counts, policy_hits
-from tierstore.cli.traces import load_trace, split_columns
 from tierstore.kernels.replay import replay_library
 
 

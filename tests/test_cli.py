@@ -323,9 +323,11 @@ def test_ids_past_int64_are_named_not_a_traceback(tmp_path, dense, capsys):
     ],
 )
 def test_bench_options_are_checked_before_the_run(tmp_path, monkeypatch, capsys, arguments, message):
-    import tierstore.cli.bench as bench
+    import tierstore.analysis.hit_rates as hit_rates
 
-    monkeypatch.setattr(bench, "run_store", lambda *args: pytest.fail("the replay ran despite a bad option"))
+    monkeypatch.setattr(
+        hit_rates, "run_store", lambda *args: pytest.fail("the replay ran despite a bad option")
+    )
     assert run("bench", *arguments) == 2
     error = capsys.readouterr().err
     assert message in error and "Traceback" not in error

@@ -14,8 +14,8 @@ from test_prefetch import ROWS, bag_batches, preloaded_table, train, train_colle
 
 import tierstore
 from tierstore import TieredStore, optim
+from tierstore.analysis.reference_policies import belady_hits
 from tierstore.budget import horizon_accesses
-from tierstore.cli.reference_policies import belady_hits
 from tierstore.kernels.host import openmp_runtime
 
 

@@ -3,6 +3,7 @@ their host build (host_shim.h, one thread) is checked against the torch referenc
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -349,7 +350,11 @@ def test_a_wheel_installed_in_a_fresh_environment_compiles_its_kernels_from_the_
     """The sources live in the top-level cuda/ and ship in the wheel as ``tierstore.kernel_sources``:
     a wheel installed in a new virtual environment (not the source tree) finds them, and g++ (and
     NVRTC, where installed) compiles the kernels from its own copy."""
-    root = Path(__file__).parent.parent
+    root = tmp_path / "source"  # a copy: the build leaves build/ and *.egg-info behind
+    skipped = shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*cache", ".hypothesis"
+    )
+    shutil.copytree(Path(__file__).parent.parent, root, ignore=skipped)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"), str(root)],
         check=True,

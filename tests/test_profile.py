@@ -6,13 +6,19 @@ import json
 import numpy as np
 import pytest
 
+from tierstore.analysis.cost_model import Bandwidths, hit_rate_at, movement_seconds, plan
+from tierstore.analysis.hit_rates import run_store
+from tierstore.analysis.profile import (
+    MIN_SAMPLED_IDS,
+    MIN_SCALED_ROWS,
+    coverage_rows,
+    exact_counts,
+    profile_trace,
+)
+from tierstore.analysis.reference_policies import belady_hits
+from tierstore.analysis.sampling import ranked_ids, spatial_sample
+from tierstore.analysis.traces import load_trace
 from tierstore.cli import main
-from tierstore.cli.bench import run_store
-from tierstore.cli.cost_model import Bandwidths, hit_rate_at, movement_seconds, recommend
-from tierstore.cli.profile import MIN_SAMPLED_IDS, MIN_SCALED_ROWS, coverage_rows, exact_counts, profile_trace
-from tierstore.cli.reference_policies import belady_hits
-from tierstore.cli.sampling import ranked_ids, spatial_sample
-from tierstore.cli.traces import load_trace
 from tierstore.hashing import HASH_SPACE, id_hash
 
 
@@ -106,21 +112,21 @@ def test_the_recommendation_is_the_smallest_budget_near_the_best():
     bandwidths = Bandwidths(cold_read=1e6, cold_write=1e6, dram_gather=1e8, host_to_device=None)
     rows = [100, 1000, 10000, 100000]
     flat_after_1000 = [0.5, 0.95, 0.951, 0.952]  # more than 1000 rows buys almost nothing
-    advice = recommend(rows, flat_after_1000, 100, 16, bandwidths, host_memory=2**30, device_memory=0)
+    advice = plan(rows, flat_after_1000, 100, 16, bandwidths, host_memory=2**30, device_memory=0)
     assert advice["host_cache_rows"] == 1000 and advice["device_cache_rows"] == 0
     assert advice["predicted_movement_ms_per_step"] <= 1.05 * advice["best_movement_ms_per_step"]
     rising = [0.1, 0.3, 0.6, 0.99]
-    assert recommend(rows, rising, 100, 16, bandwidths, 2**30, 0)["host_cache_rows"] == 100000
-    small = recommend(rows, rising, 100, 16, bandwidths, host_memory=200_000, device_memory=0)
+    assert plan(rows, rising, 100, 16, bandwidths, 2**30, 0)["host_cache_rows"] == 100000
+    small = plan(rows, rising, 100, 16, bandwidths, host_memory=200_000, device_memory=0)
     assert small["host_cache_rows"] == 1000  # the most that fits in the memory given
     with pytest.raises(ValueError, match="--host-memory"):
-        recommend(rows, rising, 100, 16, bandwidths, host_memory=1000, device_memory=0)
+        plan(rows, rising, 100, 16, bandwidths, host_memory=1000, device_memory=0)
     with_gpu = Bandwidths(cold_read=1e6, cold_write=1e6, dram_gather=1e8, host_to_device=1e7)
-    split = recommend(rows, rising, 100, 16, with_gpu, host_memory=2**30, device_memory=2**30)
+    split = plan(rows, rising, 100, 16, with_gpu, host_memory=2**30, device_memory=2**30)
     assert split["device_cache_rows"] == 100000  # every device miss is a copy: it takes what it can
     assert split["host_cache_rows"] == 100  # the device tier holds the rest: the host needs a batch
     assert split["device_memory_bytes"] == 2**30
-    assert recommend(rows, rising, 100, 16, with_gpu, 2**30, 0)["device_cache_rows"] == 0
+    assert plan(rows, rising, 100, 16, with_gpu, 2**30, 0)["device_cache_rows"] == 0
 
 
 def test_profile_writes_the_figures_bench_can_be_compared_with(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """A well-mixed hash of int64 keys, shared by what splits keys by hash: the profiler's spatial
-sample (``cli.sampling``) and the ranks' ownership of rows (``nn.sharding``)."""
+sample (``analysis.sampling``) and the ranks' ownership of rows (``nn.sharding``)."""
 
 from __future__ import annotations
 

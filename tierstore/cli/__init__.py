@@ -1,6 +1,7 @@
 """The ``tierstore`` command line (``commands``) and what its commands run: table files and
-streaming import/export (``table_files``, ``transfer``), ``inspect``/``verify`` (``inspection``),
-and ``bench`` (``bench``, ``traces``, ``reference_policies``: LRU, FIFO and Belady's MIN)."""
+streaming import/export (``table_files``, ``transfer``), delta exports (``deltas``),
+``inspect``/``verify`` (``inspection``), and the text and plots of ``bench`` and ``profile``
+(``bench``, ``profile``, ``plotting``) over the analysis in ``tierstore.analysis``."""
 
 from .commands import main
 

@@ -15,6 +15,10 @@ import numpy as np
 import psutil
 import torch
 
+from ..analysis.cost_model import measure_bandwidths, plan
+from ..analysis.hit_rates import REFERENCE_POLICIES, cache_rows, hit_rate_curve, horizon_lookups
+from ..analysis.profile import hot_ids_by_column, profile_trace
+from ..analysis.traces import TraceError, load_trace, split_columns
 from ..budget import horizon_accesses, parse_bytes
 from ..errors import StoreFormatError, StoreMismatchError
 from ..lookahead import MAX_LOOKAHEAD
@@ -22,14 +26,12 @@ from ..metadata import DTYPES
 from ..nn.collection import LAYOUT_FILE, read_layout
 from ..tiers.admission import MAX_COUNT
 from ..warm_start import hot_ids
-from .bench import REFERENCE_POLICIES, cache_rows, format_table, horizon_lookups, plot_curve, run_bench
-from .cost_model import measure_bandwidths, recommend
+from .bench import format_table, plot_curve
 from .deltas import apply_delta, export_delta
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
 from .lmdb_probe import READING_COMMANDS, lmdb_damage
-from .profile import format_profile, hot_ids_by_column, plot_profile, profile_trace
+from .profile import format_profile, plot_profile
 from .table_files import SUFFIXES, TableFileError, open_table
-from .traces import TraceError, load_trace, split_columns
 from .transfer import (
     OPTIMIZER_CHOICES,
     export_table,
@@ -551,7 +553,7 @@ def _bench(args) -> int:
                 ) from None
     reports = []
     for number, table in enumerate(tables):
-        report = run_bench(
+        report = hit_rate_curve(
             table,
             sizes,
             policies,
@@ -605,7 +607,7 @@ def _profile(args) -> int:
     )
     bandwidths = measure_bandwidths(row_width, args.backend)
     curve = report["curve"]
-    report["recommendation"] = recommend(
+    report["recommendation"] = plan(
         curve["rows"],
         curve["lfu"],
         args.batch_size,

@@ -22,8 +22,8 @@ import torch
 
 from ..checkpoint import TableCheckpoint
 from ..nn.collection import ID_BITS, ID_MASK, group_path, table_keys
+from ..progress import bar as progress_bar
 from ..store import TieredStore
-from .progress import bar as progress_bar
 from .table_files import TableFileError, TableWriter, open_table, read_removed_ids
 from .transfer import CHUNK_ROWS, _rows_of, _table_of
 

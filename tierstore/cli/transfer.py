@@ -22,9 +22,9 @@ from .. import optim
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata, dtype_name, fsync_directory, new_state_dtype, write_metadata
 from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout, table_keys
+from ..progress import bar as progress_bar
 from ..store import TieredStore
 from ..tiers.cold import open_cold_store
-from .progress import bar as progress_bar
 from .table_files import TableFileError, TableSource, TableWriter
 
 CHUNK_ROWS = 1 << 16

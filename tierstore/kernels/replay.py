@@ -1,6 +1,6 @@
 """The reference policies' replay compiled for the CPU (``replay.cpp``, g++), called through ctypes:
 Belady's MIN, LRU and FIFO over a dense key trace, one access at a time, in native loops.
-``tierstore.cli.reference_policies`` uses it where it builds, and its Python loops elsewhere.
+``tierstore.analysis.reference_policies`` uses it where it builds, and its Python loops elsewhere.
 """
 
 from __future__ import annotations

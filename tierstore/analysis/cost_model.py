@@ -128,7 +128,7 @@ def movement_seconds(
     return seconds, moved
 
 
-def recommend(
+def plan(
     curve_rows: list[int],
     curve_rates: list[float],
     lookups: int,
