@@ -1,7 +1,6 @@
 """tierstore: a tiered embedding store (SSD/NVM -> DRAM -> GPU) for tables larger than memory."""
 
 from . import optim
-from .config import TierConfig
 from .errors import (
     CacheCapacityError,
     ReadOnlyStoreError,
@@ -22,6 +21,7 @@ from .nn import (
 )
 from .store import TieredStore
 from .tiers.admission import admission_filter
+from .tiers.config import TierConfig
 
 __all__ = [
     "admission_filter",

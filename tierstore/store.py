@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from .config import TierConfig
 from .directories import exchange
 from .errors import ReadOnlyStoreError, StoreClosedError
 from .metadata import create_store, dtype_name, resolve_metadata
 from .optim import SparseOptimizer
 from .snapshot import StoreSnapshot
 from .tiers.build import build_caches, check_backends, open_cold, open_tiers
+from .tiers.config import TierConfig
 from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
 from .warm_start import hot_ids, warm_caches
 

@@ -1,4 +1,5 @@
-"""The ``tierstore`` command line: import, export, inspect, verify, bench and profile.
+"""The ``tierstore`` command line: its parser (import, export, apply-delta, inspect, verify, bench,
+profile) and ``main``, which runs a command (``store_commands``, ``trace_commands``).
 
 Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input (a one-line error, no
 traceback); 130 interrupted.
@@ -7,45 +8,21 @@ traceback); 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
-import psutil
-import torch
-
-from ..analysis.cost_model import measure_bandwidths, plan
-from ..analysis.hit_rates import REFERENCE_POLICIES, cache_rows, hit_rate_curve, horizon_lookups
-from ..analysis.profile import hot_ids_by_column, profile_trace
-from ..analysis.traces import TraceError, load_trace, split_columns
-from ..budget import horizon_accesses, parse_bytes
+from ..analysis.traces import TraceError
 from ..errors import StoreFormatError, StoreMismatchError
-from ..lookahead import MAX_LOOKAHEAD
 from ..metadata import DTYPES
-from ..nn.collection import LAYOUT_FILE, read_layout
-from ..tiers.admission import MAX_COUNT
-from ..warm_start import hot_ids
-from .bench import format_table, plot_curve
-from .deltas import apply_delta, export_delta
-from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
+from .arguments import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, CommandError, dtype_choice, positive_int
 from .lmdb_probe import READING_COMMANDS, lmdb_damage
-from .profile import format_profile, plot_profile
-from .table_files import SUFFIXES, TableFileError, open_table
+from .store_commands import run_apply_delta, run_export, run_import, run_inspect, run_verify
+from .table_files import SUFFIXES, TableFileError
+from .trace_commands import run_bench, run_profile
 from .transfer import (
     OPTIMIZER_CHOICES,
-    export_table,
-    import_into_table,
-    import_table,
     optimizer_choice,
-    state_width,
 )
-
-EXIT_PROBLEMS, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-
-
-class CommandError(Exception):
-    """Bad input found by a command: printed as one line, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,24 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     ) as error:
         print(f"tierstore {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number above 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def dtype_choice(text: str) -> torch.dtype:
-    """An argparse type: a store's dtype by name ("float16", as ``metadata.DTYPES`` names them)."""
-    if text not in DTYPES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[text]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         help="STORE is a collection (TieredEmbeddingBagCollection's path): load SRC's rows into its "
         "table NAME (rows it holds are replaced, their optimizer state kept)",
     )
-    command.set_defaults(run=_import)
+    command.set_defaults(run=run_import)
 
     command = commands.add_parser(
         "export",
@@ -213,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--removed", type=Path, help="for a .npy delta: where to write the removed ids (.npy)"
     )
-    command.set_defaults(run=_export)
+    command.set_defaults(run=run_export)
 
     command = commands.add_parser(
         "apply-delta",
@@ -229,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--ids", type=Path, help="for a .npy delta: its ids (.npy)")
     command.add_argument("--removed", type=Path, help="for a .npy delta: its removed ids (.npy)")
     command.add_argument("--table", metavar="NAME", help="STORE is a collection: apply to its table NAME")
-    command.set_defaults(run=_apply_delta)
+    command.set_defaults(run=run_apply_delta)
 
     command = commands.add_parser(
         "inspect",
@@ -240,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument("store", metavar="STORE", type=Path)
     command.add_argument("--json", action="store_true", help="print JSON (for scripts)")
-    command.set_defaults(run=_inspect)
+    command.set_defaults(run=run_inspect)
 
     command = commands.add_parser(
         "verify",
@@ -250,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
         "decodes to finite values. Exit 0 if sound, 1 if not.",
     )
     command.add_argument("store", metavar="STORE", type=Path)
-    command.set_defaults(run=_verify)
+    command.set_defaults(run=run_verify)
 
     command = commands.add_parser(
         "bench",
@@ -327,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("tierstore-bench"),
         help="prefix of the outputs: OUT.json and OUT.png",
     )
-    command.set_defaults(run=_bench)
+    command.set_defaults(run=run_bench)
 
     command = commands.add_parser(
         "profile",
@@ -388,323 +347,8 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("tierstore-profile"),
         help="prefix of the outputs: OUT.json, OUT.npy, OUT-tables.npz and OUT.png",
     )
-    command.set_defaults(run=_profile)
+    command.set_defaults(run=run_profile)
     return parser
-
-
-def _import(args) -> int:
-    if args.table is None:
-        _refuse_whole_collection(args.store, "load SRC's rows into one of them")
-    source = open_table(args.source, key=args.key, ids_path=args.ids)
-    if args.table is not None:
-        _check_store(args.store)
-        if args.dtype is not None:
-            raise TableFileError("--dtype: a collection's table keeps the collection's dtype; leave it out")
-        table = import_into_table(source, args.store, args.table, args.chunk_rows, _progress(args))
-        print(f"loaded {len(source):,} rows into table {table['name']!r} of {args.store}")
-        return 0
-    metadata = import_table(
-        source,
-        args.store,
-        backend=args.backend,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        chunk_rows=args.chunk_rows,
-        progress=_progress(args),
-        dtype=args.dtype,
-    )
-    print(
-        f"imported {len(source):,} rows of dim {metadata.dim} ({metadata.dtype}) into {args.store} "
-        f"({metadata.backend})"
-    )
-    return 0
-
-
-def _export(args) -> int:
-    _check_store(args.store)
-    if args.table is None:
-        _refuse_whole_collection(args.store, "export the rows of one table")
-    if args.since is not None:
-        if args.dtype is not None:
-            raise CommandError(
-                "a delta keeps the store's dtype (its rows are compared bit for bit): leave out --dtype"
-            )
-        count, removed = export_delta(
-            args.store,
-            args.since,
-            args.destination,
-            ids_path=args.ids,
-            removed_path=args.removed,
-            with_state=args.with_state,
-            chunk_rows=args.chunk_rows,
-            progress=_progress(args),
-            table_name=args.table,
-        )
-        print(
-            f"exported {count:,} rows changed since {args.since} and {removed:,} removed ids "
-            f"to {args.destination}"
-        )
-        return 0
-    count = export_table(
-        args.store,
-        args.destination,
-        ids_path=args.ids,
-        with_state=args.with_state,
-        chunk_rows=args.chunk_rows,
-        progress=_progress(args),
-        table_name=args.table,
-        dtype=args.dtype,
-    )
-    print(f"exported {count:,} rows to {args.destination}")
-    return 0
-
-
-def _inspect(args) -> int:
-    _check_store(args.store)
-    if (args.store / LAYOUT_FILE).exists():
-        return _inspect_collection(args)
-    facts = inspect_store(args.store)
-    if args.json:
-        print(json.dumps(facts, indent=2))
-        return 0
-    width = max(map(len, facts))
-    for name, value in facts.items():
-        shown = (
-            f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else value
-        )
-        print(f"{name.replace('_', ' '):<{width}}  {shown}")
-    return 0
-
-
-def _inspect_collection(args) -> int:
-    facts = inspect_collection(args.store)
-    if args.json:
-        print(json.dumps(facts, indent=2))
-        return 0
-    print(f"collection {args.store}: {len(facts['tables'])} tables in {len(facts['stores'])} store(s)")
-    columns = ["name", "rows", "embedding_dim", "pooling", "store", "features"]
-    widths = [
-        max(
-            len(column),
-            *(
-                len(f"{table[column]:,}" if column == "rows" else str(table[column]))
-                for table in facts["tables"]
-            ),
-        )
-        for column in columns
-    ]
-    print("  ".join(column.replace("_", " ").ljust(width) for column, width in zip(columns, widths)))
-    for table in facts["tables"]:
-        cells = [f"{table[c]:,}" if c == "rows" else str(table[c]) for c in columns]
-        print("  ".join(cell.ljust(width) for cell, width in zip(cells, widths)))
-    return 0
-
-
-def _verify(args) -> int:
-    _check_store(args.store)
-    verify = verify_collection if (args.store / LAYOUT_FILE).exists() else verify_store
-    problems = verify(args.store, progress=_progress(args))
-    for problem in problems:
-        print(f"problem: {problem}")
-    print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
-    return EXIT_PROBLEMS if problems else 0
-
-
-def _bench(args) -> int:
-    policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
-    unknown = set(policies) - set(REFERENCE_POLICIES)
-    if unknown:
-        raise CommandError(
-            f"unknown --policy {', '.join(sorted(unknown))}; choose from {', '.join(REFERENCE_POLICIES)}"
-        )
-    if not 0 <= args.lookahead <= MAX_LOOKAHEAD:
-        raise CommandError(
-            f"--lookahead must be in [0, {MAX_LOOKAHEAD}] batches (0: off), got {args.lookahead}"
-        )
-    if not 0 <= args.admission <= MAX_COUNT:
-        raise CommandError(f"--admission must be in [0, {MAX_COUNT}] lookups (0: off), got {args.admission}")
-    if args.horizon is not None:
-        try:
-            horizon_accesses(horizon_lookups(args.horizon), 1)
-        except ValueError:
-            raise CommandError(
-                f"--horizon must be a multiple of each cache size (10x) or a number of lookups "
-                f"(50000), got {args.horizon!r}"
-            ) from None
-    sizes = _sizes(args)
-    json_path = args.out.with_name(args.out.name + ".json")
-    _check_writable(json_path)  # before the run, not after it
-    warm = None if args.warm is None else hot_ids(args.warm)
-    trace = _trace(args)
-    tables = split_columns(trace) if args.separate else [trace]
-    for table in tables:  # every size fits every table before the first is run
-        for size in sizes:
-            try:
-                cache_rows(size, table.distinct_ids, args.dim * 4)
-            except ValueError as error:
-                raise CommandError(
-                    f"{table.name}: {error}"
-                    + (
-                        "; with --separate a share is of each column's own distinct ids"
-                        if args.separate
-                        else ""
-                    )
-                    + ": give larger --sizes or row counts"
-                ) from None
-    reports = []
-    for number, table in enumerate(tables):
-        report = hit_rate_curve(
-            table,
-            sizes,
-            policies,
-            args.batch_size,
-            args.dim,
-            args.backend,
-            _progress(args),
-            args.lookahead,
-            args.admission,
-            warm,
-            args.horizon,
-            args.ageing,
-        )
-        print(format_table(report, policies))
-        png = args.out.with_name(args.out.name + (f"-{number}" if args.separate else "") + ".png")
-        plotted = plot_curve(report, policies, png)
-        print(
-            f"curve: {png}"
-            if plotted
-            else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')"
-        )
-        reports.append(report)
-    json_path.write_text(json.dumps({"tables": reports} if args.separate else reports[0], indent=2))
-    print(f"figures: {json_path}")
-    return 0
-
-
-def _profile(args) -> int:
-    rate = _sample_rate(args.sample)
-    sizes = _sizes(args)
-    host_memory = _memory("--host-memory", args.host_memory, psutil.virtual_memory().total)
-    device_total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
-    device_memory = _memory("--device-memory", args.device_memory, device_total)
-    json_path, ids_path, tables_path, png_path = (
-        args.out.with_name(args.out.name + suffix) for suffix in (".json", ".npy", "-tables.npz", ".png")
-    )
-    for path in (json_path, ids_path):
-        _check_writable(path)  # before the run, not after it
-    row_width = args.dim + state_width(args.optimizer, args.dim)
-    trace = _trace(args)
-    report, ranked = profile_trace(
-        trace,
-        sizes,
-        rate,
-        args.max_ids,
-        args.batch_size,
-        args.dim,
-        args.backend,
-        args.hot_rows,
-        _progress(args),
-    )
-    bandwidths = measure_bandwidths(row_width, args.backend)
-    curve = report["curve"]
-    report["recommendation"] = plan(
-        curve["rows"],
-        curve["lfu"],
-        args.batch_size,
-        row_width,
-        bandwidths,
-        host_memory,
-        device_memory,
-    )
-    print(format_profile(report))
-    np.save(ids_path, ranked)
-    if len(trace.columns) > 1:
-        np.savez(tables_path, **hot_ids_by_column(trace, ranked))
-        print(f"hot ids per column: {tables_path}")
-    json_path.write_text(json.dumps(report, indent=2))
-    plotted = plot_profile(report, png_path)
-    print(f"hot ids: {ids_path}")
-    print(
-        f"curve: {png_path}"
-        if plotted
-        else "(no curve: matplotlib is not installed; pip install 'tierstore[plot]')"
-    )
-    print(f"figures: {json_path}")
-    return 0
-
-
-def _trace(args):
-    columns = [c.strip() for c in args.columns.split(",")] if args.columns else None
-    return load_trace(args.trace, columns=columns, criteo=args.criteo, delimiter=args.delimiter)
-
-
-def _sizes(args) -> list[str]:
-    """``--sizes``, each spelled as ``cache_rows`` reads it: checked before the trace is read (a
-    share is checked against the trace's distinct ids once they are known)."""
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes:
-        raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
-    for size in sizes:
-        cache_rows(size, 2**62, args.dim * 4)  # raises ValueError naming a size that does not parse
-    return sizes
-
-
-def _sample_rate(text: str) -> float:
-    """``--sample``: "5%" or "0.05" as a fraction in (0, 1]."""
-    try:
-        rate = float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
-    except ValueError:
-        rate = float("nan")
-    if not 0 < rate <= 1:
-        raise CommandError(f"--sample must be a share in (0, 100%], e.g. 5% or 0.05; got {text!r}")
-    return rate
-
-
-def _memory(option: str, text: str, total: int) -> int:
-    try:
-        return parse_bytes(text, total)
-    except ValueError as error:
-        raise CommandError(f"{option}: {error}") from None
-
-
-def _progress(args) -> bool | None:
-    return False if args.quiet else None
-
-
-def _check_writable(path: Path) -> None:
-    """Raise ``CommandError`` unless ``path`` can be written (its folder is made if missing)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as error:
-        raise CommandError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def _apply_delta(args) -> int:
-    _check_store(args.store)
-    if args.table is None:
-        _refuse_whole_collection(args.store, "apply a delta to one table")
-    count, removed = apply_delta(
-        args.store, args.delta, ids_path=args.ids, removed_path=args.removed, table_name=args.table
-    )
-    print(f"applied {count:,} rows and {removed:,} removed ids to {args.store}")
-    return 0
-
-
-def _refuse_whole_collection(path: Path, action: str) -> None:
-    """A ``CommandError`` naming the tables where ``path`` is a collection and ``--table`` is due."""
-    if (path / LAYOUT_FILE).exists():
-        names = [table["name"] for table in read_layout(path)]
-        raise CommandError(f"{path} is a collection of the tables {names}: pass --table NAME to {action}")
-
-
-def _check_store(path: Path) -> None:
-    if not path.exists():
-        raise CommandError(f"{path}: no such store directory")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,12 @@ from torch import nn
 
 from ..budget import parse_bytes
 from ..checkpoint import CheckpointWriting
-from ..config import TierConfig
 from ..errors import StoreFormatError
 from ..kernels.step_passes import distinct_ids
 from ..metadata import DTYPES, METADATA_FILE, write_json_atomic
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
+from ..tiers.config import TierConfig
 from ..validation import as_path
 from ..warm_start import hot_ids
 from .collection_table import CollectionTable

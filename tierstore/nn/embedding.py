@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..checkpoint import CheckpointWriting
-from ..config import TierConfig
 from ..errors import PaddingIdxError
 from ..kernels.step_passes import distinct_ids
 from ..optim import SGD, SparseOptimizer
 from ..store import TieredStore
+from ..tiers.config import TierConfig
 from ..validation import (
     as_ids,
     as_path,

@@ -10,11 +10,11 @@ import psutil
 import torch
 
 from ..budget import horizon_nbytes, rows_for_budget
-from ..config import TierConfig
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata
 from . import backends
 from .cold import open_cold_store
+from .config import TierConfig
 from .policies import LfuWithAgeing
 from .row_cache import RowCache
 from .stack import TierStack

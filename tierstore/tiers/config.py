@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .budget import Budget, check_budget, horizon_accesses
-from .tiers.backends import check_setting
-from .tiers.policies import EvictionPolicy
-from .validation import integral
+from ..budget import Budget, check_budget, horizon_accesses
+from ..validation import integral
+from .backends import check_setting
+from .policies import EvictionPolicy
 
 
 @dataclasses.dataclass(frozen=True)
