@@ -16,7 +16,6 @@ STILL_LONG = {
     "tierstore/store.py": 631,
     "tierstore/tiers/cold/lmdb_store.py": 718,
     "tierstore/kernels/step_passes.py": 745,
-    "tierstore/nn/embedding.py": 844,
     "tierstore/tiers/cold/mmap_store.py": 962,
 }
 

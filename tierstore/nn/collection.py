@@ -35,13 +35,14 @@ from ..tiers.config import TierConfig
 from ..validation import as_path
 from ..warm_start import hot_ids
 from .collection_table import CollectionTable
-from .embedding import TieredEmbeddingBag, opaque_to_tracers
+from .embedding import TieredEmbeddingBag
 from .flush_record import flush_mismatch, read_flush_record, write_flush_record
 from .fused_optimizer import FusedOptimizer, fused_optimizer_of, without_fused_optimizer
 from .jagged_batch import ID_BITS, JaggedBatch, checked_table_keys
 from .keyed import KeyedTensor, table_settings
 from .sharding import refuse_prefetch
 from .table_checkpoints import restore_checkpoint, write_checkpoint
+from .tracing import opaque_to_tracers
 
 ID_MASK = (1 << ID_BITS) - 1
 MAX_TABLES_PER_GROUP = 1 << 16
