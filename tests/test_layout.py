@@ -13,7 +13,6 @@ STILL_LONG = {
     "tierstore/nn/sharding.py": 458,
     "tierstore/lookahead.py": 485,
     "tierstore/nn/collection.py": 609,
-    "tierstore/store.py": 631,
     "tierstore/tiers/cold/lmdb_store.py": 718,
     "tierstore/kernels/step_passes.py": 745,
     "tierstore/tiers/cold/mmap_store.py": 962,

@@ -6,46 +6,32 @@ It validates every argument before anything changes, then hands the work to its 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
-import pickle
 import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .directories import exchange
 from .errors import ReadOnlyStoreError, StoreClosedError
+from .locking import serialized
 from .metadata import create_store, dtype_name, resolve_metadata
-from .optim import SparseOptimizer
 from .snapshot import StoreSnapshot
-from .tiers.build import build_caches, check_backends, open_cold, open_tiers
+from .store_copies import StoreCopies
+from .store_pins import StorePins
+from .store_training import StoreTraining
+from .tiers.build import build_caches, check_backends, open_tiers
 from .tiers.config import TierConfig
 from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
-from .warm_start import hot_ids, warm_caches
+from .warm_start import hot_ids
 
 _OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
 
 
-def _serialized(method):
-    """``method`` run holding the store's lock: a lookahead pipeline's worker moves rows between
-    the tiers while the training loop reads and updates them."""
-
-    @functools.wraps(method)
-    def locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return locked
-
-
-class TieredStore:
+class TieredStore(StoreTraining, StoreCopies, StorePins):
     """A table of rows ``[weights (dim) | optimizer state]`` keyed by any non-negative int64 id.
 
     Args:
@@ -160,7 +146,7 @@ class TieredStore:
 
     # -- public API --------------------------------------------------------------------------
 
-    @_serialized
+    @serialized
     def get(
         self, ids: Any, with_state: bool = False, out: torch.Tensor | None = None, grow: bool = True
     ) -> torch.Tensor:
@@ -204,7 +190,7 @@ class TieredStore:
             return self.stack.rows_without_growing(unique, counts, width, self.device)
         return self.stack.top.read(self.stack.make_resident(unique, counts), width).to(self.device)
 
-    @_serialized
+    @serialized
     def put(self, ids: Any, rows: Any, allow_nonfinite: bool = False) -> None:
         """Overwrite the weights (``rows [N, dim]``) or whole rows (``[N, row_width]``) of ``ids``.
 
@@ -234,7 +220,7 @@ class TieredStore:
             state=self.metadata.optimizer_state_width,
         )
 
-    @_serialized
+    @serialized
     def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
         """Write the weights (``rows [N, dim]``: optimizer state kept, zero for new ids) or whole rows
         (``[N, row_width]``) of any number of ``ids`` straight into the cold store, bypassing the
@@ -258,93 +244,13 @@ class TieredStore:
             self.stack.load(unique[part], rows[part] if last is None else rows[last[part]])
         self.stack.cold.flush()
 
-    @_serialized
-    def get_distinct(
-        self, ids: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [U, dim] on device, top-tier slots int64 [U])`` of sorted distinct ``ids``
-        (as ``torch.unique`` returns them); ``counts [U]``: how often the batch holds each id (LFU).
-
-        The training path: the ids join the table, and ``slots`` can be handed to ``apply_gradients``
-        with the gradients, which then skips finding the ids again.
-        """
-        self._check_open()
-        ids = as_ids(ids)
-        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError(
-                "get_distinct needs sorted distinct ids (as torch.unique returns); use get() for any ids"
-            )
-        counts = torch.ones_like(ids) if counts is None else counts
-        slots = self.stack.make_resident(ids, counts)
-        weights = self.stack.top.read(slots, self.dim).to(self.device)
-        return weights, slots
-
-    @_serialized
-    def read_resident(
-        self, ids: torch.Tensor, counts: torch.Tensor, read: Callable[[Any, torch.Tensor], Any]
-    ) -> Any:
-        """``read(top tier, slots)``, holding the store's lock, right after distinct ``ids`` (int64
-        [U], any order), each looked up ``counts [U]`` times, were made resident at ``slots``
-        (int64 [U]; fetched, admitted, new ids joining the table): the training lookup of a pass
-        that reads the rows where they lie (``nn.native_step``), while no other thread (a lookahead
-        pipeline's worker) can move them."""
-        self._check_open()
-        return read(self.stack.top, self.stack.make_resident(ids, counts))
-
-    @_serialized
-    def lookup_bags(self, ids: torch.Tensor, padding: int | None, bags: Any) -> tuple | None:
-        """A training lookup of bags (``nn.native_step``) in one native call where the tiers allow
-        (``TierStack.lookup_bags``), holding the store's lock: ``(the top tier's vacated count, Distinct
-        of ids, their slots, (pooled, entry bags, scales))``, the rows made resident as
-        ``read_resident`` makes them; None where the batch takes ``read_resident``'s path."""
-        self._check_open()
-        looked_up = self.stack.lookup_bags(ids, padding, bags)
-        return None if looked_up is None else (self.stack.top.vacated, *looked_up)
-
-    @_serialized
-    def update_top_tier(self, update: Callable[[Any], bool]) -> bool:
-        """``update(top tier)`` holding the store's lock, the store being writable: an in-place
-        change of rows ``read_resident`` placed (``nn.native_step``'s fused backward). Returns
-        what ``update`` returns (False: it changed nothing)."""
-        self._check_writable("update")
-        return update(self.stack.top)
-
-    @_serialized
-    def apply_gradients(
-        self,
-        ids: torch.Tensor,
-        grad: torch.Tensor,
-        optimizer: SparseOptimizer,
-        step: int,
-        slots: torch.Tensor | None = None,
-    ) -> None:
-        """Fused ``optimizer`` step (its ``step``-th) on the rows of distinct ``ids`` (int64 [U]) with
-        ``grad [U, dim]``: weights and optimizer state are updated in place in the top tier.
-
-        ``slots`` from ``get_distinct`` are reused while the tier still holds the ids there (no
-        lookup, no LFU count); if any moved since, the ids are found (and fetched) again.
-        """
-        self._check_writable("update")
-        ids = as_ids(ids)
-        top = self.stack.top
-        if slots is None:
-            slots = self.stack.make_resident(ids, torch.ones_like(ids))
-        elif not top.holds(slots, ids):
-            slots = self.stack.make_resident(ids, torch.zeros_like(ids))  # moved since: not a new access
-        top.apply_optimizer(optimizer, slots, grad, step)
-
-    def gradient_kernels(self, device: torch.device):
-        """The top tier's kernels where they run on ``device`` (for ``nn.pooled_lookup``), else None."""
-        top = self.stack.top
-        return top.kernels if top.device == device else None
-
-    @_serialized
+    @serialized
     def flush(self) -> None:
         """Make every update so far durable (atomically: a crash keeps the previous flush)."""
         self._check_writable("flush")
         self.stack.flush()
 
-    @_serialized
+    @serialized
     def refresh(self) -> None:
         """Move a read-only store to the newest completed flush. A read-only store sees one flush
         (a snapshot, whatever a writer does meanwhile) from its open until ``refresh``; a writable
@@ -361,7 +267,7 @@ class TieredStore:
             if self._remove_temporary is not None:
                 self._remove_temporary()
 
-    @_serialized
+    @serialized
     def close(self) -> None:
         """Flush (unless read-only) and release the store; a temporary store is deleted."""
         if self._closed:
@@ -387,129 +293,13 @@ class TieredStore:
         """Whether the store was made without ``path`` (and is deleted when closed or collected)."""
         return self._temporary
 
-    def copy(self) -> TieredStore:
-        """A new temporary store with this one's layout, settings and rows as of now (flushed
-        first), written straight to its cold tier; the two are independent afterwards."""
-        self._check_open()
-        if not self.read_only:
-            self.flush()
-        layout = self.metadata
-        twin = TieredStore(
-            None,
-            layout.dim,
-            layout.torch_dtype,
-            layout.backend,
-            device=self.device,
-            optimizer_state_width=layout.optimizer_state_width,
-            optimizer=layout.optimizer,
-            seed=layout.seed,
-            tiers=self.config,
-        )
-        twin.copy_rows_from(self)
-        return twin
-
-    def copy_rows_from(self, source: TieredStore) -> None:
-        """Load every row of ``source`` (same layout), newest values, as they are (``load``)."""
-        for ids, rows in source.iter_rows(batch_size=1 << 18, with_state=True):  # a commit per batch
-            self.load(ids, rows, allow_nonfinite=True)
-
-    @_serialized
-    def snapshot(self) -> StoreSnapshot:
-        """The table's rows as of now (a flush first), read later or from another thread while the
-        store goes on being trained; close it when read (see ``tierstore.snapshot``)."""
-        self._check_writable("take a snapshot")
-        self.flush()
-        snapshot = StoreSnapshot(self.metadata, self.stack.cold.snapshot())
-        self._snapshots.add(snapshot)
-        return snapshot
-
-    @_serialized
-    def replace_rows(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Make the table hold exactly the rows of ``batches`` (``(ids [n], whole rows [n,
-        row_width])``, each id once) and nothing else, updates since the last flush dropped: a
-        checkpoint restored. The rows are written to a new store beside this one, which then takes
-        its place in one step (``directories.exchange``): a crash at any moment leaves the old rows
-        or the new ones, whole. Cached rows are dropped; open snapshots are closed."""
-        self._check_writable("replace its rows")
-        pinned = sum(cache.pinned_count() for cache in self.stack.caches)
-        if pinned:
-            raise RuntimeError(
-                f"{pinned} rows are pinned for batches in flight (a lookahead pipeline): finish or close "
-                f"it before replacing the table's rows"
-            )
-        staging = self.path.with_name(f".{self.path.name}.replacing-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)  # left by a replacement this process did not finish
-        create_store(staging, self.metadata)
-        closed = False
-        try:
-            cold = open_cold(staging, self.metadata, self.config, read_only=False, new=True)
-            try:
-                for ids, rows in batches:
-                    ids = as_ids(ids)
-                    rows = self._checked_rows(ids, rows, allow_nonfinite=True)
-                    if cold.can_bulk_load():  # written once, straight to their place (mmap)
-                        cold.bulk_load(ids, rows)
-                    else:
-                        cold.put(ids, rows)
-                cold.flush()
-            finally:
-                cold.close()
-            for snapshot in list(self._snapshots):
-                snapshot.close()
-            self.stack.cold.close()
-            closed = True
-            exchange(staging, self.path)
-        except BaseException:
-            if closed:
-                self.stack.cold = open_cold(self.path, self.metadata, self.config, False, False)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        shutil.rmtree(staging, ignore_errors=True)  # the old rows
-        for cache in self.stack.caches:
-            cache.clear()
-        self.stack.cold = open_cold(self.path, self.metadata, self.config, read_only=False, new=False)
-
-    def __deepcopy__(self, memo: dict) -> TieredStore:
-        return self.copy()
-
-    def __getstate__(self) -> dict:
-        """Pickling records where the store is and how it is opened, not its rows (flushed first);
-        unpickling reopens it. A temporary store has no lasting place, so it is refused."""
-        if self._temporary:
-            raise pickle.PicklingError(
-                f"a temporary store ({self.path}) cannot be pickled by reference: it is deleted when "
-                "closed or collected. Give the table a path= to keep it, or copy.deepcopy it for a copy "
-                "in this process"
-            )
-        self._check_open()
-        if not self.read_only:
-            self.flush()
-        backend_names = {
-            name: getattr(value, "name", value)
-            for name, value in (
-                ("host_cache_backend", self.config.host_cache_backend),
-                ("device_cache_backend", self.config.device_cache_backend),
-            )
-        }
-        return {
-            "path": str(self.path.resolve()),
-            "device": str(self.device),
-            "read_only": self.read_only,
-            "tiers": dataclasses.replace(self.config, **backend_names),
-        }
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(
-            state["path"], device=state["device"], read_only=state["read_only"], tiers=state["tiers"]
-        )
-
     def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    @_serialized
+    @serialized
     def __len__(self) -> int:
         """Distinct ids in the table (every id ever read or written, unless read-only)."""
         self._check_open()
@@ -518,7 +308,7 @@ class TieredStore:
     def __contains__(self, id_: int) -> bool:
         return bool(self.contains(id_)[0])
 
-    @_serialized
+    @serialized
     def contains(self, ids: Any) -> torch.Tensor:
         """bool [N]: which ``ids`` the table holds (without adding them)."""
         self._check_open()
@@ -533,7 +323,7 @@ class TieredStore:
         self._check_open()
         return self.stack.iter_rows(batch_size, self.row_width if with_state else self.dim)
 
-    @_serialized
+    @serialized
     def stats(self) -> dict:
         """Counters per tier ("device", "host", "cold"): lookups served (hits), misses, rows and bytes
         moved, evictions; each cache tier's capacity, residency, memory and backend.
@@ -547,46 +337,6 @@ class TieredStore:
         if self.prefetch_stats is not None:
             report["prefetch"] = dict(vars(self.prefetch_stats))
         return report
-
-    def store_keys(self, ids: Any) -> list[tuple[TieredStore, torch.Tensor]]:
-        """``[(self, the distinct ids get(ids) looks up)]``, for a lookahead pipeline
-        (``tierstore.prefetch``)."""
-        return [(self, torch.unique(as_ids(ids)))]
-
-    def warm_keys(self, warm: Any) -> list[tuple[TieredStore, torch.Tensor]]:
-        """``[(self, the ranked ids of warm)]`` (a ``.npy`` path or ids), for ``prefetch(warm=)``."""
-        return [(self, hot_ids(warm))]
-
-    @_serialized
-    def preload(self, ids: torch.Tensor) -> int:
-        """Load the rows of ranked ``ids`` (int64, distinct) the table holds into the cache tiers'
-        free slots, top tier first, counting no lookup (a warm start); returns how many."""
-        self._check_open()
-        loaded = warm_caches(self.stack, as_ids(ids))
-        self.warmed_rows += loaded
-        return loaded
-
-    @_serialized
-    def pin_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Move the rows of distinct ``ids`` (int64) that the table holds into the top tier and pin
-        them there until ``unpin_rows``, counting no lookup: ``(their keys, their slots, rows moved
-        up)``. Ids the table does not hold are left out: a lookup adds them."""
-        self._check_open()
-        return self.stack.pin_held(as_ids(ids))
-
-    @_serialized
-    def with_top_tier(self, action: Callable[[Any], Any]) -> Any:
-        """``action(top tier)`` holding the store's lock: a lookahead horizon's pins
-        (``tierstore.horizon``); nothing when the store is closed."""
-        if not self._closed:
-            return action(self.stack.top)
-        return None
-
-    @_serialized
-    def unpin_rows(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
-        """Undo a ``pin_rows`` (its keys and slots); rows taken out of the tier since are skipped."""
-        if not self._closed:
-            self.stack.unpin(keys, slots)
 
     def structure_problems(self) -> list[str]:
         """What is malformed in the cold store's committed data, found without decoding rows."""
