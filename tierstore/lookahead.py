@@ -26,7 +26,6 @@ counted in ``store.stats()["prefetch"]``.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import queue
@@ -37,33 +36,13 @@ from typing import Any
 import torch
 
 from .budget import horizon_accesses
-from .horizon import Foresight
+from .horizon_reader import HorizonReader
 from .kernels.host import openmp_runtime
+from .prefetch_stats import PrefetchStats
 
 INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 PRELOAD_CHUNK = 1 << 16  # ranked ids the worker loads at a time (the store's lock is held meanwhile)
-
-
-@dataclasses.dataclass
-class PrefetchStats:
-    """A pipeline's counters for one store (``store.stats()["prefetch"]``)."""
-
-    lookahead: int  # batches it may read ahead
-    batches: int = 0  # batches read ahead
-    pinned_batches: int = 0  # batches whose rows it pinned
-    skipped_batches: int = 0  # batches larger than the window's room: looked up on demand
-    waits: int = 0  # batches that waited for room (the window shrank)
-    rows_moved_up: int = 0  # rows it moved into the top tier
-    horizon: int = 0  # row lookups its ids-only horizon spans (0: none)
-    horizon_pinned_rows: int = 0  # rows the horizon pins now (their next use is within it)
-    horizon_unpinned_far: int = 0  # pins the horizon dropped to make room (farthest next use first)
-    horizon_bytes: int = 0  # memory the horizon holds (ids, next uses, map, per-slot arrays)
-    warmed_rows: int = 0  # rows of the warm ranking it loaded into the caches
-    window_batches: int = 0  # batches whose rows are pinned now
-    # slots the window holds now: its batches' distinct ids, new ones included (they take a slot
-    # when their batch runs); a row in two batches counts twice
-    pinned_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -142,7 +121,7 @@ def prefetch(
     preloads = [] if warm is None else module.warm_keys(warm)  # a bad ranking raises here
     ahead = None
     if horizon is not None:
-        ahead = _Horizon(iterator, module, ids, horizon, horizon_ids, lookahead)
+        ahead = HorizonReader(iterator, module, ids, horizon, horizon_ids, lookahead)
         iterator = ahead
     if not (default_background() if background is None else background):
         return _inline(iterator, lookahead, preloads, ahead)
@@ -158,7 +137,7 @@ def default_background() -> bool:
 
 
 def _inline(
-    batches: Iterator, lookahead: int, preloads: list[tuple[Any, torch.Tensor]], ahead: _Horizon | None
+    batches: Iterator, lookahead: int, preloads: list[tuple[Any, torch.Tensor]], ahead: HorizonReader | None
 ) -> Iterator:
     """The pipeline without a worker: ``batches`` pass straight through (``ahead``, their horizon,
     told when each has run); a chunk of the warm ranking (``(store, ranked ids)``) is loaded after
@@ -180,117 +159,14 @@ def _inline(
             ahead.release()
 
 
-class _Horizon:
-    """The batches, read up to a horizon ahead of the loop (``prefetch(horizon=)``): an iterator
-    of them, in order, whose ids each store's ``Foresight`` has entered."""
-
+class _Pipeline:
     def __init__(
         self,
         batches: Iterator,
         module: Any,
-        ids: Callable | None,
-        horizon: int | str,
-        horizon_ids: Iterable | None,
         lookahead: int,
-    ) -> None:
-        self._batches = batches
-        self._module = module
-        self._ids = ids
-        self._horizon = horizon
-        self._lookahead = lookahead
-        self._source = None if horizon_ids is None else iter(horizon_ids)
-        self._held: collections.deque = collections.deque()  # batches read ahead (no horizon_ids)
-        self._entered: collections.deque = collections.deque()  # per batch entered: its Foresights
-        self.window_rows: Callable[[Any], int] = lambda store: 0  # rows a window may pin in a store
-        self._handed = 0  # batches handed on
-        self._consumed = 0  # batches run (consumed from every Foresight they entered)
-        self._ended = False  # the horizon's source is exhausted
-        self.sights: dict[int, Foresight] = {}  # id(store) -> its horizon
-
-    def __iter__(self) -> _Horizon:
-        return self
-
-    def __next__(self) -> Any:
-        if self._source is None:
-            self._fill()
-            if not self._held:
-                raise StopIteration
-            batch = self._held.popleft()
-        else:
-            batch = next(self._batches)
-            self._fill()
-            if len(self._entered) + self._consumed <= self._handed:
-                raise ValueError(
-                    f"prefetch: horizon_ids ended at batch {self._handed}, before the batches did; "
-                    "it must give the ids of every batch, in order"
-                )
-        self._handed += 1
-        return batch
-
-    def _fill(self) -> None:
-        """Read ahead until every store's horizon spans its lookups (one batch at least)."""
-        while not self._ended and (
-            len(self._entered) + self._consumed <= self._handed
-            or any(sight.wants_more() for sight in self.sights.values())
-        ):
-            if self._source is None:
-                try:
-                    batch = next(self._batches)
-                except StopIteration:
-                    self._ended = True
-                    return
-                self._held.append(batch)
-                looked_up = batch if self._ids is None else self._ids(batch)
-            else:
-                try:
-                    looked_up = next(self._source)
-                except StopIteration:
-                    self._ended = True
-                    return
-            self._enter(looked_up)
-
-    def _enter(self, looked_up: Any) -> None:
-        try:
-            wanted = self._module.store_keys(looked_up)
-        except (TypeError, ValueError, IndexError, KeyError):
-            wanted = []  # the step (or the window's pins) refuses this batch with its own message
-        sights = []
-        for store, keys in wanted:
-            sight = self.sights.get(id(store))
-            if sight is None:
-                sight = self.sights[id(store)] = Foresight(store, self._horizon)
-            sight.enter(keys, self.window_rows(store))
-            sights.append(sight)
-        self._entered.append(sights)
-
-    def ran(self) -> None:
-        """The oldest batch handed on has run."""
-        for sight in self._entered.popleft():
-            sight.consume(self.window_rows(sight.store))
-            stats = sight.store.prefetch_stats
-            if stats is None or stats.horizon != sight.accesses:
-                stats = sight.store.prefetch_stats = stats or PrefetchStats(self._lookahead)
-                stats.horizon = sight.accesses
-            stats.horizon_pinned_rows = sight.protected
-            stats.horizon_unpinned_far = sight.unpinned_far
-            stats.horizon_bytes = sight.nbytes
-        self._consumed += 1
-
-    def make_room(self, store: Any, rows: int) -> None:
-        """Leave ``rows`` of ``store``'s top tier to the pinned window."""
-        sight = self.sights.get(id(store))
-        if sight is not None:
-            sight.make_room(rows)
-
-    def release(self) -> None:
-        """Unpin the horizon's rows in every store (the pipeline stops)."""
-        for sight in self.sights.values():
-            sight.release()
-
-
-class _Pipeline:
-    def __init__(
-        self, batches: Iterator, module: Any, lookahead: int, ids: Callable | None, ahead: _Horizon | None
+        ids: Callable | None,
+        ahead: HorizonReader | None,
     ) -> None:
         self._batches = batches
         self._ahead = ahead
