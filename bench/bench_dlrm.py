@@ -76,7 +76,7 @@ from tierstore import (
 from tierstore.analysis.traces import load_trace
 from tierstore.kernels.step_passes import Residency, StepPasses
 from tierstore.lookahead import default_background
-from tierstore.nn.collection import table_keys
+from tierstore.nn.collection_layout import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch
 from tierstore.tiers.stack import TierStack
 from tierstore.workloads import ZipfIds

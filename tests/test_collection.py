@@ -12,7 +12,7 @@ from tierstore import (
     initial_weights,
     optim,
 )
-from tierstore.nn.collection import ID_BITS
+from tierstore.nn.collection_layout import ID_BITS
 
 TABLES = [  # two dims (two fused groups); "shared" serves two features
     EmbeddingBagConfig(50, 8, name="user", feature_names=["user_id"], pooling="sum"),

@@ -11,7 +11,6 @@ MAX_LINES = 400
 STILL_LONG = {
     "tierstore/tiers/row_cache.py": 452,
     "tierstore/nn/sharding.py": 458,
-    "tierstore/nn/collection.py": 609,
     "tierstore/tiers/cold/lmdb_store.py": 718,
     "tierstore/kernels/step_passes.py": 745,
     "tierstore/tiers/cold/mmap_store.py": 962,

@@ -15,7 +15,7 @@ from tierstore import (
     TieredStore,
 )
 from tierstore.cli import main
-from tierstore.nn.collection import ID_BITS
+from tierstore.nn.collection_layout import ID_BITS
 from tierstore.warm_start import hot_ids
 
 

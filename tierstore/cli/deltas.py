@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import TableCheckpoint
-from ..nn.collection import ID_BITS, ID_MASK, group_path, table_keys
+from ..nn.collection_layout import ID_BITS, ID_MASK, group_path, table_keys
 from ..progress import bar as progress_bar
 from ..store import TieredStore
 from .table_files import TableFileError, TableWriter, open_table, read_removed_ids

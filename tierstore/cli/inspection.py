@@ -12,7 +12,7 @@ import torch
 from .. import optim
 from ..errors import StoreFormatError
 from ..metadata import METADATA_FILE, StoreMetadata, finite_rows, read_metadata
-from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout
+from ..nn.collection_layout import ID_BITS, ID_MASK, group_path, read_layout
 from ..nn.flush_record import flush_mismatch, read_flush_record
 from ..nn.jagged_batch import id_bound
 from ..progress import bar as progress_bar

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..nn.collection import LAYOUT_FILE, read_layout
+from ..nn.collection_layout import LAYOUT_FILE, read_layout
 from .arguments import EXIT_PROBLEMS, CommandError, progress_of
 from .deltas import apply_delta, export_delta
 from .inspection import inspect_collection, inspect_store, verify_collection, verify_store

@@ -21,7 +21,7 @@ import torch
 from .. import optim
 from ..kernels import host_kernels
 from ..metadata import StoreMetadata, dtype_name, fsync_directory, new_state_dtype, write_metadata
-from ..nn.collection import ID_BITS, ID_MASK, group_path, read_layout, table_keys
+from ..nn.collection_layout import ID_BITS, ID_MASK, group_path, read_layout, table_keys
 from ..progress import bar as progress_bar
 from ..store import TieredStore
 from ..tiers.cold import open_cold_store
