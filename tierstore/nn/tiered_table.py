@@ -25,7 +25,8 @@ from ..validation import (
 )
 from . import native_step, pooled_lookup
 from .fused_optimizer import FusedOptimizer, fused_optimizer_of
-from .sharding import RowSharding, refuse_prefetch, replicated_keys
+from .shard_placement import replicated_keys
+from .sharding import RowSharding, refuse_prefetch
 from .table_state import TableState
 
 _MISSING = ("init", "zero", "error")
