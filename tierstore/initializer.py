@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .kernels.step_passes import InitialRows, host_passes
+from .kernels.native_types import InitialRows
+from .kernels.step_passes import host_passes
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9

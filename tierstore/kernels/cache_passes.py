@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .step_passes import typed
+from .native_types import typed
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {

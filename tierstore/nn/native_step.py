@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.step_passes import Bags, StepPasses
+from ..kernels.native_types import Bags
+from ..kernels.step_passes import StepPasses
 from .pooled_lookup import rows_in_place
 
 

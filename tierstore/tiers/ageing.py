@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from ..kernels.step_passes import typed
+from ..kernels.native_types import typed
 from ..validation import cpu_int64
 
 RUNGS = (1.0, 4.0, 16.0, 64.0, math.inf)  # candidate half-lives, in multiples of the capacity

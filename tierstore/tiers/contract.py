@@ -153,14 +153,14 @@ class CacheTier(Protocol):
 
     def native_arrays(self):
         """The tier's arrays as the host build's native admission takes them
-        (``kernels.step_passes.HostTierArrays``), None where the tier has no such admission."""
+        (``kernels.native_types.HostTierArrays``), None where the tier has no such admission."""
 
     def native_choice(self, room: int):
-        """``(a kernels.step_passes.TierChoice, the tensors behind it)``: how the tier's free slots and
+        """``(a kernels.native_types.TierChoice, the tensors behind it)``: how the tier's free slots and
         its policy's victims are taken by a native call making up to ``room`` rows resident."""
 
     def settle_native(self, done, held) -> None:
-        """After that native call (``done``: its ``kernels.step_passes.Residency``; ``held``:
+        """After that native call (``done``: its ``kernels.native_types.Residency``; ``held``:
         ``native_choice``'s tensors): its lookups and the policy's change recorded and, where the
         rows came in, the slots taken and the counters moved. Raises ``CacheCapacityError`` as
         ``admit`` does."""

@@ -7,7 +7,7 @@ import operator
 
 import torch
 
-from ..kernels.step_passes import HostTierArrays, Residency, TierChoice
+from ..kernels.native_types import HostTierArrays, Residency, TierChoice
 from .policies import LfuWithAgeing, too_few_evictable
 
 

@@ -136,7 +136,7 @@ class ColdStore(ABC):
         ``counts`` times) made resident in ``tier``, the top and only cache tier, as ``resolve``,
         ``admit`` and this store's ``get`` and ``put`` would (the same slots, rows, scores and
         counters): the misses' rows read (or initialised as ``initial``, a
-        ``kernels.step_passes.InitialRows``: then dirty and fresh) straight into the slots of the
+        ``kernels.native_types.InitialRows``: then dirty and fresh) straight into the slots of the
         policy's victims outside the hits and ``protected`` (int64 slots, or None), the dirty
         victims staged here. Returns the keys' slots (int64 [N]). Too few evictable slots, a damaged
         row or a failed write raise, the rows staying where they were."""
@@ -146,7 +146,7 @@ class ColdStore(ABC):
         """A training lookup in one native call (where ``admits_into(tier)``): the distinct ``ids``
         (int64 CPU, validated; entries equal to ``padding`` left out) made resident as
         ``make_resident_in`` makes them, the tier's shadow caches replaying them, and ``bags`` (a
-        ``kernels.step_passes.Bags``) pooled from the rows where they lie. Returns ``(Distinct of
+        ``kernels.native_types.Bags``) pooled from the rows where they lie. Returns ``(Distinct of
         ids, their slots int64 [U], (pooled, each entry's bag, its gradient scale))``; more distinct
         ids than the tier holds raise ``CacheCapacityError`` before any change."""
         raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")

@@ -61,7 +61,8 @@ import torch
 
 from ...errors import StoreFormatError
 from ...kernels.cache_passes import cache_passes_of
-from ...kernels.step_passes import ColdFiles, Residency, host_passes
+from ...kernels.native_types import ColdFiles, Residency
+from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ...validation import cpu_int64
 from ..contract import too_many_distinct
