@@ -13,7 +13,7 @@ import torch
 from helpers import cgroup_problem, peak_in_cgroup
 
 from tierstore import TieredStore
-from tierstore.tiers.cold import mmap_store
+from tierstore.tiers.cold import mmap_files, mmap_store
 from tierstore.tiers.cold.disk_index import INDEX_FILE
 
 DIM = 4
@@ -185,8 +185,8 @@ def test_reads_ask_for_their_pages_while_plain_reads_fault_and_recheck_now_and_t
         def __init__(self, value):
             self.ru_majflt = value
 
-    advice = mmap_store.ReadAdvice()
-    monkeypatch.setattr(mmap_store.resource, "getrusage", lambda who: Usage(next(faults)))
+    advice = mmap_files.ReadAdvice()
+    monkeypatch.setattr(mmap_files.resource, "getrusage", lambda who: Usage(next(faults)))
     assert not advice.advise(1000)
     advice.done(1000, False)  # 500 faults for 1,000 rows: the rows are on disk
     assert advice.advising
