@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierstore import StoreFormatError, TieredStore
-from tierstore.tiers.cold import lmdb_store
+from tierstore.tiers.cold import lmdb_opening
 
 CLI = [sys.executable, "-m", "tierstore"]
 
@@ -167,7 +167,7 @@ def test_scribbled_lmdb_pages_that_killed_a_reader_are_a_format_error(tmp_path, 
 
 def test_an_lmdb_store_as_its_writer_left_it_is_not_walked_again(tmp_path, monkeypatch):
     walked = []
-    monkeypatch.setattr(lmdb_store, "verify_pages", lambda path: walked.append(path) or [])
+    monkeypatch.setattr(lmdb_opening, "verify_pages", lambda path: walked.append(path) or [])
     make_store(tmp_path / "s", "lmdb")
     walked.clear()  # the new store's empty file was walked
     TieredStore(tmp_path / "s", read_only=True, host_cache=16).close()

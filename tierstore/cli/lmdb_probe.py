@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import StoreFormatError
 from ..metadata import METADATA_FILE, read_metadata
-from ..tiers.cold.lmdb_store import DIRECTORY, check_data_file
+from ..tiers.cold.lmdb_layout import DIRECTORY, check_data_file
 
 READING_COMMANDS = ("verify", "inspect", "export")
 
