@@ -43,14 +43,18 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-checkpoint-"))
     rng = np.random.default_rng(0)
     host_bytes = int(args.rows * args.host_share) * (2 * args.dim * 4 + 64)
-    table = TieredEmbeddingBag(
-        None,
-        args.dim,
-        path=root / "table",
-        backend=args.backend,
-        optimizer=Adagrad(lr=0.05),
-        host_cache=host_bytes,
-    )
+
+    def new_table(name: str) -> TieredEmbeddingBag:
+        return TieredEmbeddingBag(
+            None,
+            args.dim,
+            path=root / name,
+            backend=args.backend,
+            optimizer=Adagrad(lr=0.05),
+            host_cache=host_bytes,
+        )
+
+    table = new_table("table")
     print(f"loading {args.rows:,} rows ...", flush=True)
     for start in range(0, args.rows, 1 << 20):
         ids = torch.arange(start, min(start + (1 << 20), args.rows))
@@ -93,14 +97,7 @@ def main() -> None:
     began = time.perf_counter()
     dcp.save({"table": table}, checkpoint_id=root / "dcp")
     dcp_save_seconds = time.perf_counter() - began
-    other = TieredEmbeddingBag(
-        None,
-        args.dim,
-        path=root / "other",
-        backend=args.backend,
-        optimizer=Adagrad(lr=0.05),
-        host_cache=host_bytes,
-    )
+    other = new_table("other")
     began = time.perf_counter()
     dcp.load({"table": other}, checkpoint_id=root / "dcp")
     dcp_load_seconds = time.perf_counter() - began
