@@ -406,3 +406,16 @@ def test_a_wheel_installed_in_a_fresh_environment_compiles_its_kernels_from_the_
         Path(shown["host"]).is_file() and Path(shown["host"]).parent == tmp_path / "kernels"
     )  # built just now
     assert isinstance(shown["cubin"], int) and shown["cubin"] > 0, shown["cubin"]  # NVRTC: the dev extra
+
+
+def test_a_checkout_compiles_its_kernels_from_the_top_level_cuda_folder():
+    """An editable install (or the source tree on the path) reads the kernels from ``cuda/`` itself,
+    so an edited kernel is what the next build compiles."""
+    import tierstore
+    from tierstore.kernels import source_dir
+
+    root = Path(__file__).resolve().parent.parent
+    if not Path(tierstore.__file__).resolve().is_relative_to(root):
+        pytest.skip("tierstore is imported from an installed wheel here, not from this checkout")
+    assert source_dir().resolve() == root / "cuda"
+    assert (source_dir() / kernels.SOURCE).is_file()
