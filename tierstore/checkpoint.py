@@ -35,6 +35,19 @@ INFO_FILE, IDS_FILE, ROWS_FILE = "checkpoint.json", "ids.npy", "rows.npy"
 COPY_ROWS = 1 << 16  # rows copied from the snapshot at once
 
 
+def numpy_bits(rows: torch.Tensor) -> np.ndarray:
+    """``rows`` as a numpy array of their bits: bfloat16, which numpy lacks, as int16."""
+    return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy()
+
+
+def check_new_path(path: Path) -> None:
+    """Raise ``FileExistsError`` where ``path`` exists: a checkpoint is never overwritten."""
+    if path.exists():
+        raise FileExistsError(
+            f"checkpoint path {path} exists; give a new path (a checkpoint is never overwritten)"
+        )
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """How rows of ``dtype`` are kept in ``rows.npy`` (bfloat16, which numpy lacks, as uint16 bits)."""
     return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
@@ -55,12 +68,12 @@ class CheckpointWriting:
 
     def __init__(self, path: str | os.PathLike, parts: list[TablePart], background: bool = True) -> None:
         self.path = Path(path)
-        if self.path.exists():
+        try:
+            check_new_path(self.path)
+        except FileExistsError:
             for part in parts:
                 part.snapshot.close()
-            raise FileExistsError(
-                f"checkpoint path {self.path} exists; give a new path (a checkpoint is never overwritten)"
-            )
+            raise
         self._parts = parts
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._write, name="tierstore-checkpoint", daemon=True)
@@ -115,7 +128,7 @@ def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
         if stop > count:
             raise StoreFormatError(f"the snapshot yielded more than its {count} rows")
         ids[written:stop] = keys.numpy()
-        rows[written:stop] = _as_numpy(values)
+        rows[written:stop] = numpy_bits(values)
         written = stop
     if written != count:
         raise StoreFormatError(f"the snapshot yielded {written} of its {count} rows")
@@ -137,10 +150,6 @@ def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
         finally:
             os.close(descriptor)
     fsync_directory(directory)
-
-
-def _as_numpy(rows: torch.Tensor) -> np.ndarray:
-    return (rows.view(torch.int16) if rows.dtype == torch.bfloat16 else rows).numpy()
 
 
 class TableCheckpoint:
@@ -177,6 +186,16 @@ class TableCheckpoint:
 
     def __len__(self) -> int:
         return self._ids.shape[0]
+
+    @property
+    def ids(self) -> np.ndarray:
+        """int64 ``[rows]``, memory-mapped."""
+        return self._ids
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``[rows, row_width]`` whole rows (``numpy_dtype`` of the store's), memory-mapped."""
+        return self._rows
 
     def iter_rows(self, batch_size: int = COPY_ROWS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """``(ids [n], whole rows [n, row_width])`` of every row, ``batch_size`` at a time."""

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import TableCheckpoint
+from ..checkpoint import TableCheckpoint, numpy_bits
 from ..nn.collection_layout import ID_BITS, ID_MASK, group_path, table_keys
 from ..progress import bar as progress_bar
 from ..store import TieredStore
 from .table_files import TableFileError, TableWriter, open_table, read_removed_ids
-from .transfer import CHUNK_ROWS, _rows_of, _table_of
+from .transfer import CHUNK_ROWS, store_rows, table_of
 
 
 class _Baseline:
@@ -33,14 +33,14 @@ class _Baseline:
     which of its ids the store no longer holds."""
 
     def __init__(self, checkpoint: TableCheckpoint, table: dict | None, width: int) -> None:
-        ids = np.asarray(checkpoint._ids)
+        ids = np.asarray(checkpoint.ids)
         self._positions = np.arange(ids.size)
         if table is not None:  # a collection's group: this table's keys only, as the table's ids
             mine = (ids >> ID_BITS) == table["number"]
             ids, self._positions = ids[mine] & ID_MASK, self._positions[mine]
         order = np.argsort(ids, kind="stable")
         self._sorted, self._positions = ids[order], self._positions[order]
-        self._rows, self._width = checkpoint._rows, width
+        self._rows, self._width = checkpoint.rows, width
         self._seen = np.zeros(self._sorted.size, dtype=bool)
 
     def changed(self, ids: torch.Tensor, rows: torch.Tensor, mark: bool) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _Baseline:
         changed = ~found
         if found.any():
             saved = np.ascontiguousarray(self._rows[self._positions[place[found]], : self._width])
-            now = _bits(rows[torch.from_numpy(found)])
+            now = numpy_bits(rows[torch.from_numpy(found)].contiguous())
             changed[found] = (saved.view(np.uint8) != now.view(np.uint8)).any(axis=1)
             if mark:
                 self._seen[place[found]] = True
@@ -61,10 +61,6 @@ class _Baseline:
     def removed(self) -> np.ndarray:
         """The checkpoint's ids no ``changed(..., mark=True)`` pass met, ascending."""
         return self._sorted[~self._seen]
-
-
-def _bits(rows: torch.Tensor) -> np.ndarray:
-    return rows.contiguous().view(torch.int16 if rows.dtype == torch.bfloat16 else rows.dtype).numpy()
 
 
 def export_delta(
@@ -81,7 +77,7 @@ def export_delta(
     """Write the rows of the store at ``store_path`` (or of its collection's table ``table_name``)
     that differ from the checkpoint at ``checkpoint_path`` or are new since, and the ids removed
     since, to ``destination``; returns ``(rows written, ids removed)``."""
-    table = None if table_name is None else _table_of(store_path, table_name)
+    table = None if table_name is None else table_of(store_path, table_name)
     part = Path(checkpoint_path)
     if table is not None:
         store_path = group_path(store_path, table)
@@ -93,7 +89,7 @@ def export_delta(
         baseline = _Baseline(checkpoint, table, width)
 
         def rows_of() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            return _rows_of(store, chunk_rows, with_state, table)
+            return store_rows(store, chunk_rows, with_state, table)
 
         count = sum(int(baseline.changed(ids, rows, mark=True).sum()) for ids, rows in rows_of())
         removed = baseline.removed()
@@ -135,7 +131,7 @@ def apply_delta(
     if source.ids is None:
         raise TableFileError(f"{delta_path}: a delta holds the ids of its rows; this file has none")
     removed = torch.from_numpy(read_removed_ids(Path(delta_path), removed_path))
-    table = None if table_name is None else _table_of(store_path, table_name)
+    table = None if table_name is None else table_of(store_path, table_name)
     if table is not None:
         store_path = group_path(store_path, table)
     with TieredStore(store_path, host_cache=1) as store:

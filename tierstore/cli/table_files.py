@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint import numpy_bits
+
 CHECKPOINT_SUFFIXES = (".pt", ".pth")
 SUFFIXES = (".npy", ".safetensors") + CHECKPOINT_SUFFIXES
 _SAFETENSORS_DTYPES = {
@@ -228,9 +230,7 @@ class TableWriter:
         if dtype == torch.bfloat16 and self.path.suffix == ".npy":
             raise TableFileError("numpy has no bfloat16: export a bfloat16 store to .pt or .safetensors")
         self.dtype = dtype
-        numpy_dtype = (
-            torch.empty(0, dtype=dtype).view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().dtype
-        )
+        numpy_dtype = numpy_bits(torch.empty(0, dtype=dtype)).dtype
         self._rows_file = (
             self.path if self.path.suffix == ".npy" else self.path.with_name(self.path.name + ".rows.tmp.npy")
         )
@@ -246,9 +246,7 @@ class TableWriter:
 
     def write(self, position: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         stop = position + rows.shape[0]
-        self._rows[position:stop] = (
-            rows.view(torch.int16) if self.dtype == torch.bfloat16 else rows
-        ).numpy()  # bits
+        self._rows[position:stop] = numpy_bits(rows)
         if self._ids is not None:
             self._ids[position:stop] = ids.numpy()
 

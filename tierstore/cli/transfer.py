@@ -132,7 +132,7 @@ def import_into_table(
 ) -> dict:
     """Load ``source``'s rows into table ``table_name`` of the collection at ``root`` (rows of ids it
     holds are replaced, their optimizer state kept); durable on return. Returns the table's layout."""
-    table = _table_of(root, table_name)
+    table = table_of(root, table_name)
     with TieredStore(group_path(root, table), host_cache=1) as store:
         if source.rows.shape[1] != store.dim:
             raise TableFileError(
@@ -159,7 +159,7 @@ def _import_bar(source: TableSource, progress: bool | None):
     )
 
 
-def _table_of(root: Path, table_name: str) -> dict:
+def table_of(root: Path, table_name: str) -> dict:
     tables = {table["name"]: table for table in read_layout(root)}
     if table_name not in tables:
         raise TableFileError(f"{root} has no table {table_name!r}; its tables are {sorted(tables)}")
@@ -183,11 +183,11 @@ def export_table(
     whole rows ``[weights | optimizer state]``. ``dtype``: the file's (None: the store's), every row
     checked to fit it before anything is written; whole rows are written in the store's dtype only
     (their state is laid out for it: ``metadata.row_width``)."""
-    table = None if table_name is None else _table_of(store_path, table_name)
+    table = None if table_name is None else table_of(store_path, table_name)
     if table is not None:
         store_path = group_path(store_path, table)
     with TieredStore(store_path, read_only=True, host_cache=1) as store:
-        rows_of = lambda: _rows_of(store, chunk_rows, with_state, table)  # noqa: E731 (one pass each)
+        rows_of = lambda: store_rows(store, chunk_rows, with_state, table)  # noqa: E731 (one pass each)
         dtype = None if dtype == store.dtype else dtype
         if dtype is not None and with_state and store.row_width > store.dim:
             raise TableFileError(
@@ -226,7 +226,7 @@ def export_table(
     return count
 
 
-def _rows_of(store: TieredStore, chunk_rows: int, with_state: bool, table: dict | None):
+def store_rows(store: TieredStore, chunk_rows: int, with_state: bool, table: dict | None):
     """``(ids, rows)`` of every row of ``store``, or of ``table`` in it (its ids, key bits stripped)."""
     for keys, rows in store.iter_rows(chunk_rows, with_state=with_state):
         if table is None:

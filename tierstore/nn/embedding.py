@@ -23,12 +23,9 @@ from torch.nn import functional as F
 
 from ..optim import SparseOptimizer
 from ..tiers.config import TierConfig
-from ..validation import (
-    check_bag_input,
-    check_lookup_ids,
-)
+from ..validation import check_bag_input, check_lookup_ids
 from . import native_step, pooled_lookup
-from .tiered_table import _from_float_bits, _TieredTable
+from .tiered_table import _TieredTable, from_float_bits
 from .tracing import opaque_to_tracers
 
 
@@ -299,7 +296,7 @@ class TieredEmbedding(_TieredTable):
         input = self._checked(check_lookup_ids, input, self.num_embeddings, "input")
         weight, local = self._local_weight(input)
         if self.integers is not None:  # a frozen lookup of integers, stored as their bits
-            return _from_float_bits(F.embedding(local.rows, weight), self.integers)
+            return from_float_bits(F.embedding(local.rows, weight), self.integers)
         kernels = self._gradient_kernels(weight)
         return pooled_lookup.embedding(local, weight, kernels, self.scale_grad_by_freq).to(self.output_dtype)
 

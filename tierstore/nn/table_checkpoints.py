@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointWriting, TableCheckpoint, TablePart
+from ..checkpoint import CheckpointWriting, TableCheckpoint, TablePart, check_new_path
 
 
 def rank_path(path: str | os.PathLike, sharding: Any) -> Path:
@@ -22,10 +22,7 @@ def write_checkpoint(
     """Flush ``tables`` (``{part name or None: TieredEmbeddingBag/TieredEmbedding}``), take their
     snapshots and write them to ``path`` (on a thread of its own if ``background``)."""
     target = rank_path(path, sharding)
-    if target.exists():
-        raise FileExistsError(
-            f"checkpoint path {target} exists; give a new path (a checkpoint is never overwritten)"
-        )
+    check_new_path(target)  # before the flushes
     parts = []
     try:
         for name, table in tables.items():

@@ -73,7 +73,7 @@ class _TieredTable(TableState, nn.Module):
             )
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.padding_idx = _normalise_padding_idx(padding_idx, num_embeddings)
+        self.padding_idx = normalise_padding_idx(padding_idx, num_embeddings)
         self.missing = missing
         device = torch.device(device if device is not None else "cpu")
         self.sharding = None
@@ -300,7 +300,7 @@ class _TieredTable(TableState, nn.Module):
             )
         integers = None
         if not (embeddings.is_floating_point() or embeddings.is_complex()):
-            integers, embeddings = embeddings.dtype, _as_float_bits(embeddings.detach(), cls, freeze)
+            integers, embeddings = embeddings.dtype, as_float_bits(embeddings.detach(), cls, freeze)
         settings.setdefault("dtype", embeddings.dtype)
         rows = as_rows(  # checked before the table is created: bad weights leave nothing behind
             embeddings.detach(),
@@ -335,7 +335,7 @@ class _TieredTable(TableState, nn.Module):
         )
 
 
-def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) -> int | None:
+def normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) -> int | None:
     if padding_idx is None:
         return None
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
@@ -356,7 +356,7 @@ def _normalise_padding_idx(padding_idx: int | None, num_embeddings: int | None) 
 _BITS_OF = {2: torch.float16, 4: torch.float32, 8: torch.float64}  # integer width -> float of that width
 
 
-def _as_float_bits(embeddings: torch.Tensor, cls: type, freeze: bool) -> torch.Tensor:
+def as_float_bits(embeddings: torch.Tensor, cls: type, freeze: bool) -> torch.Tensor:
     """Integer ``embeddings`` (``TieredEmbedding.from_pretrained``: a frozen lookup of integers) as
     floats of the same width holding their bits (8-bit integers widened to 16 first)."""
     if not cls.looks_up_integers or not freeze:
@@ -372,7 +372,7 @@ def _as_float_bits(embeddings: torch.Tensor, cls: type, freeze: bool) -> torch.T
     return embeddings.contiguous().view(_BITS_OF[embeddings.element_size()])
 
 
-def _from_float_bits(rows: torch.Tensor, integers: torch.dtype) -> torch.Tensor:
-    """``rows`` read from a table of integers (``_as_float_bits``) as those integers."""
+def from_float_bits(rows: torch.Tensor, integers: torch.dtype) -> torch.Tensor:
+    """``rows`` read from a table of integers (``as_float_bits``) as those integers."""
     wide = torch.int16 if integers.itemsize == 1 else integers
     return rows.view(wide).to(integers)
