@@ -74,7 +74,8 @@ from tierstore import (
     prefetch,
 )
 from tierstore.analysis.traces import load_trace
-from tierstore.kernels.step_passes import Residency, StepPasses
+from tierstore.kernels.native_types import Residency
+from tierstore.kernels.step_passes import StepPasses
 from tierstore.lookahead import default_background
 from tierstore.nn.collection_layout import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch

@@ -3,7 +3,11 @@ subpackage, or a top-level module) either, so no arrow runs back up; and modules
 (``MAX_LINES``)."""
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).parent.parent / "tierstore"
 MAX_LINES = 400
@@ -82,3 +86,17 @@ def test_modules_hold_one_reading():
     }
     too_long = {name: lines for name, lines in lengths.items() if lines > MAX_LINES}
     assert not too_long, f"split these along their concepts (at most {MAX_LINES} lines a module): {too_long}"
+
+
+SCRIPTS = sorted((PACKAGE.parent / "bench").glob("*.py")) + sorted((PACKAGE.parent / "tools").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_every_benchmark_and_tool_imports_what_it_names(script, monkeypatch):
+    """The scripts import the package's modules by path: a module split or renamed must take them
+    along (they run only by hand, so nothing else would notice)."""
+    monkeypatch.syspath_prepend(str(script.parent))  # their siblings (bench_dlrm takes bench_train's)
+    spec = importlib.util.spec_from_file_location(f"_script_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)  # the scripts do their work under ``if __name__ == "__main__"``
