@@ -439,7 +439,8 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     spent.update({(call, phase): 0.0 for call in NATIVE_CALLS for phase, _ in NATIVE_PHASES})
     originals = []
     training = threading.current_thread()
-    for label, _, owner, attribute in STAGES:
+    for label, _, named, attribute in STAGES:
+        owner = next(cls for cls in named.__mro__ if attribute in cls.__dict__)  # a part may define it
         raw = owner.__dict__[attribute]
         function = raw.__func__ if isinstance(raw, staticmethod) else raw
 
