@@ -87,8 +87,9 @@ class StoreCopies:
                     rows = self._checked_rows(ids, rows, allow_nonfinite=True)
                     if cold.can_bulk_load():  # written once, straight to their place (mmap)
                         cold.bulk_load(ids, rows)
-                    else:
+                    else:  # a commit per batch: the staging log (and LMDB's index of it) stays small
                         cold.put(ids, rows)
+                        cold.flush()
                 cold.flush()
             finally:
                 cold.close()
