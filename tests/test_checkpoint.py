@@ -400,3 +400,34 @@ def test_an_lmdb_restore_commits_batch_by_batch_so_its_staging_stays_one_batch(t
     assert same_rows(before, all_rows(embedding.store))
     assert embedding.store.flushes >= -(-len(before) // 10)  # a commit per batch of 10 rows
     embedding.close()
+
+
+def test_a_checkpoint_holds_the_device_tiers_rows_and_a_restore_drops_them(tmp_path, device_tier):
+    """With a device tier of a few rows (rows move through all three tiers every step), a checkpoint
+    holds the rows as of its flush, those cached on the device included; a restore drops the device
+    tier's rows, and training on from it equals a run never interrupted, bit for bit."""
+
+    def tiered(path):
+        return TieredEmbeddingBag(
+            None, 8, path=path, optimizer=Adagrad(lr=0.1), host_cache=96, device_cache=64, **device_tier
+        )
+
+    def train_on(table, inputs):
+        for ids in inputs:
+            table(ids.to(device_tier["device"])).pow(2).sum().backward()
+
+    inputs = batches(7, ids_below=200)
+    interrupted = tiered(tmp_path / "store")
+    train_on(interrupted, inputs[:3])
+    interrupted.checkpoint(tmp_path / "checkpoint")
+    at_three = all_rows(interrupted.store)
+    train_on(interrupted, inputs[3:5])
+    interrupted.restore(tmp_path / "checkpoint")
+    assert interrupted.step == 3 and same_rows(at_three, all_rows(interrupted.store))
+    train_on(interrupted, inputs[3:])
+
+    uninterrupted = tiered(tmp_path / "uninterrupted")
+    train_on(uninterrupted, inputs)
+    assert same_rows(all_rows(uninterrupted.store), all_rows(interrupted.store))
+    for closing in (interrupted, uninterrupted):
+        closing.close()
