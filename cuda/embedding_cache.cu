@@ -182,48 +182,40 @@ extern "C" __global__ void cache_victim_scores(const float* __restrict__ scores,
     GRID_STRIDE_LOOP(s, slot_count) { out[s] = (slot_keys[s] < 0 || blocked_slots[s]) ? blocked : scores[s]; }
 }
 
+// Rows are float32, or 16-bit (float16, bfloat16) values moved as their bits (`u16`): the row
+// copies are templates over the element type.
+typedef unsigned short u16;
+typedef unsigned int u32;
+
 #ifdef TIERSTORE_OPENMP
 // CPU threads copy whole rows, with the row pointers hoisted so the copy vectorises.
-__device__ __forceinline__ void copy_row(float* __restrict__ target, const float* __restrict__ source,
+template <typename Value>
+__device__ __forceinline__ void copy_row(Value* __restrict__ target, const Value* __restrict__ source,
                                          i64 count) {
     for (i64 c = 0; c < count; ++c) target[c] = source[c];
 }
-#define GATHER_ROWS                                                             \
-    GRID_STRIDE_LOOP(i, n) {                                                    \
-        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);             \
-        copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns); \
-    }
 #endif
 
-// out[i, :columns] = rows[slots[i], :columns], four floats (16 bytes) at a time. Needs row_width
-// and columns divisible by 4 and 16-byte aligned buffers (the launcher checks).
-extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width,
-                                             const int* __restrict__ slots, i64 n, i64 columns,
-                                             float* __restrict__ out) {
+// out[i, :columns] = rows[slots[i], :columns].
+template <typename Value>
+__device__ __forceinline__ void gather_rows(const Value* __restrict__ rows, i64 row_width,
+                                            const int* __restrict__ slots, i64 n, i64 columns,
+                                            Value* __restrict__ out) {
 #ifdef TIERSTORE_OPENMP
-    GATHER_ROWS;
-#else
-    FOR_EACH_ROW_ELEMENT(i, c, n, columns / 4) {
-        ((float4*)(out + i * columns))[c] = ((const float4*)(rows + (i64)slots[i] * row_width))[c];
+    GRID_STRIDE_LOOP(i, n) {
+        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);
+        copy_row(out + i * columns, rows + (i64)slots[i] * row_width, columns);
     }
-#endif
-}
-
-// The same, one float at a time, for any widths.
-extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width,
-                                        const int* __restrict__ slots, i64 n, i64 columns,
-                                        float* __restrict__ out) {
-#ifdef TIERSTORE_OPENMP
-    GATHER_ROWS;
 #else
     FOR_EACH_ROW_ELEMENT(i, c, n, columns) { out[i * columns + c] = rows[(i64)slots[i] * row_width + c]; }
 #endif
 }
 
 // rows[slots[i], :columns] = values[i, :columns] (slots distinct).
-extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width,
-                                         const int* __restrict__ slots, const float* __restrict__ values,
-                                         i64 n, i64 columns) {
+template <typename Value>
+__device__ __forceinline__ void scatter_rows(Value* __restrict__ rows, i64 row_width,
+                                             const int* __restrict__ slots, const Value* __restrict__ values,
+                                             i64 n, i64 columns) {
 #ifdef TIERSTORE_OPENMP
     GRID_STRIDE_LOOP(i, n) {
         PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);
@@ -234,17 +226,56 @@ extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width
 #endif
 }
 
+// The gather four floats (16 bytes) at a time. Needs row_width and columns divisible by 4 and
+// 16-byte aligned buffers (the launcher checks; 16-bit rows come here viewed as float32).
+extern "C" __global__ void cache_gather_vec4(const float* __restrict__ rows, i64 row_width,
+                                             const int* __restrict__ slots, i64 n, i64 columns,
+                                             float* __restrict__ out) {
+#ifdef TIERSTORE_OPENMP
+    gather_rows(rows, row_width, slots, n, columns, out);
+#else
+    FOR_EACH_ROW_ELEMENT(i, c, n, columns / 4) {
+        ((float4*)(out + i * columns))[c] = ((const float4*)(rows + (i64)slots[i] * row_width))[c];
+    }
+#endif
+}
+
+extern "C" __global__ void cache_gather(const float* __restrict__ rows, i64 row_width,
+                                        const int* __restrict__ slots, i64 n, i64 columns,
+                                        float* __restrict__ out) {
+    gather_rows(rows, row_width, slots, n, columns, out);
+}
+
+extern "C" __global__ void cache_gather_16(const u16* __restrict__ rows, i64 row_width,
+                                           const int* __restrict__ slots, i64 n, i64 columns,
+                                           u16* __restrict__ out) {
+    gather_rows(rows, row_width, slots, n, columns, out);
+}
+
+extern "C" __global__ void cache_scatter(float* __restrict__ rows, i64 row_width,
+                                         const int* __restrict__ slots, const float* __restrict__ values,
+                                         i64 n, i64 columns) {
+    scatter_rows(rows, row_width, slots, values, n, columns);
+}
+
+extern "C" __global__ void cache_scatter_16(u16* __restrict__ rows, i64 row_width,
+                                            const int* __restrict__ slots, const u16* __restrict__ values,
+                                            i64 n, i64 columns) {
+    scatter_rows(rows, row_width, slots, values, n, columns);
+}
+
 // Fused optimizers, in place on rows[slots[i]] = [w (dim) | state] with grad [n, dim], slots
 // distinct. The formulas are tierstore/optim.py's (the reference they are tested against). Each
-// element-wise optimizer is a functor updating column c of one row; APPLY_STEP runs it on every
-// element (GPU: one thread per element; CPU: a thread per row, through a helper whose restrict
-// pointers let the compiler keep the row in registers and vectorise).
+// element-wise optimizer is a functor updating weight c of one row (`w`, in float32) and its state
+// (`state`: the row's float32 state values); APPLY_STEP runs it on every element (GPU: one thread
+// per element; CPU: a thread per row, through a helper whose restrict pointers let the compiler
+// keep the row in registers and vectorise).
 
 #ifdef TIERSTORE_OPENMP
 template <typename Step>
 __device__ __forceinline__ void step_row(float* __restrict__ row, const float* __restrict__ g, i64 dim,
                                          Step step) {
-    for (i64 c = 0; c < dim; ++c) step(row, g, c, dim);
+    for (i64 c = 0; c < dim; ++c) step(row[c], row + dim, g[c], c, dim);
 }
 #define APPLY_STEP(step)                                                       \
     GRID_STRIDE_LOOP(i, n) {                                                   \
@@ -252,40 +283,61 @@ __device__ __forceinline__ void step_row(float* __restrict__ row, const float* _
         step_row(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step); \
     }
 #else
-#define APPLY_STEP(step) \
-    FOR_EACH_ROW_ELEMENT(i, c, n, dim) step(rows + (i64)slots[i] * row_width, grad + i * dim, c, dim)
+#define APPLY_STEP(step)                                    \
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {                    \
+        float* row = rows + (i64)slots[i] * row_width;      \
+        step(row[c], row + dim, grad[i * dim + c], c, dim); \
+    }
 #endif
 
 // w -= lr * g.
 struct SgdStep {
     float lr;
-    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64) const {
-        row[c] -= lr * g[c];
-    }
+    __device__ __forceinline__ void operator()(float& w, float*, float g, i64, i64) const { w -= lr * g; }
 };
 
 // s += g * g; w -= lr * g / (sqrt(s) + eps). State: s (dim values).
 struct AdagradStep {
     float lr, eps;
-    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64 dim) const {
-        float sum_squares = row[dim + c] + g[c] * g[c];
-        row[dim + c] = sum_squares;
-        row[c] -= lr * (g[c] / (sqrtf(sum_squares) + eps));  // g / d first, as torch
+    __device__ __forceinline__ void operator()(float& w, float* state, float g, i64 c, i64) const {
+        float sum_squares = state[c] + g * g;
+        state[c] = sum_squares;
+        w -= lr * (g / (sqrtf(sum_squares) + eps));  // g / d first, as torch
     }
 };
 
 // Lazy Adam (torch.optim.SparseAdam): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 // w -= step_size * m / (sqrt(v) + eps), step_size = lr * sqrt(1 - b2^t) / (1 - b1^t) from the host.
-// 1 - b1 and 1 - b2 come from the host too (in float32, 1.0f - 0.9f is not 0.1f).
+// 1 - b1 and 1 - b2 come from the host too (in float32, 1.0f - 0.9f is not 0.1f). State: m, v.
 struct AdamStep {
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size;
-    __device__ __forceinline__ void operator()(float* row, const float* g, i64 c, i64 dim) const {
-        float exp_avg = row[dim + c] * beta1 + one_minus_beta1 * g[c];
-        float exp_avg_sq = row[2 * dim + c] * beta2 + one_minus_beta2 * g[c] * g[c];
-        row[dim + c] = exp_avg;
-        row[2 * dim + c] = exp_avg_sq;
-        row[c] -= step_size * (exp_avg / (sqrtf(exp_avg_sq) + eps));  // m / d first, as torch
+    __device__ __forceinline__ void operator()(float& w, float* state, float g, i64 c, i64 dim) const {
+        float exp_avg = state[c] * beta1 + one_minus_beta1 * g;
+        float exp_avg_sq = state[dim + c] * beta2 + one_minus_beta2 * g * g;
+        state[c] = exp_avg;
+        state[dim + c] = exp_avg_sq;
+        w -= step_size * (exp_avg / (sqrtf(exp_avg_sq) + eps));  // m / d first, as torch
     }
+};
+
+// FBGEMM's exact row-wise Adagrad: m += mean(g * g); w -= lr / (sqrt(m) + eps) * g. State: m (1
+// value). One thread per row (the mean is a reduction over the row): `weights` reads and writes
+// weight c of the row in float32.
+template <typename Weights>
+__device__ __forceinline__ void rowwise_adagrad_row(Weights weights, float* state, const float* g, i64 dim,
+                                                    float lr, float eps) {
+    float sum = 0.0f;
+    for (i64 c = 0; c < dim; ++c) sum += g[c] * g[c];
+    float momentum = state[0] + sum / (float)dim;
+    state[0] = momentum;
+    float scale = lr / (sqrtf(momentum) + eps);
+    for (i64 c = 0; c < dim; ++c) weights.set(c, weights.get(c) - scale * g[c]);
+}
+
+struct Float32Weights {
+    float* row;
+    __device__ __forceinline__ float get(i64 c) const { return row[c]; }
+    __device__ __forceinline__ void set(i64 c, float value) const { row[c] = value; }
 };
 
 extern "C" __global__ void update_sgd(float* __restrict__ rows, i64 row_width, const int* __restrict__ slots,
@@ -306,21 +358,155 @@ extern "C" __global__ void update_adam(float* __restrict__ rows, i64 row_width, 
     APPLY_STEP((AdamStep{beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size}));
 }
 
-// FBGEMM's exact row-wise Adagrad: m += mean(g * g); w -= lr / (sqrt(m) + eps) * g. State: m (1 value).
-// One thread per row (the mean is a reduction over the row).
 extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 row_width,
                                                   const int* __restrict__ slots,
                                                   const float* __restrict__ grad, i64 n, i64 dim, float lr,
                                                   float eps) {
     GRID_STRIDE_LOOP(i, n) {
         float* row = rows + (i64)slots[i] * row_width;
-        const float* g = grad + i * dim;
-        float sum = 0.0f;
-        for (i64 c = 0; c < dim; ++c) sum += g[c] * g[c];
-        float momentum = row[dim] + sum / (float)dim;
-        row[dim] = momentum;
-        float scale = lr / (sqrtf(momentum) + eps);
-        for (i64 c = 0; c < dim; ++c) row[c] -= scale * g[c];
+        rowwise_adagrad_row(Float32Weights{row}, row + dim, grad + i * dim, dim, lr, eps);
+    }
+}
+
+// 16-bit rows (float16 or bfloat16: `format`) hold their weights as 16-bit values and their
+// optimizer state as float32 after them, from value dim + dim % 2 (two of the row's values each:
+// tierstore/metadata.py's row_width). An update widens the weights to float32, runs the float32
+// step above and rounds each weight once: to nearest even, or stochastically by a draw of (the
+// row's id, the column, the step's `stream`), as tierstore/rounding.py. Conversions work on the
+// bits (the same results on the GPU and the host builds, as torch's).
+#define FLOAT16 0
+#define BFLOAT16 1
+
+__device__ __forceinline__ float widened(u16 bits, i64 format) {
+    if (format == BFLOAT16) return __uint_as_float((u32)bits << 16);
+    const u32 sign = (u32)(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu, mantissa = bits & 0x3ffu;
+    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+    if (exponent == 0u)
+        return __uint_as_float(sign | __float_as_uint((float)mantissa * 5.9604644775390625e-8f));
+    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+// The 16-bit value nearest `value` (ties to even; NaN stays NaN).
+__device__ __forceinline__ u16 nearest(float value, i64 format) {
+    const u32 bits = __float_as_uint(value), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+    if (format == BFLOAT16) {
+        if (magnitude > 0x7f800000u) return (u16)0x7fc0u;
+        return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+    if (magnitude > 0x7f800000u) return (u16)(sign | 0x7e00u);
+    if (magnitude >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // 65520 and up round past 65504: inf
+    if (magnitude < 0x38800000u)  // below 2^-14: a multiple of 2^-24 (exact scaling, then ties to even)
+        return (u16)(sign | (u32)rintf(__uint_as_float(magnitude) * 16777216.0f));
+    return (u16)(sign | ((magnitude + 0xfffu + ((magnitude >> 13) & 1u) - 0x38000000u) >> 13));
+}
+
+__device__ __forceinline__ bool infinite_16(u16 bits, i64 format) {
+    return (bits & 0x7fffu) == (format == BFLOAT16 ? 0x7f80u : 0x7c00u);
+}
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+// SplitMix64 (its increment, then the finaliser), as tierstore/initializer.py's splitmix64.
+__device__ __forceinline__ u64 splitmix64(u64 x) { return mix(x + GOLDEN); }
+
+// tierstore/initializer.py's unit_draws: a float64 in [0, 1) from 53 hashed bits of (id, stream, column).
+__device__ __forceinline__ double unit_draw(i64 id, u64 stream, i64 column) {
+    const u64 start = splitmix64((u64)id * 0x5851F42D4C957F2DULL + stream);
+    return (double)(splitmix64(start + (u64)column * GOLDEN) >> 11) * 1.1102230246251565e-16;
+}
+
+// One of the two 16-bit values around `value`, the upper with probability its distance from the
+// lower over their gap; values held exactly, non-finite ones and those next to infinity round to nearest.
+__device__ __forceinline__ u16 stochastically(float value, i64 format, i64 id, u64 stream, i64 column) {
+    const u16 near = nearest(value, format);
+    const float near_value = widened(near, format);
+    if (near_value == value || !(fabsf(value) <= 3.402823466e38f) || infinite_16(near, format)) return near;
+    // the other neighbour: one step away from zero where rounding went toward it, else toward zero
+    const u16 other = (u16)(fabsf(near_value) < fabsf(value) ? near + 1 : near - 1);
+    if (infinite_16(other, format)) return near;
+    const float other_value = widened(other, format);
+    const bool near_is_low = near_value < other_value;
+    const double low = near_is_low ? near_value : other_value, high = near_is_low ? other_value : near_value;
+    const bool up = unit_draw(id, stream, column) < ((double)value - low) / (high - low);
+    return up == near_is_low ? other : near;
+}
+
+struct HalfRounding {
+    i64 format;
+    const i64* keys;  // the rows' ids (stochastic rounding)
+    u64 stream;
+    i64 stochastic;
+    __device__ __forceinline__ u16 operator()(float value, i64 i, i64 column) const {
+        return stochastic ? stochastically(value, format, keys[i], stream, column) : nearest(value, format);
+    }
+};
+
+__device__ __forceinline__ float* float32_state(u16* row, i64 dim) { return (float*)(row + dim + (dim & 1)); }
+
+#ifdef TIERSTORE_OPENMP
+template <typename Step>
+__device__ __forceinline__ void step_row_16(u16* __restrict__ row, const float* __restrict__ g, i64 dim,
+                                            Step step, HalfRounding rounding, i64 i) {
+    float* __restrict__ state = float32_state(row, dim);
+    for (i64 c = 0; c < dim; ++c) {
+        float w = widened(row[c], rounding.format);
+        step(w, state, g[c], c, dim);
+        row[c] = rounding(w, i, c);
+    }
+}
+#define APPLY_STEP_16(step)                                                                    \
+    GRID_STRIDE_LOOP(i, n) {                                                                   \
+        PREFETCH_AHEAD(i, n, rows + (i64)slots[ahead] * row_width);                            \
+        step_row_16(rows + (i64)slots[i] * row_width, grad + i * dim, dim, step, rounding, i); \
+    }
+#else
+#define APPLY_STEP_16(step)                                          \
+    FOR_EACH_ROW_ELEMENT(i, c, n, dim) {                             \
+        u16* row = rows + (i64)slots[i] * row_width;                 \
+        float w = widened(row[c], rounding.format);                  \
+        step(w, float32_state(row, dim), grad[i * dim + c], c, dim); \
+        row[c] = rounding(w, i, c);                                  \
+    }
+#endif
+
+// The 16-bit kernels take, after the float32 kernels' first arguments: format, keys [n] (int64,
+// read only for stochastic rounding), stream and stochastic; then the optimizer's floats.
+#define HALF_ARGUMENTS                                                                                    \
+    u16 *__restrict__ rows, i64 row_width, const int *__restrict__ slots, const float *__restrict__ grad, \
+        i64 n, i64 dim, i64 format, const i64 *__restrict__ keys, i64 stream, i64 stochastic
+#define HALF_ROUNDING \
+    const HalfRounding rounding { format, keys, (u64)stream, stochastic }
+
+extern "C" __global__ void update_sgd_16(HALF_ARGUMENTS, float lr) {
+    HALF_ROUNDING;
+    APPLY_STEP_16((SgdStep{lr}));
+}
+
+extern "C" __global__ void update_adagrad_16(HALF_ARGUMENTS, float lr, float eps) {
+    HALF_ROUNDING;
+    APPLY_STEP_16((AdagradStep{lr, eps}));
+}
+
+extern "C" __global__ void update_adam_16(HALF_ARGUMENTS, float beta1, float one_minus_beta1, float beta2,
+                                          float one_minus_beta2, float eps, float step_size) {
+    HALF_ROUNDING;
+    APPLY_STEP_16((AdamStep{beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size}));
+}
+
+struct HalfWeights {
+    u16* row;
+    HalfRounding rounding;
+    i64 i;
+    __device__ __forceinline__ float get(i64 c) const { return widened(row[c], rounding.format); }
+    __device__ __forceinline__ void set(i64 c, float value) const { row[c] = rounding(value, i, c); }
+};
+
+extern "C" __global__ void update_rowwise_adagrad_16(HALF_ARGUMENTS, float lr, float eps) {
+    HALF_ROUNDING;
+    GRID_STRIDE_LOOP(i, n) {
+        u16* row = rows + (i64)slots[i] * row_width;
+        rowwise_adagrad_row(HalfWeights{row, rounding, i}, float32_state(row, dim), grad + i * dim, dim, lr,
+                            eps);
     }
 }
 

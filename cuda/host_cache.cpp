@@ -343,41 +343,40 @@ extern "C" i64 cache_pool_take(const i64* __restrict__ pool, const float* __rest
     return -1;
 }
 
-// The rows at slots[0..n): out_keys[i], out_rows[i] (row_width values), out_dirty[i], out_fresh[i].
-extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const float* __restrict__ rows,
-                                i64 row_width, const unsigned char* __restrict__ dirty,
+// The rows at slots[0..n): out_keys[i], out_rows[i] (row_bytes bytes: rows of any dtype), out_dirty[i],
+// out_fresh[i].
+extern "C" void cache_slot_rows(const i64* __restrict__ slot_keys, const char* __restrict__ rows,
+                                i64 row_bytes, const unsigned char* __restrict__ dirty,
                                 const unsigned char* __restrict__ fresh, const i64* __restrict__ slots, i64 n,
-                                i64* __restrict__ out_keys, float* __restrict__ out_rows,
+                                i64* __restrict__ out_keys, char* __restrict__ out_rows,
                                 unsigned char* __restrict__ out_dirty,
                                 unsigned char* __restrict__ out_fresh) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n)
-            prefetch_lines(&rows[slots[i + AHEAD] * row_width], row_width * (i64)sizeof(float));
+        if (i + AHEAD < n) prefetch_lines(&rows[slots[i + AHEAD] * row_bytes], row_bytes);
         const i64 s = slots[i];
         out_keys[i] = slot_keys[s];
         out_dirty[i] = dirty[s];
         out_fresh[i] = fresh[s];
-        std::memcpy(&out_rows[i * row_width], &rows[s * row_width], row_width * sizeof(float));
+        std::memcpy(&out_rows[i * row_bytes], &rows[s * row_bytes], row_bytes);
     }
 }
 
-// An admission's writes: slot slots[i] takes keys[i], the row incoming[i] (row_width values) and
+// An admission's writes: slot slots[i] takes keys[i], the row incoming[i] (row_bytes bytes) and
 // the flags in_dirty[i] / in_fresh[i].
-extern "C" void cache_fill_slots(i64* __restrict__ slot_keys, float* __restrict__ rows, i64 row_width,
+extern "C" void cache_fill_slots(i64* __restrict__ slot_keys, char* __restrict__ rows, i64 row_bytes,
                                  unsigned char* __restrict__ dirty, unsigned char* __restrict__ fresh,
                                  const i64* __restrict__ slots, i64 n, const i64* __restrict__ keys,
-                                 const float* __restrict__ incoming,
+                                 const char* __restrict__ incoming,
                                  const unsigned char* __restrict__ in_dirty,
                                  const unsigned char* __restrict__ in_fresh) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n)
-            prefetch_lines<1>(&rows[slots[i + AHEAD] * row_width], row_width * (i64)sizeof(float));
+        if (i + AHEAD < n) prefetch_lines<1>(&rows[slots[i + AHEAD] * row_bytes], row_bytes);
         const i64 s = slots[i];
         slot_keys[s] = keys[i];
         dirty[s] = in_dirty[i];
         fresh[s] = in_fresh[i];
-        std::memcpy(&rows[s * row_width], &incoming[i * row_width], row_width * sizeof(float));
+        std::memcpy(&rows[s * row_bytes], &incoming[i * row_bytes], row_bytes);
     }
 }

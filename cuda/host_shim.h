@@ -6,6 +6,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #define __global__
 #define __device__
@@ -35,4 +36,16 @@ inline float atomicAdd(float* address, float value) {
         updated = old + value;
     }
     return old;
+}
+
+inline float __uint_as_float(unsigned int bits) {
+    float value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+inline unsigned int __float_as_uint(float value) {
+    unsigned int bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return bits;
 }

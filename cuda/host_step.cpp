@@ -511,11 +511,6 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
     }
 }
 
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-
-// SplitMix64 (its increment, then the finaliser), as tierstore/initializer.py's splitmix64.
-__device__ __forceinline__ u64 splitmix64(u64 x) { return mix(x + GOLDEN); }
-
 // rows[i] = ids[i]'s initial row, bit for bit tierstore/initializer.py's initial_rows: weights
 // uniform in [-bound, bound) from 53 hashed bits of (id, seed, column), computed in double and
 // rounded once to float; optimizer state zero. seed_hash: splitmix64(seed).

@@ -66,28 +66,46 @@ class RoundedFloat32Table:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_rows_train_as_float32_rows_rounded_after_every_update(name, dtype, backend, store_path):
-    optimizer = OPTIMIZERS[name]
+@pytest.mark.parametrize("host_backend", ["openmp", "torch"])
+def test_16_bit_rows_train_as_float32_rows_rounded_after_every_update(
+    name, dtype, host_backend, backend, store_path
+):
+    tiers = {"host_cache": 24, "host_cache_backend": host_backend}
+    check_16_bit_training(OPTIMIZERS[name], dtype, tiers, backend, store_path)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_rows_train_through_a_device_tier(name, dtype, device_tier, store_path):
+    """Rows through all three tiers, the device tier's kernels on 16-bit rows (their host build,
+    or a GPU's)."""
+    tiers = {"host_cache": 32, "device_cache": 24, **device_tier}
+    check_16_bit_training(OPTIMIZERS[name], dtype, tiers, "mmap", store_path)
+
+
+def check_16_bit_training(optimizer, dtype, tiers, backend, store_path):
+    """40 steps of ``optimizer`` on a ``dtype`` table with ``tiers`` (rows move to the cold store and
+    back) equal the oracle's within a 16-bit rounding; the state kept in float32."""
     ours = TieredEmbeddingBag(
-        NUM,
-        DIM,
-        mode="sum",
-        optimizer=optimizer,
-        dtype=dtype,
-        path=store_path,
-        backend=backend,
-        host_cache=24,
+        NUM, DIM, mode="sum", optimizer=optimizer, dtype=dtype, path=store_path, backend=backend, **tiers
     )
+    device = tiers.get("device", torch.device("cpu"))
+    stats = ours.store.stats()
+    for tier in ("host", "device"):
+        requested = tiers.get(f"{tier}_cache_backend")
+        if requested is not None:  # the backend asked for runs the 16-bit rows
+            assert stats[tier]["backend"] == getattr(requested, "name", requested)
     oracle = RoundedFloat32Table(optimizer, dtype)
     rng = np.random.default_rng(3)
     for step in range(40):
         # Gradients of ~1e3 later on: a float16 sum of their squares overflows (Adagrad's state).
         ids, offsets, target = random_batch(rng, dtype, 1.0 if step < 20 else 1024.0)
-        output = ours(ids, offsets)
+        output = ours(ids.to(device), offsets.to(device))
         assert output.dtype == dtype
-        (output.float() * target).sum().backward()
+        (output.float() * target.to(device)).sum().backward()
         oracle.train(ids, offsets, target)
     assert ours.store.stats()["cold"]["rows_read"] > 0  # rows went to the cold store and came back
+    name = optimizer.name
     ours.close()
     with TieredStore(store_path, read_only=True, host_cache=NUM) as reopened:
         rows = reopened.get(torch.arange(NUM), with_state=True)

@@ -113,9 +113,13 @@ def test_a_store_takes_a_backend_value_for_either_tier(tmp_path, host):
         assert (stats["device"]["backend"], stats["host"]["backend"]) == ("openmp", "torch")
 
 
-def test_a_kernel_backend_refuses_rows_that_are_not_float32(host):
-    with pytest.raises(ValueError, match="stores float32 rows, not torch.float16; use the torch backend"):
-        RowCache("host", 8, 4, torch.float16, backend=KernelRows(host, "openmp"))
+def test_a_kernel_backend_refuses_rows_of_a_dtype_the_kernels_do_not_hold(host):
+    with pytest.raises(
+        ValueError, match="stores float32, float16 or bfloat16 rows, not torch.float64; use the torch backend"
+    ):
+        RowCache("host", 8, 4, torch.float64, backend=KernelRows(host, "openmp"))
+    for dtype in (torch.float16, torch.bfloat16):  # 16-bit rows: the kernels update them in float32
+        assert RowCache("host", 8, 4, dtype, backend=KernelRows(host, "openmp")).rows.dtype == dtype
 
 
 def test_tier_config_or_its_keywords_set_the_caches(tmp_path):

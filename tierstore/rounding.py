@@ -16,6 +16,11 @@ from .initializer import splitmix64, unit_draws
 _ROUNDING_STREAM = 0x524F554E44  # keeps these draws apart from the initial rows' (seeded) ones
 
 
+def rounding_stream(step: int) -> int:
+    """The draws' stream of update ``step`` (an int64, as the kernels' ``stochastically`` takes it)."""
+    return int(splitmix64(torch.tensor(step, dtype=torch.int64) + _ROUNDING_STREAM))
+
+
 def stochastically_rounded(
     values: torch.Tensor, dtype: torch.dtype, keys: torch.Tensor, step: int
 ) -> torch.Tensor:
@@ -27,7 +32,7 @@ def stochastically_rounded(
     low, high = torch.minimum(nearest, neighbour), torch.maximum(nearest, neighbour)
     gap = high.double() - low.double()
     up = (values.double() - low.double()) / gap  # the chance of rounding up
-    stream = splitmix64(torch.tensor(step, dtype=torch.int64) + _ROUNDING_STREAM)
+    stream = torch.tensor(rounding_stream(step), dtype=torch.int64)
     draws = unit_draws(keys, values.shape[1], stream).to(values.device)
     rounded = torch.where(draws < up, high, low)
     exact = (nearest.float() == values) | ~torch.isfinite(values) | ~torch.isfinite(gap)

@@ -44,7 +44,7 @@ _INSERT = {torch.int32: "cache_insert_serial", torch.int64: "index_insert_serial
 
 class CachePasses:
     """The host cache calls of one host build (``HostKernels.step_library``). Tensors are CPU,
-    contiguous: keys and slots int64, flags bool, rows float32."""
+    contiguous: keys and slots int64, flags bool, rows of any dtype (moved as bytes)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
@@ -209,11 +209,12 @@ class CachePasses:
 
 
 def _tier_arguments(slot_keys, rows, dirty, fresh, slots: torch.Tensor) -> tuple:
-    """A tier's arrays and ``slots`` (int64, contiguous), as the row calls take them first."""
+    """A tier's arrays and ``slots`` (int64, contiguous), as the row calls take them first (a row
+    as its bytes: rows of any dtype)."""
     return (
         slot_keys.data_ptr(),
         rows.data_ptr(),
-        rows.shape[1],
+        rows.shape[1] * rows.element_size(),
         dirty.data_ptr(),
         fresh.data_ptr(),
         slots.data_ptr(),

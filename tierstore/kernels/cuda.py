@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .build_cache import SOURCE, cached_build, source_dir
-from .launch import kernel_arguments
+from .launch import KERNEL_DTYPES, kernel_arguments
 
 THREADS_PER_BLOCK = 256
 NVRTC_OPTIONS = ("-std=c++17",)  # warnings fail the build through the log check, on any NVRTC
@@ -139,8 +139,8 @@ def device_kernels(
     device = torch.device(device)
     if device.type != "cuda":
         return None, f"the device is {device}, not a CUDA device"
-    if dtype != torch.float32:
-        return None, f"the kernels store float32 rows, not {dtype}"
+    if dtype not in KERNEL_DTYPES:
+        return None, f"the kernels store float32, float16 or bfloat16 rows, not {dtype}"
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
     try:

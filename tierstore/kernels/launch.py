@@ -7,6 +7,11 @@ import ctypes
 
 import torch
 
+# Rows the kernels store: float32, or 16-bit rows (their ``format`` code in the kernels) updated in
+# float32 with their optimizer state in float32 (``metadata.row_width``).
+HALF_FORMATS = {torch.float16: 0, torch.bfloat16: 1}
+KERNEL_DTYPES = (torch.float32, *HALF_FORMATS)
+
 
 def kernel_arguments(
     name: str, args: tuple, device: torch.device, error: type[Exception] = ValueError

@@ -12,6 +12,8 @@ import torch
 
 from ..kernels import device_kernels, host_kernels
 from ..kernels.cache_passes import cache_passes_of
+from ..kernels.launch import HALF_FORMATS, KERNEL_DTYPES
+from ..rounding import rounding_stream
 from .hash_index import HashIndex, index_nbytes
 from .kernel_hash_table import KernelHashTable, positions_for
 
@@ -79,12 +81,14 @@ class TorchRows:
 
 class KernelRows:
     """Row operations as ``kernels.launch`` calls (a ``CudaKernels`` or ``HostKernels`` build);
-    float32 rows; the index is a ``KernelHashTable``. ``name`` is the backend's name in stats."""
+    float32 or 16-bit rows (``KERNEL_DTYPES``); the index is a ``KernelHashTable``. ``name`` is the
+    backend's name in stats."""
 
     def __init__(self, kernels, name: str) -> None:
         self.kernels = kernels
         self.name = name
         self._passes = cache_passes_of(kernels)  # the tuned host build: per-slot updates on one thread
+        self._reference = TorchRows()  # 16-bit rows of stores whose state is in the rows' dtype
 
     def make_index(self, capacity: int, device: torch.device) -> KernelHashTable:
         return KernelHashTable(capacity, self.kernels, device)
@@ -95,28 +99,29 @@ class KernelRows:
     def gather(
         self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None
     ) -> torch.Tensor:
-        width = rows.shape[1]
         if out is None:
             out = torch.empty(slots.numel(), columns, dtype=rows.dtype, device=rows.device)
-        vectorised = (
-            width % 4 == 0 and columns % 4 == 0 and out.data_ptr() % 16 == 0 and rows.data_ptr() % 16 == 0
-        )
-        name, items = ("cache_gather_vec4", columns // 4) if vectorised else ("cache_gather", columns)
+        source, target, width, copied = _as_float32(rows, out, columns)
+        if source is None:  # 16-bit rows of odd widths
+            name, items = "cache_gather_16", columns
+            source, target, width, copied = rows, out, rows.shape[1], columns
+        elif width % 4 == 0 and copied % 4 == 0 and (target.data_ptr() | source.data_ptr()) % 16 == 0:
+            name, items = "cache_gather_vec4", copied // 4
+        else:
+            name, items = "cache_gather", copied
         self.kernels.launch(
-            name, slots.numel() * items, rows, width, _int32(slots), slots.numel(), columns, out
+            name, slots.numel() * items, source, width, _int32(slots), slots.numel(), copied, target
         )
         return out
 
     def scatter(self, rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, columns: int) -> None:
+        values = values.to(rows.device, rows.dtype).contiguous()
+        target, source, width, copied = _as_float32(rows, values, columns)
+        name = "cache_scatter"
+        if target is None:  # 16-bit rows of odd widths
+            name, target, source, width, copied = "cache_scatter_16", rows, values, rows.shape[1], columns
         self.kernels.launch(
-            "cache_scatter",
-            slots.numel() * columns,
-            rows,
-            rows.shape[1],
-            _int32(slots),
-            values.to(rows.device, rows.dtype).contiguous(),
-            slots.numel(),
-            columns,
+            name, slots.numel() * copied, target, width, _int32(slots), source, slots.numel(), copied
         )
 
     def add_scores(self, scores: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
@@ -155,10 +160,28 @@ class KernelRows:
         step: int,
         keys: torch.Tensor | None = None,
     ) -> None:
-        """As ``TorchRows.optimizer_step``; float32 rows, so ``keys`` are not needed."""
+        """As ``TorchRows.optimizer_step``. 16-bit rows are updated in float32 and rounded once by
+        the ``_16`` kernels, which take the rows' ``format`` and the rounding's draws (``keys``)."""
         name, arguments, per_row = optimizer.kernel(step)
         dim = grad.shape[1]
-        grad = grad.to(rows.device, rows.dtype).contiguous()
+        grad = grad.to(rows.device, torch.float32).contiguous()
+        if rows.dtype in HALF_FORMATS:
+            state_width = optimizer.state_width(dim)
+            if state_width and rows.shape[1] == dim + state_width:  # state in the rows' dtype (old stores)
+                self._reference.optimizer_step(optimizer, rows, slots, grad, step, keys)
+                return
+            stochastic = optimizer.stochastic_rounding
+            if stochastic and keys is None:
+                raise ValueError("stochastic_rounding draws by the rows' ids: pass keys")
+            draws_by = keys if stochastic else slots.new_empty(0)
+            name = f"{name}_16"
+            arguments = (
+                HALF_FORMATS[rows.dtype],
+                draws_by.to(rows.device, torch.int64).contiguous(),
+                rounding_stream(step) if stochastic else 0,
+                int(stochastic),
+                *arguments,
+            )
         self.kernels.launch(
             name,
             slots.numel() if per_row else slots.numel() * dim,
@@ -203,8 +226,8 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
     kernel_name = names[1]
     if tier == "device":
         kernels, why_not = device_kernels(device, dtype)
-    elif dtype != torch.float32:
-        kernels, why_not = None, f"the kernels store float32 rows, not {dtype}"
+    elif dtype not in KERNEL_DTYPES:
+        kernels, why_not = None, f"the kernels store float32, float16 or bfloat16 rows, not {dtype}"
     else:
         kernels, why_not = host_kernels()
     if kernels is None:
@@ -214,6 +237,16 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
             )
         return TorchRows()
     return KernelRows(kernels, kernel_name)
+
+
+def _as_float32(rows: torch.Tensor, other: torch.Tensor, columns: int) -> tuple:
+    """``(rows, other, rows' width, columns)`` as float32 views: 16-bit rows of even widths move as
+    pairs of values by the float32 kernels; ``(None, ...)`` for 16-bit rows of odd widths."""
+    if rows.dtype == torch.float32:
+        return rows, other, rows.shape[1], columns
+    if rows.shape[1] % 2 or columns % 2:
+        return None, None, 0, 0
+    return rows.view(torch.float32), other.view(torch.float32), rows.shape[1] // 2, columns // 2
 
 
 def _int32(slots: torch.Tensor) -> torch.Tensor:

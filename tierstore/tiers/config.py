@@ -22,8 +22,9 @@ class TierConfig:
     host_cache_backend: "openmp" (the kernels compiled for the CPU), "torch" (torch ops), "auto" (the
         kernels where g++ builds them), or a backend value (``tierstore.tiers.backends``). The mmap
         cold store's key indexes follow it (kernel hash tables unless "torch").
-    device_cache_backend: "cuda" (the kernels on the GPU: a CUDA device, cuda-python, NVRTC,
-        float32), "torch", "auto" (the kernels where they can run), or a backend value.
+    device_cache_backend: "cuda" (the kernels on the GPU: a CUDA device, cuda-python, NVRTC;
+        float32, float16 or bfloat16 rows), "torch", "auto" (the kernels where they can run), or a
+        backend value.
     half_life: LFU ageing, in accesses per tier (inf: plain LFU; default: chosen online by shadow
         caches, ``tiers.ageing``).
     policy: the cache tiers' eviction policy, an ``tiers.policies.EvictionPolicy`` subclass

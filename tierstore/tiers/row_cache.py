@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CacheCapacityError
 from ..kernels.cache_passes import cache_passes_of
+from ..kernels.launch import KERNEL_DTYPES
 from ..kernels.step_passes import step_passes_of
 from . import huge_pages
 from .backends import TorchRows
@@ -50,10 +51,10 @@ class RowCache(NativeSide):
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
         self.backend = backend if backend is not None else TorchRows()
-        if dtype != torch.float32 and not isinstance(self.backend, TorchRows):
+        if dtype not in KERNEL_DTYPES and not isinstance(self.backend, TorchRows):
             raise ValueError(
-                f"the {self.backend.name} cache backend stores float32 rows, not {dtype}; "
-                f"use the torch backend"
+                f"the {self.backend.name} cache backend stores float32, float16 or bfloat16 rows, not "
+                f"{dtype}; use the torch backend"
             )
         self.name = name
         self.capacity = capacity
