@@ -291,12 +291,25 @@ extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__
 // offsets[b] .. offsets[b + 1] - 1, the last bag up to last_end - 1; without offsets (null), bag b
 // holds entries b * bag_length .. (b + 1) * bag_length - 1. Writes each entry's bag (-1: in none)
 // and its gradient scale (its weight, 1 / the bag's entries for a mean, 1; 0 for padding).
-extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_width, i64 dim,
-                                    const i64* __restrict__ slots, const i64* __restrict__ entry_rows,
-                                    i64 padding_row, const i64* __restrict__ offsets, i64 bag_length,
-                                    i64 last_end, i64 bags, i64 entries, int mean,
-                                    const float* __restrict__ weights, float* __restrict__ out,
-                                    i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+// Rows are float32 (format FLOAT32) or 16-bit (FLOAT16, BFLOAT16: embedding_cache.cu's), read as
+// float32 and written back rounded (update_row).
+#define FLOAT32 (-1)
+
+__device__ __forceinline__ float row_value(const float* row, i64 c, i64) { return row[c]; }
+__device__ __forceinline__ float row_value(const u16* row, i64 c, i64 format) {
+    return widened(row[c], format);
+}
+
+static inline i64 row_bytes_of(i64 row_width, i64 format) {
+    return row_width * (format == FLOAT32 ? (i64)sizeof(float) : (i64)sizeof(u16));
+}
+
+template <typename Row>
+static void pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                           const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
+                           const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags,
+                           i64 entries, int mean, const float* __restrict__ weights, float* __restrict__ out,
+                           i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
 #pragma omp parallel for schedule(static) if (bags >= PARALLEL_FROM)
     for (i64 b = 0; b < bags; ++b) {
         const i64 start = offsets ? offsets[b] : b * bag_length;
@@ -307,7 +320,7 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
         for (i64 e = start; e < end; ++e) {
             const i64 ahead = e + AHEAD;  // entries lie in bag order: whichever bag this one is in
             if (ahead < entries && entry_rows[ahead] != padding_row) {
-                prefetch_lines(rows + slots[entry_rows[ahead]] * row_width, dim * (i64)sizeof(float));
+                prefetch_lines(rows + slots[entry_rows[ahead]] * row_width, dim * (i64)sizeof(Row));
             }
             entry_bag[e] = b;
             const i64 row = entry_rows[e];
@@ -315,14 +328,14 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
                 scale[e] = 0.0f;
                 continue;
             }
-            const float* __restrict__ source = rows + slots[row] * row_width;
+            const Row* __restrict__ source = rows + slots[row] * row_width;
             if (weights) {
                 const float weight = weights[e];
                 scale[e] = weight;
-                for (i64 c = 0; c < dim; ++c) target[c] += weight * source[c];
+                for (i64 c = 0; c < dim; ++c) target[c] += weight * row_value(source, c, format);
             } else {
                 scale[e] = 1.0f;
-                for (i64 c = 0; c < dim; ++c) target[c] += source[c];
+                for (i64 c = 0; c < dim; ++c) target[c] += row_value(source, c, format);
             }
             ++kept;
         }
@@ -336,6 +349,21 @@ extern "C" void step_pooled_forward(const float* __restrict__ rows, i64 row_widt
         entry_bag[e] = -1;
         scale[e] = 0.0f;
     }
+}
+
+// The pooled forward (above) over rows of `format`, summed in float32.
+extern "C" void step_pooled_forward(const void* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                                    const i64* __restrict__ slots, const i64* __restrict__ entry_rows,
+                                    i64 padding_row, const i64* __restrict__ offsets, i64 bag_length,
+                                    i64 last_end, i64 bags, i64 entries, int mean,
+                                    const float* __restrict__ weights, float* __restrict__ out,
+                                    i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+    if (format == FLOAT32)
+        pooled_forward((const float*)rows, format, row_width, dim, slots, entry_rows, padding_row, offsets,
+                       bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag, scale);
+    else
+        pooled_forward((const u16*)rows, format, row_width, dim, slots, entry_rows, padding_row, offsets,
+                       bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag, scale);
 }
 
 // The optimizers of embedding_cache.cu, by number (tierstore/nn/native_step.py's OPTIMIZERS), on one
@@ -363,17 +391,40 @@ __device__ __forceinline__ void update_row(float* __restrict__ row, const float*
     }
 }
 
+// update_row on a 16-bit row (at `slot`: rounding.keys are the tier's slot keys, the rows' ids).
+__device__ __forceinline__ void update_row(u16* __restrict__ row, const float* __restrict__ g, i64 dim,
+                                           int optimizer, const float* __restrict__ params,
+                                           const HalfRounding& rounding, i64 slot) {
+    switch (optimizer) {
+        case 0:
+            step_row_16(row, g, dim, SgdStep{params[0]}, rounding, slot);
+            break;
+        case 1:
+            step_row_16(row, g, dim, AdagradStep{params[0], params[1]}, rounding, slot);
+            break;
+        case 2:
+            step_row_16(row, g, dim,
+                        AdamStep{params[0], params[1], params[2], params[3], params[4], params[5]}, rounding,
+                        slot);
+            break;
+        default:
+            rowwise_adagrad_row(HalfWeights{row, rounding, slot}, float32_state(row, dim), g, dim, params[0],
+                                params[1]);
+    }
+}
+
 // Row r's gradient: the sum over its entries (order[starts[r]] .. order[starts[r + 1] - 1], in
 // that order) of scale[e] * grad_out[entry_bag[e]] (bag b's gradient at grad_out + b * grad_stride;
 // entries in no bag are left out), as bag_weight_gradient sums it. With grad_rows (not null) the
 // sums are written there ([distinct, dim]); otherwise `optimizer` updates rows[slots[r]] in place
-// and marks the slot dirty.
-extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_stride,
-                              const i64* __restrict__ order, const i64* __restrict__ starts,
-                              const i64* __restrict__ entry_bag, const float* __restrict__ scale,
-                              i64 distinct, i64 dim, float* __restrict__ rows, i64 row_width,
-                              const i64* __restrict__ slots, unsigned char* __restrict__ dirty, int optimizer,
-                              const float* __restrict__ params, float* __restrict__ grad_rows) {
+// and marks the slot dirty (16-bit rows: rounded by `rounding`, whose keys are the slots' keys).
+template <typename Row>
+static void backward(const float* __restrict__ grad_out, i64 grad_stride, const i64* __restrict__ order,
+                     const i64* __restrict__ starts, const i64* __restrict__ entry_bag,
+                     const float* __restrict__ scale, i64 distinct, i64 dim, Row* __restrict__ rows,
+                     i64 row_width, const i64* __restrict__ slots, unsigned char* __restrict__ dirty,
+                     int optimizer, const float* __restrict__ params, const HalfRounding& rounding,
+                     float* __restrict__ grad_rows) {
 #pragma omp parallel if (distinct >= PARALLEL_FROM)
     {
         std::vector<float> buffer(grad_rows ? 0 : dim);
@@ -386,7 +437,7 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
                     prefetch_lines(grad_out + entry_bag[order[e]] * grad_stride, dim * (i64)sizeof(float));
             }
             if (!grad_rows && r + AHEAD / 4 < distinct) {
-                prefetch_lines<1>(rows + slots[r + AHEAD / 4] * row_width, row_width * (i64)sizeof(float));
+                prefetch_lines<1>(rows + slots[r + AHEAD / 4] * row_width, row_width * (i64)sizeof(Row));
             }
             float* __restrict__ g = grad_rows ? grad_rows + r * dim : buffer.data();
             for (i64 c = 0; c < dim; ++c) g[c] = 0.0f;
@@ -399,11 +450,32 @@ extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_strid
                 for (i64 c = 0; c < dim; ++c) g[c] += weight * source[c];
             }
             if (!grad_rows) {
-                update_row(rows + slots[r] * row_width, g, dim, optimizer, params);
+                if constexpr (sizeof(Row) == sizeof(float))
+                    update_row(rows + slots[r] * row_width, g, dim, optimizer, params);
+                else
+                    update_row(rows + slots[r] * row_width, g, dim, optimizer, params, rounding, slots[r]);
                 dirty[slots[r]] = 1;
             }
         }
     }
+}
+
+// backward (above) on rows of `format`: 16-bit rows rounded to nearest, or stochastically
+// (`stochastic`, drawing by slot_keys and `stream`, as the _16 update kernels).
+extern "C" void step_backward(const float* __restrict__ grad_out, i64 grad_stride,
+                              const i64* __restrict__ order, const i64* __restrict__ starts,
+                              const i64* __restrict__ entry_bag, const float* __restrict__ scale,
+                              i64 distinct, i64 dim, void* __restrict__ rows, i64 format, i64 row_width,
+                              const i64* __restrict__ slots, unsigned char* __restrict__ dirty, int optimizer,
+                              const float* __restrict__ params, const i64* __restrict__ slot_keys, i64 stream,
+                              i64 stochastic, float* __restrict__ grad_rows) {
+    const HalfRounding rounding{format, slot_keys, (u64)stream, stochastic};
+    if (format == FLOAT32)
+        backward(grad_out, grad_stride, order, starts, entry_bag, scale, distinct, dim, (float*)rows,
+                 row_width, slots, dirty, optimizer, params, rounding, grad_rows);
+    else
+        backward(grad_out, grad_stride, order, starts, entry_bag, scale, distinct, dim, (u16*)rows, row_width,
+                 slots, dirty, optimizer, params, rounding, grad_rows);
 }
 
 // How many of keys[0..n) are not at their slot (slot_keys[slots[i]] != keys[i]): rows a forward
@@ -523,6 +595,19 @@ static inline void initial_row(i64 id, i64 dim, i64 row_width, u64 seed_hash, do
         row[c] = (float)((2.0 * unit - 1.0) * bound);
     }
     for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
+}
+
+// initial_row of a 16-bit row: each weight computed in double, rounded to float and then to the
+// 16-bit format (as torch converts a float64 tensor); the rest (padding, float32 state) zero.
+static inline void initial_row_16(i64 id, i64 dim, i64 row_width, u64 seed_hash, double bound, i64 format,
+                                  u16* __restrict__ row) {
+    const u64 stream = splitmix64((u64)id * 0x5851F42D4C957F2DULL + seed_hash);
+    for (i64 c = 0; c < dim; ++c) {
+        const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
+        const double unit = (double)(bits >> 11) * 0x1.0p-53;
+        row[c] = nearest((float)((2.0 * unit - 1.0) * bound), format);
+    }
+    for (i64 c = dim; c < row_width; ++c) row[c] = 0;
 }
 
 extern "C" void step_initial_rows(const i64* __restrict__ ids, i64 n, i64 dim, i64 row_width, u64 seed_hash,
@@ -777,17 +862,18 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
 }
 
 // A host cache tier's arrays (tierstore/tiers/row_cache.py): its index (int32 slots), each slot's
-// key, row (row_width floats), dirty and fresh flags and LFU score.
+// key, row (row_width values of `format`: FLOAT32 or a 16-bit one), dirty and fresh flags and LFU score.
 struct HostTier {
     i64* index_keys;
     int* index_values;
     i64 index_mask;
     i64* slot_keys;
-    float* rows;
+    unsigned char* rows;
     i64 row_width;
     unsigned char* dirty;
     unsigned char* fresh;
     float* scores;
+    i64 format;
 };
 
 // How a row the cold store does not hold starts (step_initial_rows' arguments).
@@ -858,7 +944,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     // second thread, the tier's index: the victims' keys out, the keys in (undone if a write fails).
     struct Staged {
         unsigned char* target;  // the record rewritten in place; null: appended
-        const float* row;
+        const unsigned char* row;
         i64 key;
         i64 position;  // the key's position in the log's index (-1: new to the log)
     };
@@ -871,9 +957,10 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
         victim_keys[j] = tier.slot_keys[victim_slots[j]];
     }
-    auto store = [&](unsigned char* target, const float* row, i64 key) {
-        store_row(target, (const unsigned char*)row, key, cold.row_bytes, cold.check_bytes, checks);
+    auto store = [&](unsigned char* target, const unsigned char* row, i64 key) {
+        store_row(target, row, key, cold.row_bytes, cold.check_bytes, checks);
     };
+    const i64 row_bytes = row_bytes_of(tier.row_width, tier.format);
     Room<int> former(victims), slot_values(n);
     for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
     int error = 0;
@@ -891,7 +978,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 if (!tier.dirty[slot]) continue;
                 const i64 position = probe(cold.log_keys, cold.log_mask, key);
                 const i64 record = position < 0 ? -1 : cold.log_values[position];
-                const float* row = tier.rows + slot * tier.row_width;
+                const unsigned char* row = tier.rows + slot * row_bytes;
                 if (record >= cold.committed) {
                     rewritten.push_back({cold.log_rows + record * cold.stored_bytes, row, key, position});
                 } else {
@@ -952,22 +1039,25 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         return -error;
     }
     // The slots change hands.
-    const i64 row_bytes = tier.row_width * (i64)sizeof(float);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {  // the slot's row, key and score, and the stored row coming in
             const i64 ahead = slots[i + AHEAD];
-            prefetch_lines<1>(&tier.rows[ahead * tier.row_width], row_bytes);
+            prefetch_lines<1>(&tier.rows[ahead * row_bytes], row_bytes);
             __builtin_prefetch(&tier.slot_keys[ahead], 1);
             __builtin_prefetch(&tier.scores[ahead], 1);
             if (sources[i + AHEAD]) prefetch_lines(sources[i + AHEAD], row_bytes);
         }
         const i64 slot = slots[i];
-        float* row = tier.rows + slot * tier.row_width;
+        unsigned char* row = tier.rows + slot * row_bytes;
         if (sources[i])
             std::memcpy(row, sources[i], row_bytes);
+        else if (tier.format == FLOAT32)
+            initial_row(keys[i], initial->dim, tier.row_width, initial->seed_hash, initial->bound,
+                        (float*)row);
         else
-            initial_row(keys[i], initial->dim, tier.row_width, initial->seed_hash, initial->bound, row);
+            initial_row_16(keys[i], initial->dim, tier.row_width, initial->seed_hash, initial->bound,
+                           tier.format, (u16*)row);
         tier.slot_keys[slot] = keys[i];
         tier.dirty[slot] = tier.fresh[slot] = sources[i] == nullptr;
         tier.scores[slot] = 0.0f;
@@ -1176,7 +1266,7 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
     out->distinct_ns = deduplicated - started;
     if (out->status != 0) return;
     const i64 resident = steady_ns();
-    step_pooled_forward(tier->rows, tier->row_width, bags.dim, slots, entry_rows,
+    step_pooled_forward(tier->rows, tier->format, tier->row_width, bags.dim, slots, entry_rows,
                         bags.has_padding ? count : -1, bags.offsets, bags.bag_length, bags.last_end,
                         bags.bags, n, bags.mean, bags.weights, bags.out, bags.dim, bags.entry_bag,
                         bags.scale);

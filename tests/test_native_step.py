@@ -108,12 +108,13 @@ def test_the_lean_dedupe_gives_the_ids_in_first_appearance_order(passes, ids):
     assert passes.unique(torch.tensor(ids, dtype=torch.int64)).tolist() == list(dict.fromkeys(ids))
 
 
-def _train(monkeypatch, native: bool, optimizer, steps, **settings):
-    """Rows of a table trained on ``steps`` ((forward args), upstream gradient), native or not."""
+def _train(monkeypatch, native: bool, optimizer, steps, dtype=torch.float32, **settings):
+    """Rows of a ``dtype`` table trained on ``steps`` ((forward args), upstream gradient), native or not."""
     monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda store: None)
-    table = TieredEmbeddingBag(None, 6, optimizer=optimizer, host_cache=48, **settings)
+    table = TieredEmbeddingBag(None, 6, optimizer=optimizer, host_cache=48, dtype=dtype, **settings)
     outputs = []
     for arguments, gradient in steps:
+        arguments = [a if a is None or not a.is_floating_point() else a.to(dtype) for a in arguments]
         out = table(*arguments)
         (out * gradient).sum().backward()
         outputs.append(out.detach())
@@ -166,6 +167,28 @@ def test_native_step_trains_the_rows_of_the_reference_path(
     assert torch.equal(native_rows, reference_rows)
     for native, reference in zip(native_outputs, reference_outputs):
         torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [*OPTIMIZERS, optim.Adagrad(lr=0.1, stochastic_rounding=True)], ids=repr
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode, weighted, padding", [("sum", True, False), ("mean", False, True)])
+def test_native_step_on_16_bit_rows_trains_the_rows_of_the_reference_path(
+    monkeypatch, optimizer, dtype, mode, weighted, padding
+):
+    """16-bit rows: pooled in float32 and rounded once to the output, updated by the _16 kernels'
+    step (stochastic rounding by the slots' keys); new rows initialised natively. The rows equal
+    the reference path's bit for bit (the state too), and the outputs within one rounding."""
+    steps = _bag_steps(4, False, weighted, False, padding)
+    settings = dict(mode=mode, padding_idx=3 if padding else None, dtype=dtype)
+    native_outputs, native_rows = _train(monkeypatch, True, optimizer, steps, **settings)
+    reference_outputs, reference_rows = _train(monkeypatch, False, optimizer, steps, **settings)
+    assert native_rows.dtype == dtype
+    assert torch.equal(native_rows.view(torch.int16), reference_rows.view(torch.int16))
+    for native, reference in zip(native_outputs, reference_outputs):
+        assert native.dtype == dtype
+        torch.testing.assert_close(native.float(), reference.float(), rtol=2**-7, atol=2**-14)
 
 
 def test_the_native_path_is_the_one_taken(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 # float32 with their optimizer state in float32 (``metadata.row_width``).
 HALF_FORMATS = {torch.float16: 0, torch.bfloat16: 1}
 KERNEL_DTYPES = (torch.float32, *HALF_FORMATS)
+ROW_FORMATS = {torch.float32: -1, **HALF_FORMATS}  # the native step's codes (host_step.cpp's FLOAT32: -1)
 
 
 def kernel_arguments(

@@ -24,6 +24,7 @@ class HostTierArrays(ctypes.Structure):
         ("dirty", _POINTER),
         ("fresh", _POINTER),
         ("scores", _POINTER),
+        ("format", _I64),  # FLOAT32 (-1) or a 16-bit row's code (launch.HALF_FORMATS)
     ]
 
 

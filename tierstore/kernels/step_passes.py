@@ -17,6 +17,7 @@ import torch
 
 from .cold_passes import ColdPasses
 from .host import host_kernels
+from .launch import ROW_FORMATS
 from .native_types import (
     Bags,
     Distinct,
@@ -34,13 +35,13 @@ _SIGNATURES = {
     "step_unique": (_I64, [_POINTER, _I64, _POINTER, _I64, _POINTER]),
     "step_pooled_forward": (
         None,
-        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _I64, _I64, _I64, _INT]
+        [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _I64, _I64, _I64, _INT]
         + [_POINTER, _POINTER, _I64, _POINTER, _POINTER],
     ),
     "step_backward": (
         None,
-        [_POINTER, _I64, _POINTER, _POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER, _I64]
-        + [_POINTER, _POINTER, _INT, _POINTER, _POINTER],
+        [_POINTER, _I64, _POINTER, _POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER, _I64, _I64]
+        + [_POINTER, _POINTER, _INT, _POINTER, _POINTER, _I64, _I64, _POINTER],
     ),
     "step_rows_moved": (_I64, [_POINTER, _POINTER, _POINTER, _I64]),
     "step_check_batch": (_I64, [_POINTER, _I64, _POINTER, _I64, _I64] + [_POINTER] * 3),
@@ -134,12 +135,13 @@ class StepPasses(ColdPasses):
         self, rows: torch.Tensor, slots: torch.Tensor, distinct: Distinct, bags: Bags
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pooled [bags, dim] (or as ``bags.shape``), each entry's bag int64 [N] (-1: none), its
-        gradient scale float32 [N])`` of ``bags`` over ``rows`` (the host tier's buffer) at ``slots``
-        (int64 [U])."""
+        gradient scale float32 [N])`` of ``bags`` over ``rows`` (the host tier's buffer, float32 or
+        16-bit: summed in float32) at ``slots`` (int64 [U])."""
         entries = distinct.entries
         out, entry_bag, scale = bags.outputs(entries)
         self._functions["step_pooled_forward"](
             rows.data_ptr(),
+            ROW_FORMATS[rows.dtype],
             rows.shape[1],
             bags.dim,
             slots.data_ptr(),
@@ -170,17 +172,21 @@ class StepPasses(ColdPasses):
         update: tuple | None,
     ) -> torch.Tensor | None:
         """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``).
-        ``update``: ``(rows, slots int64 [U], dirty, optimizer kernel name, its float arguments)``:
-        applied to the rows in place (returns None); None: the sums ``[U, dim]`` are returned."""
+        ``update``: ``(rows, slots int64 [U], dirty, optimizer kernel name, its float arguments,
+        rounding)``: applied to the rows in place (returns None), 16-bit rows rounded as ``rounding``
+        says (``(slot keys, stream)`` for stochastic rounding by the rows' ids, else None); None: the
+        sums ``[U, dim]`` are returned."""
         count = distinct.count
+        rounding = None
         if update is None:
             summed = torch.empty(count, dim, dtype=torch.float32)
             rows = slots = dirty = None
             code, arguments = 0, ()
         else:
             summed = None
-            rows, slots, dirty, name, arguments = update
+            rows, slots, dirty, name, arguments, rounding = update
             code = _OPTIMIZER_CODES[name]
+        slot_keys, stream = rounding if rounding is not None else (None, 0)
         parameters = (ctypes.c_float * _MAX_OPTIMIZER_ARGUMENTS)(*arguments)
         self._functions["step_backward"](
             grad.data_ptr(),
@@ -192,11 +198,15 @@ class StepPasses(ColdPasses):
             count,
             dim,
             pointer(rows),
+            -1 if rows is None else ROW_FORMATS[rows.dtype],
             0 if rows is None else rows.shape[1],
             pointer(slots),
             pointer(dirty),
             code,
             parameters,
+            pointer(slot_keys),
+            stream,
+            rounding is not None,
             pointer(summed),
         )
         return summed

@@ -142,8 +142,8 @@ class TieredEmbeddingBag(_TieredTable):
         )
 
     def _native_passes(self, per_sample_weights: torch.Tensor | None):
-        """The native step passes (``native_step``) where a training forward can take them: a float32
-        host top tier with the tuned host build, float32 CPU outputs, mode "sum" or "mean", no
+        """The native step passes (``native_step``) where a training forward can take them: a host
+        top tier with the tuned host build, CPU outputs of the rows' dtype, mode "sum" or "mean", no
         gradient for ``per_sample_weights``, not sharded; else None."""
         training = self.training and torch.is_grad_enabled() and not self.frozen
         output_like = self._buffers["_output_like"]  # (not through Module.__getattr__: each step)
@@ -152,7 +152,7 @@ class TieredEmbeddingBag(_TieredTable):
             or self.scale_grad_by_freq
             or self.sharding is not None
             or self.mode not in ("sum", "mean")
-            or output_like.dtype != torch.float32
+            or output_like.dtype != self.store.dtype
             or not output_like.is_cpu
             or (per_sample_weights is not None and per_sample_weights.requires_grad)
         ):

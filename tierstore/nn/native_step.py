@@ -26,12 +26,17 @@ import torch
 
 from ..kernels.native_types import Bags
 from ..kernels.step_passes import StepPasses
+from ..rounding import rounding_stream
 from .pooled_lookup import rows_in_place
 
 
 def step_passes(store) -> StepPasses | None:
-    """The native passes for ``store``'s top tier when it is a float32 host tier running the tuned
-    host build, else None."""
+    """The native passes for ``store``'s top tier when it is a host tier running the tuned host
+    build (float32 or 16-bit rows), else None (also for a 16-bit store made before its optimizer
+    state was kept in float32: the passes read the state as float32)."""
+    metadata = store.metadata
+    if metadata.dtype != "float32" and metadata.state_dtype is None and metadata.optimizer_state_width:
+        return None
     return store.stack.top.step_passes
 
 
@@ -40,7 +45,8 @@ def embedding_bag(
 ) -> torch.Tensor:
     """A training forward of ``table`` (a ``TieredEmbeddingBag``; arguments checked, ids int64 CPU,
     1-D with offsets or 2-D), its backward updating the rows in place. The output is ``[bags, dim]``,
-    or laid out as ``shape`` (``[bags / k, k x dim]``: the same memory)."""
+    or laid out as ``shape`` (``[bags / k, k x dim]``: the same memory), pooled in float32 and
+    rounded once to a 16-bit table's dtype."""
     store, dim = table.store, table.embedding_dim
     entries = ids.numel()
     if ids.dim() == 2:
@@ -72,11 +78,13 @@ def embedding_bag(
         grad, grad_stride = rows_in_place(grad_output.to(torch.float32))
         step = table.next_step()
         name, arguments, _ = table.optimizer.kernel(step)
+        stochastic = table.optimizer.stochastic_rounding and store.dtype != torch.float32
 
         def in_place(top) -> bool:
             if top.vacated != vacated and passes.rows_moved(top.slot_keys, slots, distinct.unique):
                 return False
-            update = (top.rows, slots, top.dirty, name, arguments)
+            rounding = (top.slot_keys, rounding_stream(step)) if stochastic else None
+            update = (top.rows, slots, top.dirty, name, arguments, rounding)
             passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, update)
             return True
 
@@ -84,6 +92,8 @@ def embedding_bag(
             summed = passes.backward(grad, grad_stride, distinct, entry_bag, scale, dim, None)
             store.apply_gradients(distinct.unique, summed, table.optimizer, step, slots)
 
+    if store.dtype != torch.float32:
+        pooled = pooled.to(store.dtype)
     anchor = table.trainable if distributed() else _ANCHOR
     return _UpdateInBackward.apply(anchor, [pooled], backward)  # the output's backward
 

@@ -216,9 +216,10 @@ class _TieredTable(TableState, nn.Module):
 
     def _gradient_kernels(self, weight: torch.Tensor):
         """The top tier's kernels, where they run on ``weight``'s device, to sum ``weight``'s gradient
-        (``pooled_lookup``); None (torch's own backward) for a torch tier, when not training, or
-        when the gradient is scaled by frequency (torch's backward does that)."""
-        if not weight.requires_grad or weight.dtype != self.store.dtype or self.scale_grad_by_freq:
+        (``pooled_lookup``: float32, as 16-bit rows are widened); None (torch's own backward) for a
+        torch tier, when not training, for wider rows, or when the gradient is scaled by frequency
+        (torch's backward does that)."""
+        if not weight.requires_grad or weight.dtype != torch.float32 or self.scale_grad_by_freq:
             return None
         return self.store.gradient_kernels(weight.device)
 

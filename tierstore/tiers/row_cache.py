@@ -77,10 +77,10 @@ class RowCache(NativeSide):
         self.vacated = 0  # rows that have left their slot (evicted or taken): none did if it is unchanged
         self.horizon_budget = None  # bytes its budget holds for a lookahead horizon (None: none)
         self._passes = cache_passes_of(self.kernels)  # the tuned host build: rows moved in one call
-        # The training step's native passes (nn.native_step) where they serve this tier: float32 rows
-        # in host memory under the tuned host build; else None.
+        # The training step's native passes (nn.native_step) where they serve this tier: rows the
+        # kernels hold, in host memory, under the tuned host build; else None.
         self.step_passes = (
-            step_passes_of(self.kernels) if self.device.type == "cpu" and dtype == torch.float32 else None
+            step_passes_of(self.kernels) if self.device.type == "cpu" and dtype in KERNEL_DTYPES else None
         )
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
 

@@ -7,6 +7,7 @@ import operator
 
 import torch
 
+from ..kernels.launch import ROW_FORMATS
 from ..kernels.native_types import HostTierArrays, Residency, TierChoice
 from .policies import LfuWithAgeing, too_few_evictable
 
@@ -65,6 +66,7 @@ class NativeSide:
             self.dirty.data_ptr(),
             self.fresh.data_ptr(),
             self.policy.score.data_ptr(),
+            ROW_FORMATS[self.rows.dtype],
         )
         self._native_arrays = (tensors, arrays)
         return arrays

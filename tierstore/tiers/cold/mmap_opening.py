@@ -15,6 +15,7 @@ import torch
 
 from ...errors import StoreFormatError
 from ...kernels.cache_passes import cache_passes_of
+from ...kernels.launch import KERNEL_DTYPES
 from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory
 from ..hash_index import HashIndex
@@ -60,7 +61,7 @@ class MmapOpening:
         self._wal_index = self._make_index(1024)
         self._admits_natively = (  # make_resident_in's native call serves a tier with native arrays
             not self.read_only
-            and self.dtype == torch.float32
+            and self.dtype in KERNEL_DTYPES
             and isinstance(self._index, KernelHashTable)
             and isinstance(self._wal_index, KernelHashTable)
             and host_passes() is not None

@@ -248,9 +248,10 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         (the log's room made first: a full disk raises here, before any change), and the tensors
         behind the tier's choice (``RowCache.native_choice``), for ``_admitted``."""
         tier_arrays = tier.native_arrays()
-        if tier_arrays.row_width * 4 != self.row_bytes:
+        if tier.rows.dtype != self.dtype or tier_arrays.row_width != self.row_width:
             raise ValueError(
-                f"the tier's rows hold {tier_arrays.row_width} values, this store's {self.row_width}"
+                f"the tier's rows hold {tier_arrays.row_width} values of {tier.rows.dtype}, this store's "
+                f"{self.row_width} of {self.dtype}"
             )
         choice, held = tier.native_choice(rows)
         start = self._wal_count
