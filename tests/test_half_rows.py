@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tierstore
 from tierstore import (
     EmbeddingBagConfig,
     KeyedJaggedTensor,
@@ -281,3 +282,31 @@ def test_a_collections_tables_each_take_their_data_type(tmp_path):
         reopened.embedding_bags["half"].rows(torch.arange(60)), singles["half"].store.get(torch.arange(60))
     )
     reopened.close()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_16_bit_training_through_the_lookahead_pipeline_is_training_without_it(tmp_path, background):
+    """The native step's 16-bit rows (stochastic Adam: draws by id, column and step), with the
+    worker moving rows ahead (and a horizon) or inline: the same rows and state, bit for bit."""
+
+    def trained(path, pipeline: bool):
+        table = TieredEmbeddingBag(
+            None,
+            DIM,
+            path=path,
+            dtype=torch.float16,
+            optimizer=optim.Adam(lr=0.01, stochastic_rounding=True),
+            host_cache=64,
+        )
+        generator = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, 300, (10, 3), generator=generator) for _ in range(30)]
+        if pipeline:
+            horizon = "4x" if background else None
+            batches = tierstore.prefetch(batches, table, lookahead=4, background=background, horizon=horizon)
+        for ids in batches:
+            table(ids).float().pow(2).sum().backward()
+        rows = table.store.get(torch.arange(300), with_state=True)
+        table.close()
+        return rows.view(torch.int16)
+
+    assert torch.equal(trained(tmp_path / "plain", False), trained(tmp_path / "pipelined", True))
