@@ -377,7 +377,7 @@ extern "C" __global__ void update_rowwise_adagrad(float* __restrict__ rows, i64 
 #define FLOAT16 0
 #define BFLOAT16 1
 
-#if defined(TIERSTORE_HOST_SHIM) && defined(__F16C__)
+#if defined(TIERSTORE_HOST_SHIM) && defined(__F16C__) && defined(__FLT16_MAX__)
 #define HARDWARE_FLOAT16  // the CPU converts float16 itself (F16C): the same values, fewer instructions
 #endif
 
