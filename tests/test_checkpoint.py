@@ -431,3 +431,44 @@ def test_a_checkpoint_holds_the_device_tiers_rows_and_a_restore_drops_them(tmp_p
     assert same_rows(all_rows(uninterrupted.store), all_rows(interrupted.store))
     for closing in (interrupted, uninterrupted):
         closing.close()
+
+
+DISK_FULL = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, sys.argv[4])
+    from test_checkpoint import table, train, batches, all_rows, same_rows
+    store, target, background = sys.argv[1], sys.argv[2], sys.argv[3] == "True"
+    embedding = table(store, "mmap", "adam")
+    embedding.store.put(torch.arange(30_000), torch.rand(30_000, 8))
+    rows = all_rows(embedding.store)
+    try:
+        writing = embedding.checkpoint(target, background=background)
+        assert background, "a checkpoint written in the call raises there"
+        writing.wait()
+    except OSError as error:
+        print(type(error).__name__, error.strerror)
+    assert same_rows(rows, all_rows(embedding.store))
+    train(embedding, batches(1))
+    assert embedding.checkpoint(store + ".elsewhere").wait()
+    embedding.close()
+    """
+)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_checkpoint_that_fills_the_disk_raises_and_leaves_nothing_at_its_path(
+    tmp_path, tiny_filesystem, background
+):
+    """A 2 MiB filesystem cannot hold 30,000 rows of 24 values: the write raises ``OSError``
+    (ENOSPC), synchronously from ``checkpoint`` or from ``wait()``, in a process that lives on (a
+    checkpoint written through a memory map died of SIGBUS there); no checkpoint and no partial
+    directory is left, the store's rows are unchanged, and it trains on and checkpoints elsewhere."""
+    script = [sys.executable, "-c", DISK_FULL, str(tmp_path / "store"), str(tiny_filesystem / "checkpoint")]
+    result = subprocess.run(
+        [*script, str(background), os.path.dirname(__file__)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "OSError No space left on device"
+    assert list(tiny_filesystem.iterdir()) == []
+    assert (tmp_path / "store.elsewhere" / "checkpoint.json").exists()

@@ -10,7 +10,9 @@ numpy reads them, memory-mapped.
 Writing reads a ``StoreSnapshot`` (taken at the call, after a flush) on a thread of its own while
 the caller trains on, into ``.NAME.partial-PID`` beside the target, which is renamed into place once
 every file is synced: a kill at any moment leaves no checkpoint at the target (an earlier one at
-another path is untouched), and the store itself is only read.
+another path is untouched), and the store itself is only read. The files are written front to back
+and synced and dropped from the page cache as they go (``NpyWriter``), so that a checkpoint holds no
+more memory than a chunk of rows: dirty pages count against a memory limit until written back.
 """
 
 from __future__ import annotations
@@ -32,7 +34,40 @@ from .snapshot import StoreSnapshot
 
 FORMAT = "tierstore-checkpoint/1"
 INFO_FILE, IDS_FILE, ROWS_FILE = "checkpoint.json", "ids.npy", "rows.npy"
-COPY_ROWS = 1 << 16  # rows copied from the snapshot at once
+COPY_ROWS = 1 << 14  # rows copied from the snapshot at once
+SYNC_BYTES = 32 << 20  # written bytes synced and dropped from the page cache at a time
+
+
+class NpyWriter:
+    """A ``.npy`` file of ``dtype`` and ``shape`` written front to back by ``write`` (rows in order),
+    every ``SYNC_BYTES`` synced and its pages dropped from the page cache; ``close`` syncs the rest."""
+
+    def __init__(self, path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self._file = open(path, "wb")
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(self._file, header)
+        self._dtype, self._unsynced = dtype, 0
+
+    def write(self, array: np.ndarray) -> None:
+        if array.dtype != self._dtype:
+            raise TypeError(f"rows of {array.dtype} written to a .npy file of {self._dtype}")
+        self._file.write(np.ascontiguousarray(array).data)
+        self._unsynced += array.nbytes
+        if self._unsynced >= SYNC_BYTES:
+            self._sync()
+
+    def _sync(self) -> None:
+        self._file.flush()
+        descriptor = self._file.fileno()
+        os.fdatasync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: let them go now
+        self._unsynced = 0
+
+    def close(self) -> None:
+        try:
+            self._sync()
+        finally:
+            self._file.close()
 
 
 def numpy_bits(rows: torch.Tensor) -> np.ndarray:
@@ -63,7 +98,8 @@ class TablePart:
 
 
 class CheckpointWriting:
-    """A checkpoint being written on its own thread: ``wait()`` returns its path once it is complete
+    """A checkpoint being written on its own thread (``background``; else written, or raising what
+    stopped it, before the constructor returns): ``wait()`` returns its path once it is complete
     (or raises what stopped it); ``done()`` says whether it has finished."""
 
     def __init__(self, path: str | os.PathLike, parts: list[TablePart], background: bool = True) -> None:
@@ -81,6 +117,7 @@ class CheckpointWriting:
             self._thread.start()
         else:
             self._thread.run()
+            self.wait()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -118,22 +155,23 @@ class CheckpointWriting:
 
 def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
     metadata, count = snapshot.metadata, len(snapshot)
-    ids = np.lib.format.open_memmap(directory / IDS_FILE, "w+", np.int64, (count,))
-    rows = np.lib.format.open_memmap(
-        directory / ROWS_FILE, "w+", numpy_dtype(metadata.torch_dtype), (count, metadata.row_width)
-    )
-    written = 0
-    for keys, values in snapshot.iter_rows(COPY_ROWS):
-        stop = written + keys.numel()
-        if stop > count:
-            raise StoreFormatError(f"the snapshot yielded more than its {count} rows")
-        ids[written:stop] = keys.numpy()
-        rows[written:stop] = numpy_bits(values)
-        written = stop
-    if written != count:
-        raise StoreFormatError(f"the snapshot yielded {written} of its {count} rows")
-    ids.flush()
-    rows.flush()
+    ids = NpyWriter(directory / IDS_FILE, np.dtype(np.int64), (count,))
+    rows_dtype = numpy_dtype(metadata.torch_dtype)
+    rows = NpyWriter(directory / ROWS_FILE, rows_dtype, (count, metadata.row_width))
+    try:
+        written = 0
+        for keys, values in snapshot.iter_rows(COPY_ROWS):
+            stop = written + keys.numel()
+            if stop > count:
+                raise StoreFormatError(f"the snapshot yielded more than its {count} rows")
+            ids.write(keys.numpy())
+            rows.write(numpy_bits(values).view(rows_dtype))  # bfloat16: its bits as uint16
+            written = stop
+        if written != count:
+            raise StoreFormatError(f"the snapshot yielded {written} of its {count} rows")
+    finally:
+        ids.close()
+        rows.close()
     info = {
         "format": FORMAT,
         "store": dataclasses.asdict(metadata),
