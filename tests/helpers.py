@@ -12,10 +12,17 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tierstore import initial_weights
+from tierstore import initial_weights, optim
 from tierstore.tiers import build
 
 CGROUP = Path("/sys/fs/cgroup/memory")  # the cgroup v1 memory controller
+# One of each update kernel (Adagrad with lr_decay: its host-computed rate), for the kernel tests.
+KERNEL_OPTIMIZERS = [
+    optim.SGD(lr=0.1),
+    optim.Adagrad(lr=0.1, lr_decay=0.01),
+    optim.RowWiseAdagrad(lr=0.1),
+    optim.Adam(lr=0.05),
+]
 
 
 def initial(id_, dim, seed=0):

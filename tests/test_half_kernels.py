@@ -5,6 +5,7 @@ backend's (float32 arithmetic, one rounding)."""
 
 import pytest
 import torch
+from helpers import KERNEL_OPTIMIZERS
 from host_kernels import parallel_host_kernels, shared_host_kernels
 
 from tierstore import optim
@@ -108,13 +109,7 @@ def test_16_bit_gather_and_scatter_move_the_bits(build, dtype, width):
 
 @pytest.mark.parametrize(
     "optimizer",
-    [
-        optim.SGD(lr=0.1),
-        optim.Adagrad(lr=0.1, lr_decay=0.01),
-        optim.RowWiseAdagrad(lr=0.1),
-        optim.Adam(lr=0.05),
-        optim.Adagrad(lr=0.1, stochastic_rounding=True),
-    ],
+    [*KERNEL_OPTIMIZERS, optim.Adagrad(lr=0.1, stochastic_rounding=True)],
     ids=lambda optimizer: f"{optimizer.name}{'-stochastic' if optimizer.stochastic_rounding else ''}",
 )
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,12 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import hash_table_operations
+from helpers import KERNEL_OPTIMIZERS, hash_table_operations
 from host_kernels import parallel_host_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import optim
 from tierstore.kernels import cuda as kernels
 from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.tiers.backends import TorchRows
@@ -296,15 +295,7 @@ def test_victim_scores_block_free_and_needed_slots(host):
     assert torch.topk(out, 2, largest=False).indices.tolist() == [1, 4]
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        optim.SGD(lr=0.1),
-        optim.Adagrad(lr=0.1, lr_decay=0.01),
-        optim.RowWiseAdagrad(lr=0.1),
-        optim.Adam(lr=0.05),
-    ],
-)
+@pytest.mark.parametrize("optimizer", KERNEL_OPTIMIZERS)
 def test_update_kernels_match_the_torch_optimizers(host, optimizer):
     dim, generator = 8, torch.Generator().manual_seed(2)
     width = dim + optimizer.state_width(dim)
