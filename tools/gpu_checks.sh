@@ -24,9 +24,9 @@ stage() { # name, seconds, command...
     echo "=== $name: exit $? ($(date +%T))"
     tail -n 25 "$OUT/$name.log"
 }
-sanitize() { # tool, seconds: every device-tier kernel under compute-sanitizer
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage "sanitize-$1" "$2" compute-sanitizer --tool "$1" \
-        --report-api-errors no --error-exitcode 9 python3 tools/gpu_kernel_workload.py
+sanitize() { # tool, seconds, dtypes: every device-tier kernel under compute-sanitizer, on rows of those dtypes
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage "sanitize-$1-${3// /-}" "$2" compute-sanitizer --tool "$1" \
+        --report-api-errors no --error-exitcode 9 python3 tools/gpu_kernel_workload.py $3
 }
 for name in "$@"; do
     case $name in
@@ -34,7 +34,10 @@ for name in "$@"; do
         cuda.bindings.__version__, numpy.__version__, torch.cuda.get_device_name())"' ;;
     tests) stage tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 $GPU_TESTS ;;
     suite) stage suite 540 python3 -m pytest -v -p no:cacheprovider -n 8 tests ;; # -v: outcomes as they come
-    sanitize) for tool in memcheck racecheck synccheck initcheck; do sanitize $tool 90; done ;;
+    sanitize) for tool in memcheck racecheck synccheck initcheck; do
+        sanitize $tool 90 float32
+        sanitize $tool 120 "float16 bfloat16"
+    done ;;
     bench) stage bench 300 python3 bench/bench_device.py --json "$OUT/device.json" ;;
     fresh) stage fresh 200 python3 bench/bench_device.py --fresh --json "$OUT/device-fresh.json" ;;
     dlrm) stage dlrm 150 python3 tools/train_dlrm.py --device cuda --steps 100 ;;
