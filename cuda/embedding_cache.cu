@@ -419,10 +419,14 @@ __device__ __forceinline__ bool infinite_16(u16 bits, i64 format) {
 // SplitMix64 (its increment, then the finaliser), as tierstore/initializer.py's splitmix64.
 __device__ __forceinline__ u64 splitmix64(u64 x) { return mix(x + GOLDEN); }
 
-// tierstore/initializer.py's unit_draws: a float64 in [0, 1) from 53 hashed bits of (id, stream, column).
-__device__ __forceinline__ double unit_draw(i64 id, u64 stream, i64 column) {
-    const u64 start = splitmix64((u64)id * 0x5851F42D4C957F2DULL + stream);
-    return (double)(splitmix64(start + (u64)column * GOLDEN) >> 11) * 1.1102230246251565e-16;
+// tierstore/initializer.py's unit_draws: id's draws for the purpose `stream` (draws_of), then a
+// float64 in [0, 1) from 53 hashed bits of them and a column (unit_draw).
+__device__ __forceinline__ u64 draws_of(i64 id, u64 stream) {
+    return splitmix64((u64)id * 0x5851F42D4C957F2DULL + stream);
+}
+
+__device__ __forceinline__ double unit_draw(u64 draws, i64 column) {
+    return (double)(splitmix64(draws + (u64)column * GOLDEN) >> 11) * 0x1.0p-53;
 }
 
 // One of the two 16-bit values around `value`, the upper with probability its distance from the
@@ -437,7 +441,7 @@ __device__ __forceinline__ u16 stochastically(float value, i64 format, i64 id, u
     const float other_value = widened(other, format);
     const bool near_is_low = near_value < other_value;
     const double low = near_is_low ? near_value : other_value, high = near_is_low ? other_value : near_value;
-    const bool up = unit_draw(id, stream, column) < ((double)value - low) / (high - low);
+    const bool up = unit_draw(draws_of(id, stream), column) < ((double)value - low) / (high - low);
     return up == near_is_low ? other : near;
 }
 

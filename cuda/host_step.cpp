@@ -366,51 +366,49 @@ extern "C" void step_pooled_forward(const void* __restrict__ rows, i64 format, i
                        bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag, scale);
 }
 
-// The optimizers of embedding_cache.cu, by number (tierstore/nn/native_step.py's OPTIMIZERS), on one
-// row with its summed gradient g; params as the optimizer's kernel takes its float arguments.
-__device__ __forceinline__ void update_row(float* __restrict__ row, const float* __restrict__ g, i64 dim,
-                                           int optimizer, const float* __restrict__ params) {
+// The element-wise optimizers of embedding_cache.cu by number (tierstore/kernels/step_passes.py's
+// _OPTIMIZER_CODES: 0 SGD, 1 Adagrad, 2 Adam), built from params (the float arguments their kernels
+// take) and handed to `apply`.
+template <typename Apply>
+__device__ __forceinline__ void with_elementwise_step(int optimizer, const float* __restrict__ params,
+                                                      Apply apply) {
     switch (optimizer) {
         case 0:
-            step_row(row, g, dim, SgdStep{params[0]});
+            apply(SgdStep{params[0]});
             break;
         case 1:
-            step_row(row, g, dim, AdagradStep{params[0], params[1]});
+            apply(AdagradStep{params[0], params[1]});
             break;
-        case 2:
-            step_row(row, g, dim, AdamStep{params[0], params[1], params[2], params[3], params[4], params[5]});
-            break;
-        default: {  // row-wise Adagrad, as update_rowwise_adagrad
-            float sum = 0.0f;
-            for (i64 c = 0; c < dim; ++c) sum += g[c] * g[c];
-            const float momentum = row[dim] + sum / (float)dim;
-            row[dim] = momentum;
-            const float step_scale = params[0] / (sqrtf(momentum) + params[1]);
-            for (i64 c = 0; c < dim; ++c) row[c] -= step_scale * g[c];
-        }
+        default:
+            apply(AdamStep{params[0], params[1], params[2], params[3], params[4], params[5]});
     }
 }
 
-// update_row on a 16-bit row (at `slot`: rounding.keys are the tier's slot keys, the rows' ids).
+#define ROWWISE_ADAGRAD 3
+
+// Optimizer `optimizer` on one row with its summed gradient g, as the update kernels apply it: a
+// float32 row (`rounding` and `slot` unused), or a 16-bit one rounded by `rounding` (its keys are
+// the tier's slot keys, the rows' ids; `slot` the row's).
+__device__ __forceinline__ void update_row(float* __restrict__ row, const float* __restrict__ g, i64 dim,
+                                           int optimizer, const float* __restrict__ params,
+                                           const HalfRounding&, i64) {
+    if (optimizer == ROWWISE_ADAGRAD) {
+        rowwise_adagrad_row(Float32Weights{row}, row + dim, g, dim, params[0], params[1]);
+        return;
+    }
+    with_elementwise_step(optimizer, params, [&](auto step) { step_row(row, g, dim, step); });
+}
+
 __device__ __forceinline__ void update_row(u16* __restrict__ row, const float* __restrict__ g, i64 dim,
                                            int optimizer, const float* __restrict__ params,
                                            const HalfRounding& rounding, i64 slot) {
-    switch (optimizer) {
-        case 0:
-            step_row_16(row, g, dim, SgdStep{params[0]}, rounding, slot);
-            break;
-        case 1:
-            step_row_16(row, g, dim, AdagradStep{params[0], params[1]}, rounding, slot);
-            break;
-        case 2:
-            step_row_16(row, g, dim,
-                        AdamStep{params[0], params[1], params[2], params[3], params[4], params[5]}, rounding,
-                        slot);
-            break;
-        default:
-            rowwise_adagrad_row(HalfWeights{row, rounding, slot}, float32_state(row, dim), g, dim, params[0],
-                                params[1]);
+    if (optimizer == ROWWISE_ADAGRAD) {
+        rowwise_adagrad_row(HalfWeights{row, rounding, slot}, float32_state(row, dim), g, dim, params[0],
+                            params[1]);
+        return;
     }
+    with_elementwise_step(optimizer, params,
+                          [&](auto step) { step_row_16(row, g, dim, step, rounding, slot); });
 }
 
 // Row r's gradient: the sum over its entries (order[starts[r]] .. order[starts[r + 1] - 1], in
@@ -450,10 +448,7 @@ static void backward(const float* __restrict__ grad_out, i64 grad_stride, const 
                 for (i64 c = 0; c < dim; ++c) g[c] += weight * source[c];
             }
             if (!grad_rows) {
-                if constexpr (sizeof(Row) == sizeof(float))
-                    update_row(rows + slots[r] * row_width, g, dim, optimizer, params);
-                else
-                    update_row(rows + slots[r] * row_width, g, dim, optimizer, params, rounding, slots[r]);
+                update_row(rows + slots[r] * row_width, g, dim, optimizer, params, rounding, slots[r]);
                 dirty[slots[r]] = 1;
             }
         }
@@ -588,12 +583,8 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
 // rounded once to float; optimizer state zero. seed_hash: splitmix64(seed).
 static inline void initial_row(i64 id, i64 dim, i64 row_width, u64 seed_hash, double bound,
                                float* __restrict__ row) {
-    const u64 stream = splitmix64((u64)id * 0x5851F42D4C957F2DULL + seed_hash);
-    for (i64 c = 0; c < dim; ++c) {
-        const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
-        const double unit = (double)(bits >> 11) * 0x1.0p-53;
-        row[c] = (float)((2.0 * unit - 1.0) * bound);
-    }
+    const u64 draws = draws_of(id, seed_hash);
+    for (i64 c = 0; c < dim; ++c) row[c] = (float)((2.0 * unit_draw(draws, c) - 1.0) * bound);
     for (i64 c = dim; c < row_width; ++c) row[c] = 0.0f;
 }
 
@@ -601,12 +592,9 @@ static inline void initial_row(i64 id, i64 dim, i64 row_width, u64 seed_hash, do
 // 16-bit format (as torch converts a float64 tensor); the rest (padding, float32 state) zero.
 static inline void initial_row_16(i64 id, i64 dim, i64 row_width, u64 seed_hash, double bound, i64 format,
                                   u16* __restrict__ row) {
-    const u64 stream = splitmix64((u64)id * 0x5851F42D4C957F2DULL + seed_hash);
-    for (i64 c = 0; c < dim; ++c) {
-        const u64 bits = splitmix64(stream + (u64)c * GOLDEN);
-        const double unit = (double)(bits >> 11) * 0x1.0p-53;
-        row[c] = nearest((float)((2.0 * unit - 1.0) * bound), format);
-    }
+    const u64 draws = draws_of(id, seed_hash);
+    for (i64 c = 0; c < dim; ++c)
+        row[c] = nearest((float)((2.0 * unit_draw(draws, c) - 1.0) * bound), format);
     for (i64 c = dim; c < row_width; ++c) row[c] = 0;
 }
 
