@@ -132,8 +132,11 @@ def test_a_16_bit_store_made_before_float32_state_keeps_its_state_in_the_rows_dt
     (store_path / METADATA_FILE).write_text(json.dumps(document))
     optimizer = optim.Adagrad(lr=0.1)
     ids, grad = torch.arange(6), torch.linspace(-2, 3, 24).view(6, 4)
+    with pytest.raises(ValueError, match="keeps its optimizer state in its rows' dtype"):
+        TieredStore(store_path, backend=backend, host_cache=8, host_cache_backend="openmp")
     with TieredStore(store_path, backend=backend, host_cache=8) as store:
         assert store.row_width == 8 and store.metadata.state_dtype is None
+        assert store.stats()["host"]["backend"] == "torch"  # the kernels update float32 state only
         start = store.get(ids, with_state=True)
         store.apply_gradients(ids, grad, optimizer, step=1)
         after = store.get(ids, with_state=True)

@@ -85,6 +85,12 @@ class StoreMetadata:
         return row_width(self.dim, self.optimizer_state_width, self.state_dtype is not None)
 
     @property
+    def state_in_row_dtype(self) -> bool:
+        """Whether this 16-bit store keeps its optimizer state in its rows' dtype (made before state
+        was kept in float32): the kernels, which read the state as float32, cannot update it."""
+        return self.dtype in HALF_DTYPES and self.state_dtype is None and self.optimizer_state_width > 0
+
+    @property
     def row_checksums(self) -> bool:
         """Whether the cold store's rows carry checks (format version 2 on)."""
         return self.format_version >= 2

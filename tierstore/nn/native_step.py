@@ -32,11 +32,7 @@ from .pooled_lookup import rows_in_place
 
 def step_passes(store) -> StepPasses | None:
     """The native passes for ``store``'s top tier when it is a host tier running the tuned host
-    build (float32 or 16-bit rows), else None (also for a 16-bit store made before its optimizer
-    state was kept in float32: the passes read the state as float32)."""
-    metadata = store.metadata
-    if metadata.dtype != "float32" and metadata.state_dtype is None and metadata.optimizer_state_width:
-        return None
+    build (float32 or 16-bit rows), else None."""
     return store.stack.top.step_passes
 
 

@@ -88,7 +88,6 @@ class KernelRows:
         self.kernels = kernels
         self.name = name
         self._passes = cache_passes_of(kernels)  # the tuned host build: per-slot updates on one thread
-        self._reference = TorchRows()  # 16-bit rows of stores whose state is in the rows' dtype
 
     def make_index(self, capacity: int, device: torch.device) -> KernelHashTable:
         return KernelHashTable(capacity, self.kernels, device)
@@ -166,10 +165,6 @@ class KernelRows:
         dim = grad.shape[1]
         grad = grad.to(rows.device, torch.float32).contiguous()
         if rows.dtype in HALF_FORMATS:
-            state_width = optimizer.state_width(dim)
-            if state_width and rows.shape[1] == dim + state_width:  # state in the rows' dtype (old stores)
-                self._reference.optimizer_step(optimizer, rows, slots, grad, step, keys)
-                return
             stochastic = optimizer.stochastic_rounding
             if stochastic and keys is None:
                 raise ValueError("stochastic_rounding draws by the rows' ids: pass keys")
@@ -211,20 +206,26 @@ def check_setting(tier: str, requested) -> None:
         )
 
 
-def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
-    """The backend of the ``tier`` ("device" or "host") for rows of ``dtype`` on ``device``.
+def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype, state_in_row_dtype: bool = False):
+    """The backend of the ``tier`` ("device" or "host") for rows of ``dtype`` on ``device``
+    (``state_in_row_dtype``: 16-bit rows whose optimizer state is in their own dtype, which only the
+    torch backend updates; ``StoreMetadata.state_in_row_dtype``).
 
     ``requested``: a backend value (used as given), "torch", the tier's kernels ("cuda" for the
     device tier, "openmp" for the host tier: raises ``ValueError`` saying why when they cannot run
     here) or "auto" (the kernels where they run, else torch)."""
     if not isinstance(requested, str):
+        if state_in_row_dtype and isinstance(requested, KernelRows):
+            raise ValueError(f"{tier}_cache_backend: {_STATE_IN_ROW_DTYPE}; use 'auto' or 'torch'")
         return requested
     check_setting(tier, requested)
     names = DEVICE_BACKENDS if tier == "device" else HOST_BACKENDS
     if requested == "torch":
         return TorchRows()
     kernel_name = names[1]
-    if tier == "device":
+    if state_in_row_dtype:
+        kernels, why_not = None, _STATE_IN_ROW_DTYPE
+    elif tier == "device":
         kernels, why_not = device_kernels(device, dtype)
     elif dtype not in KERNEL_DTYPES:
         kernels, why_not = None, f"the kernels store float32, float16 or bfloat16 rows, not {dtype}"
@@ -237,6 +238,12 @@ def resolve(tier: str, requested, device: torch.device, dtype: torch.dtype):
             )
         return TorchRows()
     return KernelRows(kernels, kernel_name)
+
+
+_STATE_IN_ROW_DTYPE = (
+    "this 16-bit store keeps its optimizer state in its rows' dtype (it was made before the state was "
+    "kept in float32), and the kernels update float32 state"
+)
 
 
 def _as_float32(rows: torch.Tensor, other: torch.Tensor, columns: int) -> tuple:

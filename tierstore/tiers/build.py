@@ -43,7 +43,7 @@ def build_caches(
     ]
     caches = []
     for name, budget, tier_device, requested, memory in tiers:
-        backend = backends.resolve(name, requested, device, metadata.torch_dtype)
+        backend = backends.resolve(name, requested, device, metadata.torch_dtype, metadata.state_in_row_dtype)
         horizon = config.horizon if not caches else None  # the top tier holds a horizon's pins
         cache = _cache_tier(
             name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon, most_rows
