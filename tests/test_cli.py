@@ -147,6 +147,25 @@ def test_import_refuses_an_existing_store_and_changes_nothing(tmp_path, dense, c
     assert torch.equal(stored_rows(tmp_path / "a", range(700)), before)
 
 
+@pytest.mark.parametrize("suffix", [".npy", ".pt"])
+def test_an_export_that_fills_the_disk_fails_with_one_line_and_leaves_no_file(
+    tmp_path, tiny_filesystem, suffix
+):
+    """100,000 rows of 8 floats do not fit a 2 MiB filesystem: the export exits 2 naming ENOSPC and
+    leaves nothing there (it died of SIGBUS, writing through a memory map, and left a partial file)."""
+    with TieredStore(tmp_path / "store", dim=8, host_cache=1000) as store:
+        store.put(torch.arange(100_000), torch.rand(100_000, 8))
+    target = tiny_filesystem / f"out{suffix}"
+    result = subprocess.run(
+        [*CLI, "export", str(tmp_path / "store"), str(target)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "No space left on device" in result.stderr
+    assert list(tiny_filesystem.iterdir()) == []
+
+
 def test_import_killed_midway_leaves_no_store(tmp_path):
     rows = np.lib.format.open_memmap(tmp_path / "big.npy", mode="w+", dtype=np.float32, shape=(400_000, 64))
     rows[:] = 1.0

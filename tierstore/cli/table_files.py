@@ -12,6 +12,7 @@ larger than RAM streams through page by page.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import warnings
 from collections.abc import Iterator
@@ -199,6 +200,16 @@ def _check_ids(ids: torch.Tensor, rows: int, path: Path) -> torch.Tensor:
 # -- writing ------------------------------------------------------------------------------------
 
 
+def _allocated_memmap(path: Path, dtype: np.dtype, shape: tuple, made: list) -> np.memmap:
+    """A new ``.npy`` file at ``path`` mapped for writing (appended to ``made``), its blocks allocated
+    first: a full disk raises ``OSError`` here, where a write through the map would die of SIGBUS."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    made.append(path)
+    with open(path, "r+b", buffering=0) as file:
+        os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+    return array
+
+
 class TableWriter:
     """Writes ``[N, width]`` rows of ``dtype`` (and ``ids`` when ``sparse``) to ``path`` in any order
     of chunks: ``write(position, ids, rows)`` places them at rows ``position..``; ``close()``
@@ -234,15 +245,19 @@ class TableWriter:
         self._rows_file = (
             self.path if self.path.suffix == ".npy" else self.path.with_name(self.path.name + ".rows.tmp.npy")
         )
-        self._rows = np.lib.format.open_memmap(
-            self._rows_file, mode="w+", dtype=numpy_dtype, shape=(rows, width)
-        )
         self._ids = None
-        if sparse:
-            self._ids_file = (
-                ids_path if ids_path is not None else self.path.with_name(self.path.name + ".ids.tmp.npy")
-            )
-            self._ids = np.lib.format.open_memmap(self._ids_file, mode="w+", dtype=np.int64, shape=(rows,))
+        made = []
+        try:
+            self._rows = _allocated_memmap(self._rows_file, numpy_dtype, (rows, width), made)
+            if sparse:
+                self._ids_file = (
+                    ids_path if ids_path is not None else self.path.with_name(self.path.name + ".ids.tmp.npy")
+                )
+                self._ids = _allocated_memmap(self._ids_file, np.dtype(np.int64), (rows,), made)
+        except OSError:
+            for path in made:
+                path.unlink(missing_ok=True)
+            raise
 
     def write(self, position: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         stop = position + rows.shape[0]
