@@ -220,7 +220,7 @@ KILLED_WHILE_WRITING = textwrap.dedent(
     import tierstore.checkpoint
     from tierstore.snapshot import StoreSnapshot
     from test_checkpoint import table, train, batches
-    tierstore.checkpoint.COPY_ROWS = 16
+    tierstore.checkpoint.WRITE_ROWS = 16
     embedding = table(sys.argv[1], sys.argv[2], "adagrad")
     train(embedding, batches(6))
     rows = StoreSnapshot.iter_rows

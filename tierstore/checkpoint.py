@@ -34,7 +34,8 @@ from .snapshot import StoreSnapshot
 
 FORMAT = "tierstore-checkpoint/1"
 INFO_FILE, IDS_FILE, ROWS_FILE = "checkpoint.json", "ids.npy", "rows.npy"
-COPY_ROWS = 1 << 14  # rows copied from the snapshot at once
+COPY_ROWS = 1 << 16  # rows a checkpoint is read in at once (restore)
+WRITE_ROWS = 1 << 14  # rows copied from the snapshot at once while training goes on (its memory)
 SYNC_BYTES = 32 << 20  # written bytes synced and dropped from the page cache at a time
 
 
@@ -160,7 +161,7 @@ def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
     rows = NpyWriter(directory / ROWS_FILE, rows_dtype, (count, metadata.row_width))
     try:
         written = 0
-        for keys, values in snapshot.iter_rows(COPY_ROWS):
+        for keys, values in snapshot.iter_rows(WRITE_ROWS):
             stop = written + keys.numel()
             if stop > count:
                 raise StoreFormatError(f"the snapshot yielded more than its {count} rows")
@@ -181,12 +182,11 @@ def _write_table(snapshot: StoreSnapshot, directory: Path, step: int) -> None:
     }
     with open(directory / INFO_FILE, "w") as file:
         json.dump(info, file, indent=2)
-    for name in (IDS_FILE, ROWS_FILE, INFO_FILE):
-        descriptor = os.open(directory / name, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+    descriptor = os.open(directory / INFO_FILE, os.O_RDONLY)  # the .npy files: synced as written
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
     fsync_directory(directory)
 
 
