@@ -707,11 +707,11 @@ struct ColdFiles {
 };
 
 // sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
-// row; null where the store holds none. advise: the main index and rows are mapped files whose pages
-// are likely on disk, so each pass first asks the kernel for the pages it is about to read
-// (MADV_WILLNEED starts their reads and returns): the disk serves the batch's reads many at a time
-// instead of one page fault after another. A system call a page: only worth it when the pages are
-// not in memory.
+// row; null where the store holds none (a value below zero in the log's index: the key was removed).
+// advise: the main index and rows are mapped files whose pages are likely on disk, so each pass first
+// asks the kernel for the pages it is about to read (MADV_WILLNEED starts their reads and returns):
+// the disk serves the batch's reads many at a time instead of one page fault after another. A system
+// call a page: only worth it when the pages are not in memory.
 static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFiles& cold, int advise,
                                const unsigned char** __restrict__ sources) {
     if (advise && cold.main_mask >= 0)
@@ -727,11 +727,16 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
                 prefetch_home(cold.main_keys, cold.main_values, cold.main_mask, keys[i + AHEAD]);
         }
         const unsigned char* source = nullptr;
+        bool removed = false;  // the log's last record of the key is a removal (a negative value)
         if (cold.log_mask >= 0) {
             const i64 position = probe(cold.log_keys, cold.log_mask, keys[i]);
-            if (position >= 0) source = cold.log_rows + cold.log_values[position] * cold.stored_bytes;
+            if (position >= 0) {
+                const i64 record = cold.log_values[position];
+                removed = record < 0;
+                if (!removed) source = cold.log_rows + record * cold.stored_bytes;
+            }
         }
-        if (!source && cold.main_mask >= 0) {
+        if (!source && !removed && cold.main_mask >= 0) {
             const i64 position = probe(cold.main_keys, cold.main_mask, keys[i]);
             if (position >= 0 && cold.main_values[position] < cold.main_count)  // past it: not committed
                 source = cold.main_rows + cold.main_values[position] * cold.stored_bytes;
@@ -815,8 +820,8 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
 // the stored form of rows[i] (row_bytes, then check_bytes of its check for id keys[i]) goes over
 // keys[i]'s record in log_rows when the log's index (log_keys/log_values/log_mask) has one at or
 // past `committed` (staged since the last flush); else it is packed into out_new, in order, with
-// new_keys[j] its id and superseded[j] whether an older (committed) record of it exists. Returns
-// how many were packed.
+// new_keys[j] its id and superseded[j] whether the log's index has an entry of it (a committed
+// record, or a removal). Returns how many were packed.
 extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsigned char* __restrict__ rows,
                                i64 row_bytes, i64 check_bytes, const i64* __restrict__ log_keys,
                                const i64* __restrict__ log_values, i64 log_mask, i64 committed,
@@ -837,7 +842,7 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
         } else {
             targets[i] = out_new + packed * stored_bytes;
             new_keys[packed] = keys[i];
-            superseded[packed] = record >= 0;
+            superseded[packed] = position >= 0;  // a committed record, or a removal
             ++packed;
         }
     }

@@ -1,8 +1,8 @@
 """Invariant 3 under SIGKILL: a writer is killed at random moments; every reopen must hold exactly the
-state of one completed flush, no older than the last flush the writer reported. With "small" caches
-a round is mostly puts that evict and stage rows; with "large" caches 30-60% of a round is inside
-flush, so kills land there too. Both backends guarantee this (LMDB by its transactions, mmap by its
-write-ahead log; see tierstore/tiers/cold/mmap_store.py)."""
+state of one completed flush, no older than the last flush the writer reported (the ids it removed
+gone). With "small" caches a round is mostly puts that evict and stage rows; with "large" caches
+30-60% of a round is inside flush, so kills land there too. Both backends guarantee this (LMDB by
+its transactions, mmap by its write-ahead log; see tierstore/tiers/cold/mmap_store.py)."""
 
 import os
 import random
@@ -27,6 +27,8 @@ def expected_state(last_round: int) -> dict:
     state = {}
     for round_ in range(last_round + 1):
         state.update(dict.fromkeys(crash_writer.round_ids(round_).tolist(), float(round_)))
+        for removed in crash_writer.removed_ids(round_).tolist():
+            state.pop(removed, None)
     return state
 
 

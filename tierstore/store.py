@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from .errors import ReadOnlyStoreError, StoreClosedError
+from .expiry import ExpiryPolicy, IdExpiry
+from .kernels import host_kernels
 from .locking import serialized
 from .metadata import create_store, dtype_name, resolve_metadata
 from .snapshot import StoreSnapshot
@@ -57,6 +59,10 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         most_rows: the most distinct ids the table will look up (a bounded table's rows), or None
             (any). No cache tier takes more slots than that, whatever its budget: a small table's
             caches cost what it can hold, and a table that fits its budget is held whole.
+        ttl, max_rows: expiring ids (``tierstore.expiry``): at each flush, ids not updated for
+            ``ttl`` (an int: optimizer updates of the table; a ``datetime.timedelta``: time) are
+            removed, then the oldest past ``max_rows``; an expired id that returns starts from its
+            initial row. None (the default): ids stay for good.
 
     ``get(ids)`` returns ``[N, dim]`` weights (``with_state=True``: whole rows). Ids never seen get
     their initial row (a function of id and seed) and join the table. Duplicate ids are fetched
@@ -80,6 +86,8 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         tiers: TierConfig | None = None,
         warm: Any = None,
         most_rows: int | None = None,
+        ttl: Any = None,
+        max_rows: int | None = None,
         **tier_settings,
     ) -> None:
         self._lock = threading.RLock()
@@ -91,6 +99,9 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         check_backends(config, self.device, dtype or torch.float32)
         dim, optimizer_state_width, seed = (integral(value) for value in (dim, optimizer_state_width, seed))
         most_rows = integral(most_rows)
+        expiry = ExpiryPolicy.of(ttl, max_rows)
+        if expiry is not None and read_only:
+            raise ValueError("ttl and max_rows remove ids: open the store writable to expire them")
         if most_rows is not None and (isinstance(most_rows, bool) or not isinstance(most_rows, int)):
             raise TypeError(f"most_rows must be an int (ids) or None (any), got {most_rows!r}")
         if most_rows is not None and most_rows < 0:
@@ -127,6 +138,13 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
                 _remove_contents(self.path, remove_directory=not existed or self._temporary)
             raise
         self._closed = False
+        self._expiry_policy = expiry
+        try:
+            self._expiry = None if read_only else self._open_expiry()
+        except BaseException:
+            self.stack.cold.close()
+            raise
+        self._in_flight = None  # the last training lookup's ids (int64), until their update
         self._snapshots: weakref.WeakSet[StoreSnapshot] = weakref.WeakSet()
         _OPEN_HERE[self.path.resolve()] = self
         self.warmed_rows = 0  # rows a warm start preloaded
@@ -136,6 +154,20 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
             except BaseException:  # a damaged row, say: the store is not left open
                 self.close()
                 raise
+
+    def _open_expiry(self) -> IdExpiry | None:
+        """The expiry of a writable store with a policy (its side store opened); without one, a side
+        store left by an earlier open is dropped (it would go stale)."""
+        if self._expiry_policy is None:
+            IdExpiry.drop(self.path)
+            return None
+        kernels = None if self.config.host_cache_backend == "torch" else host_kernels()[0]
+        return IdExpiry(self.path, self._expiry_policy, kernels)
+
+    @property
+    def expiry(self) -> ExpiryPolicy | None:
+        """When ids expire (``ttl``, ``max_rows``), None if they never do."""
+        return self._expiry_policy
 
     @staticmethod
     def open_here(path: str | Path) -> TieredStore | None:
@@ -221,6 +253,17 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         )
 
     @serialized
+    def remove(self, ids: Any) -> int:
+        """Remove ``ids`` (int64 [N], any order, repeats and ids the table does not hold allowed) from
+        the table: from every cache tier at once and from the cold store's files at the next flush
+        (durable then, as updates are). An id removed and looked up again starts from its initial
+        row, as a new id does. Ids whose rows are pinned for batches in flight (a lookahead
+        pipeline) are refused, changing nothing. Returns how many of the ids the table held."""
+        self._check_writable("remove ids")
+        unique = torch.unique(as_ids(ids))
+        return self.stack.remove(unique) if unique.numel() else 0
+
+    @serialized
     def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
         """Write the weights (``rows [N, dim]``: optimizer state kept, zero for new ids) or whole rows
         (``[N, row_width]``) of any number of ``ids`` straight into the cold store, bypassing the
@@ -242,13 +285,19 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         for start in range(0, unique.numel(), chunk_rows):
             part = slice(start, start + chunk_rows)
             self.stack.load(unique[part], rows[part] if last is None else rows[last[part]])
+            if self._expiry is not None:
+                self._expiry.record(unique[part])
         self.stack.cold.flush()
 
     @serialized
     def flush(self) -> None:
-        """Make every update so far durable (atomically: a crash keeps the previous flush)."""
+        """Make every update so far durable (atomically: a crash keeps the previous flush). With
+        ``ttl`` or ``max_rows``, the ids they expire are then removed, durably (a second commit)."""
         self._check_writable("flush")
-        self.stack.flush()
+        written = self.stack.flush(written=self._expiry is not None)
+        if self._expiry is not None:
+            in_flight = torch.zeros(0, dtype=torch.int64) if self._in_flight is None else self._in_flight
+            self._expiry.flushed(self, written, in_flight.cpu())
 
     @serialized
     def refresh(self) -> None:
@@ -263,6 +312,8 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         to be refused (its owner found it inconsistent with others), so that refusing writes nothing."""
         if not self._closed:
             self.stack.cold.close()
+            if self._expiry is not None:
+                self._expiry.close()
             self._closed = True
             if self._remove_temporary is not None:
                 self._remove_temporary()
@@ -279,6 +330,8 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
             for snapshot in list(self._snapshots):
                 snapshot.close()
             self.stack.cold.close()
+            if self._expiry is not None:
+                self._expiry.close()
             self._closed = True
             if self._remove_temporary is not None:
                 self._remove_temporary()

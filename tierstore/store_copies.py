@@ -107,6 +107,17 @@ class StoreCopies:
         for cache in self.stack.caches:
             cache.clear()
         self.stack.cold = open_cold(self.path, self.metadata, self.config, read_only=False, new=False)
+        if self._expiry is not None:  # its records went with the old rows: the next flush records anew
+            self._expiry.close()
+            self._expiry = self._open_expiry()
+
+    def compact(self) -> None:
+        """Rewrite the table's files holding only its rows (flushed first): the space of removed ids
+        (``remove``, expiry) is given back, which the mmap backend otherwise keeps. As
+        ``replace_rows``: one step, a crash leaves the old files or the new."""
+        self._check_writable("compact it")
+        self.flush()
+        self.replace_rows(self.iter_rows(batch_size=1 << 16, with_state=True))
 
     def __deepcopy__(self, memo: dict) -> TieredStore:
         return self.copy()
@@ -130,14 +141,22 @@ class StoreCopies:
                 ("device_cache_backend", self.config.device_cache_backend),
             )
         }
+        expiry = self.expiry
         return {
             "path": str(self.path.resolve()),
             "device": str(self.device),
             "read_only": self.read_only,
             "tiers": dataclasses.replace(self.config, **backend_names),
+            "ttl": None if expiry is None else expiry.ttl,
+            "max_rows": None if expiry is None else expiry.max_rows,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(
-            state["path"], device=state["device"], read_only=state["read_only"], tiers=state["tiers"]
+            state["path"],
+            device=state["device"],
+            read_only=state["read_only"],
+            tiers=state["tiers"],
+            ttl=state.get("ttl"),
+            max_rows=state.get("max_rows"),
         )

@@ -34,6 +34,7 @@ class StoreTraining:
             )
         counts = torch.ones_like(ids) if counts is None else counts
         slots = self.stack.make_resident(ids, counts)
+        self._in_flight = ids
         weights = self.stack.top.read(slots, self.dim).to(self.device)
         return weights, slots
 
@@ -47,6 +48,7 @@ class StoreTraining:
         that reads the rows where they lie (``nn.native_step``), while no other thread (a lookahead
         pipeline's worker) can move them."""
         self._check_open()
+        self._in_flight = ids
         return read(self.stack.top, self.stack.make_resident(ids, counts))
 
     @serialized
@@ -56,6 +58,7 @@ class StoreTraining:
         of ids, their slots, (pooled, entry bags, scales))``, the rows made resident as
         ``read_resident`` makes them; None where the batch takes ``read_resident``'s path."""
         self._check_open()
+        self._in_flight = ids
         looked_up = self.stack.lookup_bags(ids, padding, bags)
         return None if looked_up is None else (self.stack.top.vacated, *looked_up)
 
@@ -65,6 +68,7 @@ class StoreTraining:
         change of rows ``read_resident`` placed (``nn.native_step``'s fused backward). Returns
         what ``update`` returns (False: it changed nothing)."""
         self._check_writable("update")
+        self._updated()
         return update(self.stack.top)
 
     @serialized
@@ -84,12 +88,20 @@ class StoreTraining:
         """
         self._check_writable("update")
         ids = as_ids(ids)
+        self._updated()
         top = self.stack.top
         if slots is None:
             slots = self.stack.make_resident(ids, torch.ones_like(ids))
         elif not top.holds(slots, ids):
             slots = self.stack.make_resident(ids, torch.zeros_like(ids))  # moved since: not a new access
         top.apply_optimizer(optimizer, slots, grad, step)
+
+    def _updated(self) -> None:
+        """An update: the last training lookup's ids are no longer in flight, and expiry counts a
+        step (once per lookup: a step that updates in parts counts once)."""
+        if self._in_flight is not None and self._expiry is not None:
+            self._expiry.updates += 1
+        self._in_flight = None
 
     def gradient_kernels(self, device: torch.device):
         """The top tier's kernels where they run on ``device`` (for ``nn.pooled_lookup``), else None."""

@@ -1,5 +1,5 @@
-"""The ``tierstore`` command line: its parser (import, export, apply-delta, inspect, verify, bench,
-profile) and ``main``, which runs a command (``store_commands``, ``trace_commands``).
+"""The ``tierstore`` command line: its parser (import, export, apply-delta, inspect, verify, compact,
+bench, profile) and ``main``, which runs a command (``store_commands``, ``trace_commands``).
 
 Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input (a one-line error, no
 traceback); 130 interrupted.
@@ -16,7 +16,7 @@ from ..errors import StoreFormatError, StoreMismatchError
 from ..metadata import DTYPES
 from .arguments import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, CommandError, dtype_choice, positive_int
 from .lmdb_probe import READING_COMMANDS, lmdb_damage
-from .store_commands import run_apply_delta, run_export, run_import, run_inspect, run_verify
+from .store_commands import run_apply_delta, run_compact, run_export, run_import, run_inspect, run_verify
 from .table_files import SUFFIXES, TableFileError
 from .trace_commands import run_bench, run_profile
 from .transfer import (
@@ -210,6 +210,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     command.add_argument("store", metavar="STORE", type=Path)
     command.set_defaults(run=run_verify)
+
+    command = commands.add_parser(
+        "compact",
+        parents=[quiet],
+        help="give back the disk space of removed ids",
+        description="Rewrite a store (or each store of a collection) holding only its rows: the space "
+        "of ids removed (TieredStore.remove, or expired by ttl/max_rows) is freed. The store is "
+        "replaced in one step: a crash leaves the old files or the new. Needs the store closed elsewhere.",
+    )
+    command.add_argument("store", metavar="STORE", type=Path)
+    command.set_defaults(run=run_compact)
 
     command = commands.add_parser(
         "bench",

@@ -30,6 +30,11 @@ def optimizer_name(metadata: StoreMetadata) -> str:
     return f"not recorded ({metadata.optimizer_state_width} state values per row: {fits})"
 
 
+def disk_bytes(path: Path) -> int:
+    """The bytes the files under ``path`` take on disk (allocated blocks: holes not counted)."""
+    return sum(file.stat().st_blocks * 512 for file in Path(path).rglob("*") if file.is_file())
+
+
 def inspect_store(path: Path) -> dict:
     """The store's layout, size and last flush: a dict of plain values (for tables and JSON)."""
     path = Path(path)
@@ -37,9 +42,7 @@ def inspect_store(path: Path) -> dict:
     with TieredStore(path, read_only=True, host_cache=1) as store:
         rows = len(store)
         flushed = store.last_flush_time()
-    size = sum(
-        file.stat().st_blocks * 512 for file in path.rglob("*") if file.is_file()
-    )  # allocated, not holes
+    size = disk_bytes(path)
     last_flush = (
         datetime.datetime.fromtimestamp(flushed, datetime.timezone.utc).isoformat(timespec="seconds")
         if flushed is not None

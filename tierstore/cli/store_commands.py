@@ -1,15 +1,16 @@
-"""The commands on stores: ``import``, ``export`` (and its delta), ``apply-delta``, ``inspect`` and
-``verify``."""
+"""The commands on stores: ``import``, ``export`` (and its delta), ``apply-delta``, ``inspect``,
+``verify`` and ``compact``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ..nn.collection_layout import LAYOUT_FILE, read_layout
+from ..nn.collection_layout import LAYOUT_FILE, group_path, read_layout
+from ..store import TieredStore
 from .arguments import EXIT_PROBLEMS, CommandError, progress_of
 from .deltas import apply_delta, export_delta
-from .inspection import inspect_collection, inspect_store, verify_collection, verify_store
+from .inspection import disk_bytes, inspect_collection, inspect_store, verify_collection, verify_store
 from .table_files import TableFileError, open_table
 from .transfer import (
     export_table,
@@ -145,6 +146,21 @@ def run_verify(args) -> int:
         print(f"problem: {problem}")
     print(f"{args.store}: {'sound' if not problems else f'{len(problems)} problem(s)'}")
     return EXIT_PROBLEMS if problems else 0
+
+
+def run_compact(args) -> int:
+    """Compact a store, or each store of a collection: the disk its removed ids took is freed."""
+    _check_store(args.store)
+    paths = [args.store]
+    if (args.store / LAYOUT_FILE).exists():
+        paths = sorted({group_path(args.store, table) for table in read_layout(args.store)})
+    for path in paths:
+        before = disk_bytes(path)
+        with TieredStore(path, host_cache=1) as store:
+            store.compact()
+            rows = len(store)
+        print(f"{path}: {rows:,} rows, {before:,} -> {disk_bytes(path):,} bytes on disk")
+    return 0
 
 
 def _refuse_whole_collection(path: Path, action: str) -> None:

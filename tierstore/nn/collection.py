@@ -69,7 +69,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     group's replicated rows from ``access_sample``, this rank's first ``KeyedJaggedTensor`` batches.
 
     ``is_weighted``: the features' weights weigh their ids (sum pooling); else they are ignored,
-    as TorchRec's ``EmbeddingBagCollection(is_weighted=False)`` ignores them.
+    as TorchRec's ``EmbeddingBagCollection(is_weighted=False)`` ignores them. ``ttl`` and
+    ``max_rows`` expire ids as ``TieredStore`` does, in each store (its tables' ids together).
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with the pooled ``[batch, dim]`` of
     every feature in ``features.keys()`` order; a feature several tables read gives one output per
@@ -93,6 +94,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         replicate: dict[str, Any] | str | Path | int | None = None,
         access_sample: list[Any] | None = None,
         is_weighted: bool = False,
+        ttl: Any = None,
+        max_rows: int | None = None,
         **tier_settings,
     ) -> None:
         super().__init__()
@@ -147,6 +150,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                     else _group_keys(replicated, group_name, torch.zeros(0, dtype=torch.int64)),
                     access_sample=_group_keys(samples, group_name, []),
                     most_rows=most_rows(group_tables),
+                    ttl=ttl,
+                    max_rows=max_rows,
                 )
         except BaseException:
             _release(groups.values())  # a group that cannot open leaves none open

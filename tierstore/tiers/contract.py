@@ -95,12 +95,14 @@ class TierStats:
 @dataclasses.dataclass
 class ColdStats:
     """Counters of the cold tier: lookups it served (``hits``), lookups of ids it has never held
-    (``initialized``: the store gives them their initial row), and rows read and written."""
+    (``initialized``: the store gives them their initial row), rows read and written, and ids
+    removed (``TieredStore.remove``, expiry)."""
 
     hits: int = 0
     initialized: int = 0
     rows_read: int = 0
     rows_written: int = 0
+    rows_removed: int = 0
 
 
 @runtime_checkable
@@ -198,6 +200,10 @@ class CacheTier(Protocol):
 
     def pin(self, slots: torch.Tensor) -> None:
         """Keep the rows at ``slots`` (distinct) from eviction until as many ``unpin``s."""
+
+    def pinned_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of ``keys`` (int64 CPU) the tier holds pinned (int64 CPU)."""
+        ...
 
     def unpin(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Undo a ``pin`` of ``slots`` where they still hold ``keys``."""

@@ -148,7 +148,7 @@ class KernelHashTable(BatchedHashTable):
             self.live -= present
             return former.to(torch.int64)
         former = self._per_key("erase", keys)
-        removed = int((former >= 0).sum())
+        removed = int((former != -1).sum())  # a value may be negative (the mmap log's removals)
         self.live -= removed
         self.tombstones += removed
         return former.to(torch.int64)

@@ -216,6 +216,11 @@ class RowCache(NativeSide):
     def pinned_count(self) -> int:
         return int((self.pins > 0).sum())
 
+    def pinned_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        slots = self.find(keys)
+        held = slots >= 0
+        return keys[held.cpu()][(self.pins[slots[held]] > 0).cpu()]
+
     # -- movement ------------------------------------------------------------------------------
 
     def clear(self) -> None:

@@ -194,6 +194,23 @@ class TierStack:
         for cache in self.caches:
             cache.take(keys, torch.zeros_like(keys))  # counts no lookup
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """Remove distinct ``keys`` (int64 CPU) from every tier: the cold store stages their removal
+        (a full disk raises there, nothing changed), then the cached rows are dropped, dirty or not.
+        Rows pinned for batches in flight are refused before any change. Returns how many the table held."""
+        for cache in self.caches:
+            pinned = cache.pinned_keys(keys)
+            if pinned.numel():
+                raise RuntimeError(
+                    f"{pinned.numel()} of the ids to remove (such as {int(pinned[0])}) are pinned for "
+                    f"batches in flight (a lookahead pipeline): remove them once those batches are done"
+                )
+        held = int(self.contains(keys).sum())
+        self.cold.remove(keys)
+        for cache in self.caches:
+            cache.take(keys, torch.zeros_like(keys))  # counts no lookup
+        return held
+
     def _current_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """``[N, row_width]`` newest rows of distinct ``keys`` on CPU, zero where the table holds none."""
         stored, found = self.cold.get(keys, torch.zeros_like(keys))  # counts no lookup
@@ -229,17 +246,22 @@ class TierStack:
         if len(rows):
             self.cold.put(rows.keys.cpu(), rows.rows.cpu(), before_flush)
 
-    def flush(self) -> None:
+    def flush(self, written: bool = False) -> torch.Tensor | None:
         """Stage every dirty cached row in the cold store (``FLUSH_BATCH_ROWS`` at a time) and commit
-        it atomically; only then are the rows clean."""
+        it atomically; only then are the rows clean. ``written``: return the ids (int64 CPU,
+        distinct) whose rows this flush committed (staged since the last one, or dirty)."""
         staged = []
+        keys = [self.cold.staged_keys()] if written else []
         for cache in self.caches:
             for slots, rows in cache.dirty_rows(FLUSH_BATCH_ROWS):
                 self._stage_in_cold(rows, before_flush=True)  # still dirty, cached, until it commits
                 staged.append((cache, slots))
+                if written:
+                    keys.append(rows.keys.cpu())
         self.cold.flush()
         for cache, slots in staged:
             cache.mark_clean(slots)
+        return torch.cat(keys).unique() if written else None
 
     def refresh(self) -> None:
         """A read-only stack moves to the cold store's newest flush: its cached rows (of the old

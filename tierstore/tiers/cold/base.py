@@ -124,6 +124,20 @@ class ColdStore(ABC):
         self._put(keys, rows, before_flush)
         self.stats.rows_written += keys.numel()
 
+    def remove(self, keys: torch.Tensor) -> int:
+        """Remove ``keys`` (distinct; those not held are left alone): reads find them no more at
+        once, and the removal is durable after ``flush``, as a ``put`` is. Returns how many were held."""
+        self._check_writable()
+        held = keys[self.contains(keys)] if keys.numel() else keys
+        if held.numel():
+            self._remove(held)
+            self.stats.rows_removed += held.numel()
+        return held.numel()
+
+    @abstractmethod
+    def staged_keys(self) -> torch.Tensor:
+        """The ids (int64, distinct) whose rows were staged since the last flush (removals left out)."""
+
     def admits_into(self, tier) -> bool:
         """Whether ``make_resident_in`` serves ``tier`` (a cache tier whose ``native_arrays`` and
         ``native_choice`` it takes)."""
@@ -193,6 +207,10 @@ class ColdStore(ABC):
     @abstractmethod
     def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool) -> None:
         """``put`` of a non-empty batch on a writable store, without counting."""
+
+    @abstractmethod
+    def _remove(self, keys: torch.Tensor) -> None:
+        """``remove`` of a non-empty batch of held keys on a writable store, without counting."""
 
     @abstractmethod
     def _refresh(self) -> None:

@@ -38,6 +38,7 @@ _FIELDS = {
     "pending": 4,
     "pending_crc32": 5,
     "live": 6,
+    "removed": 7,  # removed rows of the committed state it matches (``MmapColdStore``'s removed.bin)
 }
 _NONE = -1
 _REHASH_CHUNK = 1 << 20  # positions re-placed at once when growing
@@ -110,6 +111,12 @@ class DiskIndex(KernelHashTable):
             and (self.header("keys_crc32") == keys_crc32)
         )
 
+    def set_removed(self, removed: int) -> None:
+        """The table matches a state with ``removed`` removed rows (-1: it is being changed and matches
+        none: a process killed meanwhile leaves it to be rebuilt); written to the file at once."""
+        self._set("removed", removed)
+        self._whole.flush()
+
     def begin(self, pending: int, pending_crc32: int | None) -> None:
         """Rows up to ``pending`` (their keys' CRC32 ``pending_crc32``) are about to have their
         keys inserted."""
@@ -156,6 +163,7 @@ class DiskIndex(KernelHashTable):
         grown = DiskIndex(partial, self.kernels, read_only=False)
         grown._set("pending", self.header("pending"))
         grown._set("pending_crc32", self.header("pending_crc32"))
+        grown._set("removed", self.header("removed"))
         for start in range(0, old_keys.numel(), _REHASH_CHUNK):
             keys = old_keys[start : start + _REHASH_CHUNK]
             live = keys >= 0

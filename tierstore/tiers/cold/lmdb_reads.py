@@ -87,10 +87,10 @@ class LmdbReads:
         self, txn: lmdb.Transaction | None, keys: torch.Tensor, databases: list
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, found)`` for ``keys`` from ``databases`` in order (``rows``, then ``StageLog``s:
-        a later one wins); read in ``txn``, or in fresh transactions (in parallel when disk-bound)
-        when it is None. Every row is checked; a key absent from ``rows`` is confirmed absent by
-        checking the entries beside it (``_check_neighbours``), so a damaged page is an error, not a
-        silently new row."""
+        a later one wins, its removals too); read in ``txn``, or in fresh transactions (in parallel
+        when disk-bound) when it is None. Every row is checked; a key absent from ``rows`` is
+        confirmed absent by checking the entries beside it (``_check_neighbours``), so a damaged page
+        is an error, not a silently new row."""
         rows = torch.empty(keys.numel(), self.row_width, dtype=self.dtype)
         found = torch.zeros(keys.numel(), dtype=torch.bool)
         if keys.numel() == 0:
@@ -101,6 +101,7 @@ class LmdbReads:
                 if database is self._rows:
                     where, ids, stored = self._read_rows(txn, keys)
                 else:
+                    found[database.find(keys) < -1] = False  # removed by this log
                     where, ids, stored = self._read_log(txn, keys, database)
                 if where.numel():
                     rows[where] = self.codec.decode(ids, stored, self._data_file)

@@ -9,7 +9,8 @@ index in RAM (``HashIndex``: id -> sequence number of its newest entry) finds an
 flush's own rows are appended without it (``appended``: the caller holds their newest values until
 the flush commits, and the flush copies the log into ``rows`` by scanning it in order), so it need
 not hold a host cache's worth of ids; a read that comes first rebuilds it by scanning the log, as a
-store opening on a log that holds a committed flush does.
+store opening on a log that holds a committed flush does. A removal is an entry holding the id alone;
+the index gives it ``-2 - its sequence number`` (below -1, where ``find`` says -1 for an id not staged).
 """
 
 from __future__ import annotations
@@ -50,10 +51,17 @@ class StageLog:
         items = list(zip(encode_keys(numbers), values.view(f"V{values.shape[1]}").ravel().tolist()))
         return items, numbers
 
-    def record(self, keys: torch.Tensor, numbers: np.ndarray) -> None:
-        """Index ``keys`` (distinct) at the entries ``numbers`` that were just committed."""
+    def removals_of(self, keys: np.ndarray) -> tuple[list, np.ndarray]:
+        """``(items to append, their sequence numbers)`` removing ``keys`` (int64 [N]); nothing changes
+        until ``record(keys, numbers, removal=True)``."""
+        numbers = np.arange(self.next_entry, self.next_entry + keys.size, dtype=np.int64)
+        return list(zip(encode_keys(numbers), encode_keys(keys))), numbers
+
+    def record(self, keys: torch.Tensor, numbers: np.ndarray, removal: bool = False) -> None:
+        """Index ``keys`` (distinct) at the entries ``numbers`` that were just committed (``removal``:
+        entries removing them)."""
         self.index.remove(keys)
-        self.index.insert(keys, torch.from_numpy(numbers))
+        self.index.insert(keys, torch.from_numpy(-2 - numbers if removal else numbers))
         self.next_entry += keys.numel()
         self.entries += keys.numel()
 
@@ -63,6 +71,17 @@ class StageLog:
         self.entries += count
         self.indexed = False
 
+    def split_entries(self, values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(ids int64 [n], stored rows uint8 [n, stored_bytes], removal bool [n])`` of entry values
+        (rows or removals; a removal's row is zeros); a value of another length raises ``ValueError``."""
+        if any(len(value) not in (ID_BYTES, self.entry_bytes) for value in values):
+            raise ValueError("a staged entry has a value of the wrong length")
+        removal = np.array([len(value) == ID_BYTES for value in values], dtype=bool)
+        padding = bytes(self.entry_bytes - ID_BYTES)
+        joined = b"".join(value + padding if len(value) == ID_BYTES else value for value in values)
+        ids, stored = self.split(joined)
+        return ids, stored, removal
+
     def split(self, values: bytes) -> tuple[np.ndarray, np.ndarray]:
         """``(ids int64 [n], stored rows uint8 [n, stored_bytes])`` of joined entry values."""
         entries = np.frombuffer(values, dtype=np.uint8).reshape(-1, self.entry_bytes)
@@ -70,7 +89,8 @@ class StageLog:
         return ids, entries[:, ID_BYTES:]
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
-        """The sequence number of each key's newest entry (int64 [N]), -1 where not staged."""
+        """The sequence number of each key's newest entry (int64 [N]), -1 where not staged, ``-2 -
+        number`` where it is a removal."""
         return self.index.find(keys)
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,12 +102,13 @@ class StageLog:
     def load(self, txn) -> None:
         """Rebuild the index from the database as ``txn`` sees it; entries whose value is not
         ``entry_bytes`` long raise ``ValueError``."""
-        numbers, ids = [], []
+        numbers, ids, removals = [], [], []
         for number, value in txn.cursor(self.database).iternext():
-            if len(number) != 8 or len(value) != self.entry_bytes:
+            if len(number) != 8 or len(value) not in (self.entry_bytes, ID_BYTES):
                 raise ValueError(f"a staged entry has a {len(number)}-byte key and a {len(value)}-byte value")
             numbers.append(bytes(number))
             ids.append(bytes(value[:ID_BYTES]))
+            removals.append(len(value) == ID_BYTES)
         self.index = HashIndex(max(1024, len(ids)))
         self.entries, self.indexed = len(ids), True
         if not ids:
@@ -95,12 +116,14 @@ class StageLog:
             return
         keys = torch.from_numpy(decode_keys(ids))
         sequence = torch.from_numpy(decode_keys(numbers))
+        next_entry = int(sequence[-1]) + 1
+        sequence = torch.where(torch.tensor(removals), -2 - sequence, sequence)
         newest = torch.zeros(keys.numel(), dtype=torch.bool)  # each id's last entry (entries ascend)
         order = torch.argsort(keys, stable=True)
         ordered = keys[order]
         newest[order[torch.cat([ordered[1:] != ordered[:-1], torch.tensor([True])])]] = True
         self.index.insert(keys[newest], sequence[newest])
-        self.next_entry = int(sequence[-1]) + 1
+        self.next_entry = next_entry
 
     def clear(self) -> None:
         """Forget every entry (the database was emptied)."""

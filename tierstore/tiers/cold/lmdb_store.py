@@ -106,18 +106,19 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
 
     def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         databases = self._databases()
+        logs = databases[1:]
         with self._begin() as txn:
             items = txn.cursor(self._rows).iternext()
             while chunk := list(itertools.islice(items, batch_size)):
                 keys, rows = self._decode(chunk)
-                staged, staged_found = self._read(txn, keys, databases[1:])  # newer values win
+                staged, staged_found = self._read(txn, keys, logs)  # newer values win
                 rows[staged_found] = staged[staged_found]
-                yield keys, rows
-            for position in range(1, len(databases)):  # each staged key once, with its newest row
-                for keys in databases[position].items()[0].split(batch_size):
-                    held = self._read(txn, keys, databases[:position])[1]  # came with an earlier one
-                    keys = keys[~held]
-                    yield keys, self._read(txn, keys, databases[position:])[0]
+                kept = _newest_entries(keys, logs) >= -1  # below -1: removed since
+                yield keys[kept], rows[kept]
+            staged_keys = torch.cat([log.items()[0] for log in logs]).unique() if logs else torch.zeros(0)
+            for keys in staged_keys.to(torch.int64).split(batch_size):  # each staged key not in rows once
+                keys = keys[(_newest_entries(keys, logs) >= 0) & ~self._read(txn, keys, databases[:1])[1]]
+                yield keys, self._read(txn, keys, logs)[0]
 
     def snapshot(self) -> LmdbSnapshot:
         if self.read_only or self._pending_count or self._applying is not None:
@@ -134,11 +135,14 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
 
     def __len__(self) -> int:
         databases = self._databases()
+        logs = databases[1:]
         with self._begin() as txn:
             count = txn.stat(self._rows)["entries"]
-            for position in range(1, len(databases)):  # keys no earlier database holds
-                held = self._read(txn, databases[position].items()[0], databases[:position])[1]
-                count += int((~held).sum())
+            if logs:  # staged keys: added where rows holds none, gone where removed
+                keys = torch.cat([log.items()[0] for log in logs]).unique()
+                in_rows = self._read(txn, keys, databases[:1])[1]
+                newest = _newest_entries(keys, logs)
+                count += int((~in_rows & (newest >= 0)).sum()) - int((in_rows & (newest < -1)).sum())
             return count
 
     # -- writes ------------------------------------------------------------------------------
@@ -182,6 +186,27 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
         else:
             log.record(keys, numbers)
 
+    def staged_keys(self) -> torch.Tensor:
+        log = self._logs[self._staging]
+        if not log.indexed:
+            with self._begin() as txn:
+                self._load(txn, log)
+        keys, numbers = log.items()
+        return keys[numbers >= 0]
+
+    def _remove(self, keys: torch.Tensor) -> None:
+        log = self._logs[self._staging]
+        items, numbers = log.removals_of(keys.numpy())
+
+        def stage(txn: lmdb.Transaction) -> None:
+            txn.cursor(log.database).putmulti(items, append=True)
+
+        if not log.indexed:  # a flush's own rows, staged unindexed before it failed: indexed first
+            with self._begin() as txn:
+                self._load(txn, log)
+        self._write(stage)
+        log.record(keys, numbers, removal=True)
+
     def flush(self) -> None:
         self._check_writable()
         if self._applying is not None:  # the last flush's apply was cut short: apply it again
@@ -216,12 +241,19 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
                 if not cursor.set_range(encode_keys(np.array([start], dtype=np.int64))[0]):
                     return 0
                 values = [value for _, value in itertools.islice(cursor.iternext(), APPLY_ROWS)]
-                if any(len(value) != log.entry_bytes for value in values):
-                    raise StoreFormatError(f"{self._data_file} is damaged: it holds malformed staged rows")
-                ids, stored = log.split(b"".join(values))
-                order = np.argsort(ids, kind="stable")  # an id's entries stay in order: its newest last
-                stored = np.ascontiguousarray(stored[order]).view(f"V{self.codec.stored_bytes}")
-                txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids[order]), stored.ravel().tolist())))
+                try:
+                    ids, stored, removal = log.split_entries(values)
+                except ValueError:
+                    damage = f"{self._data_file} is damaged: it holds malformed staged rows"
+                    raise StoreFormatError(damage) from None
+                # each id's newest entry of these (later transactions apply later ones), by id
+                order = np.argsort(ids, kind="stable")
+                newest = order[np.append(ids[order][1:] != ids[order][:-1], True)] if ids.size else order
+                kept, gone = newest[~removal[newest]], newest[removal[newest]]
+                rows = np.ascontiguousarray(stored[kept]).view(f"V{self.codec.stored_bytes}")
+                txn.cursor(self._rows).putmulti(list(zip(encode_keys(ids[kept]), rows.ravel().tolist())))
+                for key in encode_keys(ids[gone]):
+                    txn.delete(key, db=self._rows)
                 return ids.size
 
             moved = self._write(move)
@@ -284,6 +316,16 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
             self._record_as_left()
         _OPEN_IN_THIS_PROCESS.discard(self._path.resolve())
         self._release_lock()
+
+
+def _newest_entries(keys: torch.Tensor, logs: list) -> torch.Tensor:
+    """Each key's newest entry in ``logs`` (``StageLog``s, oldest first), as ``StageLog.find`` gives
+    it (-1: none, below -1: a removal)."""
+    newest = torch.full_like(keys, -1)
+    for log in logs:
+        found = log.find(keys)
+        newest = torch.where(found != -1, found, newest)
+    return newest
 
 
 class LmdbSnapshot:

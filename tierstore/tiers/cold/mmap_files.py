@@ -18,6 +18,7 @@ from ...errors import StoreFormatError
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
 READERS_FILE = "readers.lock"
+REMOVED_FILE = "removed.bin"  # int64 numbers of the committed rows whose ids were removed
 KEYS_CHUNK_ROWS = 1 << 20  # committed ids read at once
 ADVISED_CHUNK_ROWS = 8192  # rows whose pages are asked for, copied and written out at once
 

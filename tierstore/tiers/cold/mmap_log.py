@@ -13,7 +13,8 @@ from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..kernel_hash_table import KernelHashTable
 from .disk_index import DiskIndex
-from .mmap_files import ADVISED_CHUNK_ROWS, STATE_FILE, WAL_COMMIT_FILE
+from .mmap_files import ADVISED_CHUNK_ROWS, REMOVED_FILE, STATE_FILE, WAL_COMMIT_FILE, GrowableArray
+from .mmap_opening import removal_records
 
 
 class MmapLog:
@@ -38,12 +39,29 @@ class MmapLog:
             if bool(staged.any()):
                 self._wal_rows.array[record[staged].numpy()] = stored[staged.numpy()]
                 stored, keys, record = stored[(~staged).numpy()], keys[~staged], record[~staged]
-            superseded = record >= 0  # keys whose last record is committed: they move to a new one
+            superseded = record != -1  # a committed record or a removal: the key moves to a new one
         count = keys.numel()
         self._wal_rows.write(start, stored)
         self._wal_keys.write(start, keys.numpy()[:, None])
         self._wal_index.remove(keys[superseded])
         self._wal_index.insert(keys, torch.arange(start, start + count))
+        self._wal_count += count
+
+    def staged_keys(self) -> torch.Tensor:
+        keys = np.array(self._wal_keys.array[self._wal_committed : self._wal_count, 0])
+        return torch.from_numpy(np.unique(keys[keys >= 0]))
+
+    def _remove(self, keys: torch.Tensor) -> None:
+        """Append a removal record of each of ``keys`` (distinct, held) to the log: its key ``-2 - id``
+        and a row of zeros; the log's index then gives the id ``-2 - record`` (held no more)."""
+        start, count = self._wal_count, keys.numel()
+        self._wal_rows.reserve(start + count)  # before any write: a full disk changes nothing
+        self._wal_keys.reserve(start + count)
+        self._wal_rows.write(start, np.zeros((count, self.codec.stored_bytes), dtype=np.uint8))
+        self._wal_keys.write(start, removal_records(keys.numpy())[:, None])
+        records = torch.arange(start, start + count)
+        self._wal_index.remove(keys)
+        self._wal_index.insert(keys, -2 - records)
         self._wal_count += count
 
     def can_bulk_load(self) -> bool:
@@ -151,14 +169,17 @@ class MmapLog:
 
     def _reserve_for_log(self, log: tuple) -> None:
         """Allocate the room in ``rows.bin``/``keys.bin`` that applying ``log`` (``_log_keys``) will take."""
-        new_count = int((log[2] < 0).sum())
+        new_count = int(((log[2] < 0) & (log[1] >= 0)).sum())  # a removal takes no room
         self._rows.reserve(self._count + new_count)
         self._keys.reserve(self._count + new_count)
 
     def _apply_wal(self, log: tuple | None = None) -> None:
         """Copy the committed log (``log``: its ``_log_keys``, None: looked up) into
-        ``rows.bin``/``keys.bin`` (idempotent), then drop it."""
+        ``rows.bin``/``keys.bin`` and record the rows of removed ids (idempotent), then drop it."""
         keys, records, position = self._log_keys() if log is None else log
+        removal = records < 0
+        gone_keys, gone_rows = keys[removal & (position >= 0)], position[removal & (position >= 0)]
+        keys, records, position = keys[~removal], records[~removal], position[~removal]
         new = position < 0
         new_count = int(new.sum())
         position[new] = torch.arange(self._count, self._count + new_count)
@@ -168,7 +189,7 @@ class MmapLog:
         # in the rows' order, a chunk at a time (where reads are advised, each chunk's pages of both
         # files asked for first), each chunk's pages written out before the next: the copy's dirty
         # pages stay a chunk's, not the whole log's (a memory limit counts them and cannot reclaim them)
-        for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS):
+        for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS) if position.numel() else ():
             if passes is not None:
                 passes.will_need_rows(self._rows.array, position[part])
                 passes.will_need_rows(self._wal_rows.array, torch.sort(records[part]).values)
@@ -182,10 +203,29 @@ class MmapLog:
             self._index.begin(self._count + new_count, self._keys_crc)
         self._index.insert(keys[new], position[new])
         self._count += new_count
+        if gone_rows.numel():
+            self._remove_rows(gone_keys, gone_rows)
         self._sync_index()
         self._write_state(self._count)
         self._commit_index()
         self._reset_wal()
+
+    def _remove_rows(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Record the committed ``rows`` of removed ``keys`` in ``removed.bin`` (past the committed
+        ones, synced) and erase the keys from the index; the caller's state commits the new count.
+        ``index.bin`` is marked as matching no state while it changes: a kill rebuilds it."""
+        removed = GrowableArray(self.directory / REMOVED_FILE, 1, np.int64, read_only=False)
+        try:
+            removed.reserve(self._removed_count + rows.numel())
+            removed.write(self._removed_count, rows.numpy()[:, None])
+            removed.sync()
+        finally:
+            removed.close()
+        if isinstance(self._index, DiskIndex):
+            self._index.set_removed(-1)
+        self._index.remove(keys)
+        self._removed_crc = zlib.crc32(np.ascontiguousarray(rows.numpy()), self._removed_crc)
+        self._removed_count += rows.numel()
 
     def _sync_index(self) -> None:
         if isinstance(self._index, DiskIndex):
@@ -194,6 +234,7 @@ class MmapLog:
     def _commit_index(self) -> None:
         """``index.bin`` matches the state just committed."""
         if isinstance(self._index, DiskIndex):
+            self._index.set_removed(self._removed_count)
             self._index.commit(self._count, self._keys_crc)
 
     def _reset_wal(self) -> None:
@@ -223,4 +264,6 @@ class MmapLog:
         }
         if self._keys_crc is not None:
             state["keys_crc32"] = self._keys_crc
+        if self._removed_count:
+            state.update(removed_rows=self._removed_count, removed_crc32=self._removed_crc)
         write_json_atomic(self.directory / STATE_FILE, state)

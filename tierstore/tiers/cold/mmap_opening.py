@@ -24,6 +24,7 @@ from .disk_index import INDEX_FILE, DiskIndex
 from .mmap_files import (
     KEYS_CHUNK_ROWS,
     KEYS_FILE,
+    REMOVED_FILE,
     ROWS_FILE,
     STATE_FILE,
     WAL_COMMIT_FILE,
@@ -79,6 +80,7 @@ class MmapOpening:
 
     def _read_state(self) -> int:
         path = self.directory / STATE_FILE
+        self._removed_count = self._removed_crc = 0  # stores that never removed an id record neither
         if not path.exists():
             if self.read_only or not self._create:
                 raise StoreFormatError(
@@ -92,10 +94,15 @@ class MmapOpening:
             count = state["rows"]
             self._keys_crc = state.get("keys_crc32")
             self.flushes = _flush_count(state, path)
+            self._removed_count = state.get("removed_rows", 0)
+            self._removed_crc = state.get("removed_crc32", 0)
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as error:
             raise StoreFormatError(f"{path} is damaged ({error!r}); restore it from a backup") from None
         if not isinstance(count, int) or count < 0:
             raise StoreFormatError(f"{path} is damaged: rows is {count!r}")
+        removed, removed_crc = self._removed_count, self._removed_crc
+        if not isinstance(removed, int) or not 0 <= removed <= count or not isinstance(removed_crc, int):
+            raise StoreFormatError(f"{path} is damaged: removed_rows is {removed!r} ({removed_crc!r})")
         if state.get("row_bytes", self.row_bytes) != self.row_bytes:
             raise StoreFormatError(
                 f"{path} says its rows are {state['row_bytes']} bytes but the store's metadata says "
@@ -131,7 +138,11 @@ class MmapOpening:
             elif index.matches_before_pending(count, crc):
                 self._repair_pending = True
                 self._repair_index(index)
-        if index is not None and (index.matches(count, crc) or index.matches_before_pending(count, crc)):
+        if (
+            index is not None
+            and (index.matches(count, crc) or index.matches_before_pending(count, crc))
+            and index.header("removed") == self._removed_count
+        ):
             return index
         if self.read_only:
             return self._index_from_keys(self._make_index(count))
@@ -140,24 +151,52 @@ class MmapOpening:
         os.replace(partial, path)
         fsync_directory(self.directory)
         index = DiskIndex(path, kernels, read_only=False)
+        index.set_removed(self._removed_count)
         index.commit(count, crc)
         return index
 
     def _index_from_keys(self, index):
-        """``index`` with every committed id of ``keys.bin`` (whose CRC32 is checked) at its row."""
+        """``index`` with every committed id of ``keys.bin`` (whose CRC32 is checked) at its row, but
+        for the removed rows'."""
         crc = 0
+        removed = np.sort(self._removed_rows())
         for start, keys in self._committed_keys():
             crc = zlib.crc32(keys.numpy(), crc)
             if bool((keys < 0).any()):
                 raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative ids")
+            rows = torch.arange(start, start + keys.numel())
+            first, end = np.searchsorted(removed, [start, start + keys.numel()])
+            if end > first:  # rows of removed ids: left out (an id that came back has a later row)
+                kept = torch.ones(keys.numel(), dtype=torch.bool)
+                kept[torch.from_numpy(removed[first:end] - start)] = False
+                keys, rows = keys[kept], rows[kept]
             try:
-                index.insert(keys, torch.arange(start, start + keys.numel()))
+                index.insert(keys, rows)
             except ValueError:
                 raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: repeated ids") from None
         problem = self._keys_crc_problem(crc)
         if problem is not None:
             raise StoreFormatError(problem)
         return index
+
+    def _removed_rows(self) -> np.ndarray:
+        """int64 [removed_rows]: the committed rows whose ids were removed (``removed.bin``, its CRC32
+        checked), in the order of their removal."""
+        if not self._removed_count:
+            return np.zeros(0, dtype=np.int64)
+        path = self.directory / REMOVED_FILE
+        try:
+            rows = np.fromfile(path, dtype=np.int64, count=self._removed_count)
+        except (OSError, ValueError):
+            rows = np.zeros(0, dtype=np.int64)
+        if rows.size != self._removed_count or zlib.crc32(rows) != self._removed_crc:
+            raise StoreFormatError(
+                f"{path} is missing, truncated or damaged (the rows of {self._removed_count} removed ids); "
+                f"restore the store from a backup"
+            )
+        if rows.size and not (0 <= rows.min() and rows.max() < self._count):
+            raise StoreFormatError(f"{path} is damaged: a removed row past the committed {self._count}")
+        return rows
 
     def _committed_keys(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first row, its ids int64 [n])`` over ``keys.bin``'s committed ids, a chunk at a time."""
@@ -211,13 +250,26 @@ class MmapOpening:
                 )
             self.flushes = _flush_count(commit, commit_path, self.flushes)
             self._wal_count = self._wal_committed = records
-            keys = self._wal_keys.array[:records, 0]
+            keys, values = log_entries(self._wal_keys.array[:records, 0], np.arange(records))
             last = records - 1 - np.unique(keys[::-1], return_index=True)[1]  # a key's last record wins
-            self._wal_index.insert(torch.from_numpy(keys[last]), torch.from_numpy(last))
+            self._wal_index.insert(torch.from_numpy(keys[last]), torch.from_numpy(values[last]))
             if not self.read_only:
                 self._try_apply()
         elif not self.read_only:
             self._reset_wal()  # never committed: discard (no reader reads an uncommitted log)
+
+
+def removal_records(keys: np.ndarray) -> np.ndarray:
+    """The log's record keys of removals of ``keys`` (int64, non-negative): ``-2 - key``, below -1."""
+    return -2 - keys
+
+
+def log_entries(record_keys: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, values in the log's index)`` of the log's ``records`` whose keys are ``record_keys``:
+    a row's record is indexed by its number, a removal's by ``-2 - number`` (below -1, where ``find``
+    says -1 for a key the log does not hold)."""
+    removal = record_keys < 0
+    return np.where(removal, -2 - record_keys, record_keys), np.where(removal, -2 - records, records)
 
 
 def _flush_count(record: dict, path: Path, default: int = 0) -> int:

@@ -64,7 +64,7 @@ from .codec import rows_from_bytes
 from .disk_index import INDEX_FILE, DiskIndex
 from .mmap_files import KEYS_FILE, ROWS_FILE, STATE_FILE, WAL_ROWS_FILE
 from .mmap_log import MmapLog
-from .mmap_opening import MmapOpening
+from .mmap_opening import MmapOpening, log_entries
 
 
 class MmapColdStore(MmapOpening, MmapLog, ColdStore):
@@ -146,6 +146,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             in_wal = (staged >= 0).nonzero().squeeze(1)
             stored.index_copy_(0, in_wal, self._wal_rows_tensor().index_select(0, staged[in_wal]))
             found[in_wal] = True
+            found[staged < -1] = False  # removed
         if bool(found.all()):
             return self.codec.decode(
                 keys.numpy(), stored.numpy(), self.directory / ROWS_FILE
@@ -158,7 +159,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         found = self._rows_of(keys) >= 0  # the indexes alone: no row is read
         if self._wal_count:
-            found |= self._wal_index.find(keys) >= 0
+            staged = self._wal_index.find(keys)
+            found = (found | (staged >= 0)) & (staged >= -1)  # below -1: removed
         return found
 
     def iter_rows(self, batch_size: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -173,10 +175,16 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             stop = min(start + batch_size, self._count)
             keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
             stored = self._main_rows()[start:stop].clone()
+            held = None
+            if self._removed_count:  # a removed id's row: the index no longer finds it there
+                held = self._rows_of(keys) == torch.arange(start, stop)
             if self._wal_count:
                 staged = self._wal_index.find(keys)
                 in_wal = staged >= 0
                 stored[in_wal] = self._wal_rows_tensor().index_select(0, staged[in_wal])
+                held = (staged >= -1) if held is None else held & (staged >= -1)  # below -1: removed
+            if held is not None and not bool(held.all()):
+                keys, stored = keys[held], stored[held]
             yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / ROWS_FILE)
         new_keys, new_records = self._wal_only()
         for start in range(0, new_keys.numel(), batch_size):
@@ -201,20 +209,24 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         )
 
     def _wal_only(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys in the log but not in ``rows.bin``, and their last record numbers."""
+        """Keys in the log but not in ``rows.bin`` (nor removed since), and their last record numbers."""
         keys, records = self._log_latest()
-        new = self._rows_of(keys) < 0
+        new = (self._rows_of(keys) < 0) & (records >= 0)
         return keys[new], records[new]
 
     def _log_latest(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each key in the log once, with its last record number (the one that holds its row)."""
-        keys = torch.from_numpy(np.array(self._wal_keys.array[: self._wal_count, 0]))
-        records = torch.arange(self._wal_count)
+        """Each key in the log once, with its last record's value in the log's index: the number of
+        the record that holds its row, or ``-2 - number`` where that record removes it."""
+        keys, records = log_entries(self._wal_keys.array[: self._wal_count, 0], np.arange(self._wal_count))
+        keys, records = torch.from_numpy(keys), torch.from_numpy(records)
         latest = self._wal_index.find(keys) == records
         return keys[latest], records[latest]
 
     def __len__(self) -> int:
-        return self._count + self._wal_only()[0].numel()
+        keys, records = self._log_latest()
+        in_main = self._rows_of(keys) >= 0
+        added, removed = int((~in_main & (records >= 0)).sum()), int((in_main & (records < 0)).sum())
+        return self._count - self._removed_count + added - removed
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -300,11 +312,14 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         """``keys.bin`` against the CRC32 ``state.json`` records, and every committed id found at its
         row through the index (``index.bin``, which opening trusts without reading it)."""
         crc, misplaced = 0, 0
+        removed = torch.from_numpy(np.sort(self._removed_rows()))
         for start, keys in self._committed_keys():
             crc = zlib.crc32(keys.numpy(), crc)
-            misplaced += int((self._rows_of(keys) != torch.arange(start, start + keys.numel())).sum())
+            rows = torch.arange(start, start + keys.numel())
+            live = ~torch.isin(rows, removed) if removed.numel() else slice(None)
+            misplaced += int((self._rows_of(keys[live]) != rows[live]).sum())
         problems = [problem for problem in [self._keys_crc_problem(crc)] if problem is not None]
-        extra = 0 if self._repair_pending else max(len(self._index) - self._count, 0)
+        extra = 0 if self._repair_pending else max(len(self._index) - self._count + self._removed_count, 0)
         if misplaced or extra:
             problems.append(
                 f"the key index ({self.directory / INDEX_FILE}) does not match {KEYS_FILE}: {misplaced} "

@@ -1,0 +1,168 @@
+"""Expiring ids: a table that caps its rows (``max_rows``) or forgets ids not trained for a while (``ttl``).
+
+Each id's last update is recorded at flush granularity in a side store (``expiry/`` in the store's
+directory: an mmap cold store of ``[update count, unix seconds]`` per id). The ids a flush commits
+(trained, or evicted dirty, since the previous flush; loaded with ``load``) get the store's update
+count and the time of that flush, so an id's record is never older than its last update. After the
+flush commits, the ids whose record is ``ttl`` old (an int: the store's optimizer updates; a
+``timedelta``: time) are removed; then, past ``max_rows``, the oldest (fewest updates, earliest,
+smallest id) until ``max_rows`` remain. The removals commit in a second flush. Never removed: ids
+whose rows are pinned for batches in flight (a lookahead pipeline) and the ids of the last training
+lookup whose update has not come yet. An id removed and looked up again starts from its initial row.
+
+The record is advisory: a store opened without expiry drops it (its ids' updates would go unrecorded),
+and a store whose ids and records differ (a first open with expiry, a restored checkpoint) records
+its unrecorded ids as of the flush that finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .metadata import write_json_atomic
+from .tiers.cold.mmap_store import MmapColdStore
+
+EXPIRY_DIRECTORY = "expiry"
+CLOCK_FILE = "clock.json"  # the store's update count as of its last flush with expiry
+SCAN_ROWS = 1 << 16  # records read at once by an expiry scan
+
+
+@dataclass(frozen=True)
+class ExpiryPolicy:
+    """When ids go: ``ttl`` (int: optimizer updates of the table; ``timedelta``: time) since an id's
+    last update, and ``max_rows`` (the most ids the table keeps after a flush). None: no limit."""
+
+    ttl: int | timedelta | None = None
+    max_rows: int | None = None
+
+    @staticmethod
+    def of(ttl: Any, max_rows: Any) -> ExpiryPolicy | None:
+        """The policy of ``ttl`` and ``max_rows`` (None when both are), checked."""
+        if isinstance(ttl, (np.integer,)):
+            ttl = int(ttl)
+        if isinstance(max_rows, np.integer):
+            max_rows = int(max_rows)
+        if ttl is not None and not (
+            (isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0)
+            or (isinstance(ttl, timedelta) and ttl > timedelta(0))
+        ):
+            raise ValueError(
+                f"ttl must be a positive int (optimizer updates of the table) or a positive "
+                f"datetime.timedelta (time), or None (ids never expire), got {ttl!r}"
+            )
+        if max_rows is not None and (
+            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+        ):
+            raise ValueError(f"max_rows must be a positive int (ids kept) or None (no cap), got {max_rows!r}")
+        return None if ttl is None and max_rows is None else ExpiryPolicy(ttl, max_rows)
+
+    def expired(self, records: torch.Tensor, updates: int, now: float) -> torch.Tensor:
+        """bool [N]: which ``[N, 2]`` records (update count, seconds) are ``ttl`` old."""
+        if isinstance(self.ttl, int):
+            return records[:, 0] <= updates - self.ttl
+        if isinstance(self.ttl, timedelta):
+            return records[:, 1] <= now - self.ttl.total_seconds()
+        return torch.zeros(records.shape[0], dtype=torch.bool)
+
+
+class IdExpiry:
+    """A writable store's expiry: the side store of its ids' last updates and the removals."""
+
+    def __init__(self, directory: Path, policy: ExpiryPolicy, index_kernels) -> None:
+        self.policy = policy
+        self.directory = Path(directory) / EXPIRY_DIRECTORY
+        self.directory.mkdir(exist_ok=True)
+        self._index_kernels = index_kernels
+        self.records = MmapColdStore(self.directory, 2, torch.float64, index_kernels=index_kernels)
+        clock = self.directory / CLOCK_FILE
+        self.updates = json.loads(clock.read_text())["updates"] if clock.exists() else 0
+        self.removed = 0  # ids removed by expiry since the store opened
+
+    @staticmethod
+    def drop(directory: Path) -> None:
+        """Delete the side store of a store opened without expiry (its records would go stale)."""
+        shutil.rmtree(Path(directory) / EXPIRY_DIRECTORY, ignore_errors=True)
+
+    def record(self, keys: torch.Tensor, now: float | None = None) -> None:
+        """Record ``keys`` (int64 CPU, distinct) as updated now (staged; durable at ``flushed``)."""
+        if keys.numel():
+            now = time.time() if now is None else now
+            stamp = torch.tensor([float(self.updates), now], dtype=torch.float64)
+            self.records.put(keys, stamp.expand(keys.numel(), 2).contiguous())
+
+    def flushed(self, store, written: torch.Tensor, protected: torch.Tensor) -> int:
+        """After ``store``'s flush that committed ``written`` ids: record them, remove the expired
+        ids but ``protected`` ones (int64 CPU), commit the removals; returns how many went."""
+        now = time.time()
+        self.record(written, now)
+        cold = store.stack.cold
+        if len(self.records) != len(cold):
+            self._reconcile(cold, now)
+        going = self._expired(len(cold), now)
+        going = going[~torch.isin(going, protected)]
+        for cache in store.stack.caches:
+            going = going[~torch.isin(going, cache.pinned_keys(going))]
+        if going.numel():
+            store.stack.remove(going)
+            self.records.remove(going)
+            cold.flush()
+            self.removed += going.numel()
+        self.records.flush()
+        write_json_atomic(self.directory / CLOCK_FILE, {"updates": self.updates})
+        return going.numel()
+
+    def _reconcile(self, cold, now: float) -> None:
+        """Record the cold store's unrecorded ids as of now and forget records of ids it no longer holds."""
+        for keys, _ in cold.iter_rows(SCAN_ROWS):
+            self.record(keys[~self.records.contains(keys)], now)
+        for keys, _ in self.records.iter_rows(SCAN_ROWS):
+            gone = keys[~cold.contains(keys)]
+            if gone.numel():
+                self.records.remove(gone)
+
+    def _expired(self, held: int, now: float) -> torch.Tensor:
+        """The ids to remove (int64, sorted) of a table holding ``held`` ids: ``ttl`` old, then the
+        oldest past ``max_rows`` (two scans: the count of each record, then the ids)."""
+        policy = self.policy
+        counts: Counter = Counter()
+        expired_count = 0
+        for _, records in self.records.iter_rows(SCAN_ROWS):
+            old = policy.expired(records, self.updates, now)
+            expired_count += int(old.sum())
+            if policy.max_rows is not None:
+                stamps, seen = torch.unique(records[~old], dim=0, return_counts=True)
+                counts.update(dict(zip(map(tuple, stamps.tolist()), seen.tolist())))
+        excess = 0 if policy.max_rows is None else held - expired_count - policy.max_rows
+        cutoff, at_cutoff = None, 0  # past max_rows: every record older than cutoff, and at_cutoff at it
+        for stamp in sorted(counts):
+            if excess <= 0:
+                break
+            cutoff, at_cutoff = stamp, min(excess, counts[stamp])
+            excess -= counts[stamp]
+        going, tied = [], []
+        cutoff_row = None if cutoff is None else torch.tensor(cutoff, dtype=torch.float64)
+        for keys, records in self.records.iter_rows(SCAN_ROWS):
+            old = policy.expired(records, self.updates, now)
+            if cutoff_row is not None:
+                older = (records[:, 0] < cutoff_row[0]) | (
+                    (records[:, 0] == cutoff_row[0]) & (records[:, 1] < cutoff_row[1])
+                )
+                old |= older
+                tied.append(keys[~old & (records == cutoff_row).all(dim=1)])
+            going.append(keys[old])
+        if tied:
+            going.append(torch.cat(tied).sort().values[:at_cutoff])  # the smallest ids of the tie
+        return torch.cat(going).sort().values if going else torch.zeros(0, dtype=torch.int64)
+
+    def close(self) -> None:
+        self.records.close()
