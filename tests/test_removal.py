@@ -2,6 +2,8 @@
 ``tierstore compact``; removals under readers, a rebuilt index and pins. Removals under SIGKILL are
 in ``test_crash_safety`` (its writer removes ids every round)."""
 
+import errno
+import os
 import subprocess
 import sys
 
@@ -165,3 +167,26 @@ def test_compact_gives_the_space_of_removed_ids_back(backend, tmp_path):
             [sys.executable, "-m", "tierstore", "compact", "--help"], capture_output=True, text=True
         ).stdout
     )
+
+
+def test_a_removal_the_disk_refuses_changes_nothing(backend, store_path, monkeypatch):
+    """A full disk while staging a removal: OSError, every tier as it was (the cached rows too)."""
+    store = TieredStore(store_path, dim=DIM, backend=backend, host_cache=8 * 16 * 4)
+    store.put(torch.arange(4), torch.ones(4, DIM))
+    store.flush()
+    store.put([1], torch.full((1, DIM), 3.0))  # dirty in the cache
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if backend == "mmap":
+        monkeypatch.setattr(os, "pwrite", full_disk)
+    else:
+        monkeypatch.setattr(store.stack.cold, "_write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.remove([1, 2])
+    monkeypatch.undo()
+    assert len(store) == 4 and store.get([1, 2]).tolist() == [[3.0] * DIM, [1.0] * DIM]
+    store.close()
+    with TieredStore(store_path) as reopened:
+        assert reopened.get([1, 2]).tolist() == [[3.0] * DIM, [1.0] * DIM]

@@ -136,12 +136,11 @@ class IdExpiry:
         policy = self.policy
         counts: Counter = Counter()
         expired_count = 0
-        for _, records in self.records.iter_rows(SCAN_ROWS):
+        for _, records in self.records.iter_rows(SCAN_ROWS) if policy.max_rows is not None else ():
             old = policy.expired(records, self.updates, now)
             expired_count += int(old.sum())
-            if policy.max_rows is not None:
-                stamps, seen = torch.unique(records[~old], dim=0, return_counts=True)
-                counts.update(dict(zip(map(tuple, stamps.tolist()), seen.tolist())))
+            stamps, seen = torch.unique(records[~old], dim=0, return_counts=True)
+            counts.update(dict(zip(map(tuple, stamps.tolist()), seen.tolist())))
         excess = 0 if policy.max_rows is None else held - expired_count - policy.max_rows
         cutoff, at_cutoff = None, 0  # past max_rows: every record older than cutoff, and at_cutoff at it
         for stamp in sorted(counts):
@@ -149,6 +148,8 @@ class IdExpiry:
                 break
             cutoff, at_cutoff = stamp, min(excess, counts[stamp])
             excess -= counts[stamp]
+        if policy.ttl is None and cutoff is None:  # nothing past max_rows, and no ttl: no second scan
+            return torch.zeros(0, dtype=torch.int64)
         going, tied = [], []
         cutoff_row = None if cutoff is None else torch.tensor(cutoff, dtype=torch.float64)
         for keys, records in self.records.iter_rows(SCAN_ROWS):

@@ -114,11 +114,15 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
                 staged, staged_found = self._read(txn, keys, logs)  # newer values win
                 rows[staged_found] = staged[staged_found]
                 kept = _newest_entries(keys, logs) >= -1  # below -1: removed since
-                yield keys[kept], rows[kept]
-            staged_keys = torch.cat([log.items()[0] for log in logs]).unique() if logs else torch.zeros(0)
-            for keys in staged_keys.to(torch.int64).split(batch_size):  # each staged key not in rows once
+                if bool(kept.any()):
+                    yield keys[kept], rows[kept]
+            if not logs:
+                return
+            staged_keys = torch.cat([log.items()[0] for log in logs]).unique()
+            for keys in staged_keys.split(batch_size):  # each staged key not in rows once
                 keys = keys[(_newest_entries(keys, logs) >= 0) & ~self._read(txn, keys, databases[:1])[1]]
-                yield keys, self._read(txn, keys, logs)[0]
+                if keys.numel():
+                    yield keys, self._read(txn, keys, logs)[0]
 
     def snapshot(self) -> LmdbSnapshot:
         if self.read_only or self._pending_count or self._applying is not None:

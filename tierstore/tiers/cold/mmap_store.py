@@ -185,7 +185,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
                 held = (staged >= -1) if held is None else held & (staged >= -1)  # below -1: removed
             if held is not None and not bool(held.all()):
                 keys, stored = keys[held], stored[held]
-            yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / ROWS_FILE)
+            if keys.numel():
+                yield keys, self.codec.decode(keys.numpy(), stored.numpy(), self.directory / ROWS_FILE)
         new_keys, new_records = self._wal_only()
         for start in range(0, new_keys.numel(), batch_size):
             keys = new_keys[start : start + batch_size]
