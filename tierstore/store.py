@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from .errors import ReadOnlyStoreError, StoreClosedError
-from .expiry import ExpiryPolicy, IdExpiry
-from .kernels import host_kernels
+from .expiry import ExpiryPolicy
 from .locking import serialized
 from .metadata import create_store, dtype_name, resolve_metadata
 from .snapshot import StoreSnapshot
 from .store_copies import StoreCopies
 from .store_pins import StorePins
+from .store_removals import StoreRemovals
 from .store_training import StoreTraining
 from .tiers.build import build_caches, check_backends, open_tiers
 from .tiers.config import TierConfig
@@ -33,7 +33,7 @@ from .warm_start import hot_ids
 _OPEN_HERE: weakref.WeakValueDictionary[Path, TieredStore] = weakref.WeakValueDictionary()
 
 
-class TieredStore(StoreTraining, StoreCopies, StorePins):
+class TieredStore(StoreTraining, StoreCopies, StorePins, StoreRemovals):
     """A table of rows ``[weights (dim) | optimizer state]`` keyed by any non-negative int64 id.
 
     Args:
@@ -155,20 +155,6 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
                 self.close()
                 raise
 
-    def _open_expiry(self) -> IdExpiry | None:
-        """The expiry of a writable store with a policy (its side store opened); without one, a side
-        store left by an earlier open is dropped (it would go stale)."""
-        if self._expiry_policy is None:
-            IdExpiry.drop(self.path)
-            return None
-        kernels = None if self.config.host_cache_backend == "torch" else host_kernels()[0]
-        return IdExpiry(self.path, self._expiry_policy, kernels)
-
-    @property
-    def expiry(self) -> ExpiryPolicy | None:
-        """When ids expire (``ttl``, ``max_rows``), None if they never do."""
-        return self._expiry_policy
-
     @staticmethod
     def open_here(path: str | Path) -> TieredStore | None:
         """The store open at ``path`` in this process, if any: read it through that one, since
@@ -253,17 +239,6 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
         )
 
     @serialized
-    def remove(self, ids: Any) -> int:
-        """Remove ``ids`` (int64 [N], any order, repeats and ids the table does not hold allowed) from
-        the table: from every cache tier at once and from the cold store's files at the next flush
-        (durable then, as updates are). An id removed and looked up again starts from its initial
-        row, as a new id does. Ids whose rows are pinned for batches in flight (a lookahead
-        pipeline) are refused, changing nothing. Returns how many of the ids the table held."""
-        self._check_writable("remove ids")
-        unique = torch.unique(as_ids(ids))
-        return self.stack.remove(unique) if unique.numel() else 0
-
-    @serialized
     def load(self, ids: Any, rows: Any, allow_nonfinite: bool = False, chunk_rows: int = 1 << 18) -> None:
         """Write the weights (``rows [N, dim]``: optimizer state kept, zero for new ids) or whole rows
         (``[N, row_width]``) of any number of ``ids`` straight into the cold store, bypassing the
@@ -288,16 +263,6 @@ class TieredStore(StoreTraining, StoreCopies, StorePins):
             if self._expiry is not None:
                 self._expiry.record(unique[part])
         self.stack.cold.flush()
-
-    @serialized
-    def flush(self) -> None:
-        """Make every update so far durable (atomically: a crash keeps the previous flush). With
-        ``ttl`` or ``max_rows``, the ids they expire are then removed, durably (a second commit)."""
-        self._check_writable("flush")
-        written = self.stack.flush(written=self._expiry is not None)
-        if self._expiry is not None:
-            in_flight = torch.zeros(0, dtype=torch.int64) if self._in_flight is None else self._in_flight
-            self._expiry.flushed(self, written, in_flight.cpu())
 
     @serialized
     def refresh(self) -> None:
