@@ -152,3 +152,29 @@ def test_a_collection_tables_delta(tmp_path):
     export(tmp_path / "c", tmp_path / "a.pt", ".pt", "--since", str(tmp_path / "ckpt"), "--table", "a")
     delta = torch.load(tmp_path / "a.pt")
     assert sorted(delta["ids"].tolist()) == list(range(4, 12)) and delta["removed_ids"].numel() == 0
+
+
+def test_ids_expired_since_a_checkpoint_are_a_deltas_removed_ids(tmp_path):
+    """A table with a ttl: the ids it forgets after a checkpoint leave the replica with the delta."""
+    settings = dict(path=tmp_path / "store", optimizer=Adagrad(lr=0.1), host_cache=20 * 200, ttl=2)
+    table = TieredEmbeddingBag(None, 4, **settings)
+    train(table, 0, 50, steps=1)
+    table.flush()
+    table.checkpoint(tmp_path / "first")
+    held = set(torch.cat([ids for ids, _ in table.store.iter_rows()]).tolist())
+    for seed in (1, 2, 3):
+        ids = torch.randint(1000, 1100, (16, 3), generator=torch.Generator().manual_seed(seed))
+        table(ids).sum().backward()
+        table.flush()
+    table.close()
+    export(tmp_path / "store", tmp_path / "last.pt", ".pt")
+    export(tmp_path / "store", tmp_path / "delta.pt", ".pt", "--since", str(tmp_path / "first"))
+    removed = set(torch.load(tmp_path / "delta.pt")["removed_ids"].tolist())
+    assert removed == held  # every id of the checkpoint went: none trained for three steps
+    replica = TieredEmbeddingBag(None, 4, path=tmp_path / "replica", optimizer=Adagrad(lr=0.1))
+    replica.restore(tmp_path / "first")
+    replica.close()
+    apply(tmp_path / "replica", tmp_path / "delta.pt", ".pt")
+    export(tmp_path / "replica", tmp_path / "replica.pt", ".pt")
+    last, replica_rows = exported(tmp_path / "last.pt", ".pt"), exported(tmp_path / "replica.pt", ".pt")
+    assert replica_rows.keys() == last.keys() and all(torch.equal(replica_rows[k], last[k]) for k in last)

@@ -139,8 +139,7 @@ class IdExpiry:
         for _, records in self.records.iter_rows(SCAN_ROWS) if policy.max_rows is not None else ():
             old = policy.expired(records, self.updates, now)
             expired_count += int(old.sum())
-            stamps, seen = torch.unique(records[~old], dim=0, return_counts=True)
-            counts.update(dict(zip(map(tuple, stamps.tolist()), seen.tolist())))
+            counts.update(_stamp_counts(records[~old].numpy()))
         excess = 0 if policy.max_rows is None else held - expired_count - policy.max_rows
         cutoff, at_cutoff = None, 0  # past max_rows: every record older than cutoff, and at_cutoff at it
         for stamp in sorted(counts):
@@ -167,3 +166,13 @@ class IdExpiry:
 
     def close(self) -> None:
         self.records.close()
+
+
+def _stamp_counts(records: np.ndarray) -> dict:
+    """``{(update count, seconds): how many of records [N, 2] hold it}``."""
+    if not len(records):
+        return {}
+    ordered = records[np.lexsort((records[:, 1], records[:, 0]))]
+    starts = np.flatnonzero(np.append(True, (ordered[1:] != ordered[:-1]).any(axis=1)))
+    counts = np.diff(np.append(starts, len(ordered)))
+    return dict(zip(map(tuple, ordered[starts].tolist()), counts.tolist()))
