@@ -3,7 +3,8 @@
 Each id's last update is recorded at flush granularity in a side store (``expiry/`` in the store's
 directory: an mmap cold store of ``[update count, unix seconds]`` per id). The ids a flush commits
 (trained, or evicted dirty, since the previous flush; loaded with ``load``) get the store's update
-count and the time of that flush, so an id's record is never older than its last update. After the
+count and the time of that flush, committed just before it (a kill between the two leaves records
+newer than the rows), so an id's record is never older than its last update. After the
 flush commits, the ids whose record is ``ttl`` old (an int: the store's optimizer updates; a
 ``timedelta``: time) are removed; then, past ``max_rows``, the oldest (fewest updates, earliest,
 smallest id) until ``max_rows`` remain. The removals commit in a second flush. Never removed: ids
@@ -86,25 +87,31 @@ class IdExpiry:
         self.records = MmapColdStore(self.directory, 2, torch.float64, index_kernels=index_kernels)
         clock = self.directory / CLOCK_FILE
         self.updates = json.loads(clock.read_text())["updates"] if clock.exists() else 0
-        self.removed = 0  # ids removed by expiry since the store opened
 
     @staticmethod
     def drop(directory: Path) -> None:
         """Delete the side store of a store opened without expiry (its records would go stale)."""
         shutil.rmtree(Path(directory) / EXPIRY_DIRECTORY, ignore_errors=True)
 
-    def record(self, keys: torch.Tensor, now: float | None = None) -> None:
-        """Record ``keys`` (int64 CPU, distinct) as updated now (staged; durable at ``flushed``)."""
+    def record(self, keys: torch.Tensor, now: float | None = None, commit: bool = False) -> None:
+        """Record ``keys`` (int64 CPU, distinct) as updated now; ``commit``: durably, with the update
+        count (before the store's flush that writes their rows: a kill between the two leaves
+        records newer than the rows, never older)."""
         if keys.numel():
             now = time.time() if now is None else now
             stamp = torch.tensor([float(self.updates), now], dtype=torch.float64)
             self.records.put(keys, stamp.expand(keys.numel(), 2).contiguous())
+        if commit:
+            self._commit()
 
-    def flushed(self, store, written: torch.Tensor, protected: torch.Tensor) -> int:
-        """After ``store``'s flush that committed ``written`` ids: record them, remove the expired
-        ids but ``protected`` ones (int64 CPU), commit the removals; returns how many went."""
+    def _commit(self) -> None:
+        self.records.flush()
+        write_json_atomic(self.directory / CLOCK_FILE, {"updates": self.updates})
+
+    def expire(self, store, protected: torch.Tensor) -> int:
+        """After ``store``'s flush: remove the expired ids but ``protected`` ones (int64 CPU), and
+        commit the removals; returns how many went."""
         now = time.time()
-        self.record(written, now)
         cold = store.stack.cold
         if len(self.records) != len(cold):
             self._reconcile(cold, now)
@@ -116,9 +123,7 @@ class IdExpiry:
             store.stack.remove(going)
             self.records.remove(going)
             cold.flush()
-            self.removed += going.numel()
-        self.records.flush()
-        write_json_atomic(self.directory / CLOCK_FILE, {"updates": self.updates})
+        self._commit()
         return going.numel()
 
     def _reconcile(self, cold, now: float) -> None:

@@ -32,10 +32,13 @@ class StoreRemovals:
         """Make every update so far durable (atomically: a crash keeps the previous flush). With
         ``ttl`` or ``max_rows``, the ids they expire are then removed, durably (a second commit)."""
         self._check_writable("flush")
-        written = self.stack.flush(written=self._expiry is not None)
-        if self._expiry is not None:
-            in_flight = torch.zeros(0, dtype=torch.int64) if self._in_flight is None else self._in_flight
-            self._expiry.flushed(self, written, in_flight.cpu())
+        if self._expiry is None:
+            self.stack.flush()
+            return
+        self._expiry.record(self.stack.unflushed_keys(), commit=True)  # first: a kill keeps ids longer
+        self.stack.flush()
+        in_flight = torch.zeros(0, dtype=torch.int64) if self._in_flight is None else self._in_flight
+        self._expiry.expire(self, in_flight.cpu())
 
     def _open_expiry(self) -> IdExpiry | None:
         """The expiry of a writable store with a policy (its side store opened); without one, a side

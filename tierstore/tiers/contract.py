@@ -215,6 +215,10 @@ class CacheTier(Protocol):
         """Slots and Rows of every dirty row, ``batch_size`` rows at a time (a flush's memory stays
         bounded whatever the tier's size)."""
 
+    def dirty_keys(self) -> torch.Tensor:
+        """The ids (int64 CPU) of the dirty rows."""
+        ...
+
     def mark_clean(self, slots: torch.Tensor) -> None:
         """The rows at ``slots`` reached the cold store: neither dirty nor fresh now."""
 

@@ -309,6 +309,9 @@ class RowCache(NativeSide):
         for slots in self.dirty.nonzero().squeeze(1).split(batch_size):
             yield slots, self._rows_at(slots)
 
+    def dirty_keys(self) -> torch.Tensor:
+        return self.slot_keys[self.dirty].cpu()
+
     def mark_clean(self, slots: torch.Tensor) -> None:
         self.dirty[slots] = False
         self.fresh[slots] = False

@@ -246,22 +246,23 @@ class TierStack:
         if len(rows):
             self.cold.put(rows.keys.cpu(), rows.rows.cpu(), before_flush)
 
-    def flush(self, written: bool = False) -> torch.Tensor | None:
+    def flush(self) -> None:
         """Stage every dirty cached row in the cold store (``FLUSH_BATCH_ROWS`` at a time) and commit
-        it atomically; only then are the rows clean. ``written``: return the ids (int64 CPU,
-        distinct) whose rows this flush committed (staged since the last one, or dirty)."""
+        it atomically; only then are the rows clean."""
         staged = []
-        keys = [self.cold.staged_keys()] if written else []
         for cache in self.caches:
             for slots, rows in cache.dirty_rows(FLUSH_BATCH_ROWS):
                 self._stage_in_cold(rows, before_flush=True)  # still dirty, cached, until it commits
                 staged.append((cache, slots))
-                if written:
-                    keys.append(rows.keys.cpu())
         self.cold.flush()
         for cache, slots in staged:
             cache.mark_clean(slots)
-        return torch.cat(keys).unique() if written else None
+
+    def unflushed_keys(self) -> torch.Tensor:
+        """The ids (int64 CPU, distinct) whose rows the next flush commits: staged in the cold store
+        since the last one, or dirty in a cache tier."""
+        keys = [self.cold.staged_keys()] + [cache.dirty_keys() for cache in self.caches]
+        return torch.cat(keys).unique()
 
     def refresh(self) -> None:
         """A read-only stack moves to the cold store's newest flush: its cached rows (of the old
