@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import crash_expiring
 import crash_trainer
 import crash_writer
 import pytest
@@ -116,3 +117,30 @@ def test_a_training_process_killed_reopens_at_the_rows_of_a_completed_flush(tmp_
             f"trial {trial}: the reopened rows are those of no completed flush at or after round {reported}"
         )
     replay.close()
+
+
+@pytest.mark.slow
+def test_an_expiring_table_killed_keeps_every_id_within_its_ttl(backend, tmp_path):
+    """A table with ``ttl`` killed at random moments (among them between the commit of its ids'
+    records and the flush of their rows, and inside the removals' commit) reopens sound, holding
+    every id updated within ``ttl`` steps of the flush it holds: a kill never makes an id go early."""
+    rng = random.Random(5)
+    path = tmp_path / "store"
+    for trial in range(max(TRIALS // 2, 2)):
+        reported = run_writer_and_kill(path, backend, backend, rng, script=crash_expiring)
+        with TieredStore(path, host_cache=4096, ttl=crash_expiring.TTL) as store:
+            assert store.structure_problems() == []
+            durable = int(store.get([crash_expiring.MARKER])[0, 0].item())
+            assert durable >= reported
+            recent = torch.cat(
+                [
+                    crash_expiring.round_ids(r)
+                    for r in range(durable - crash_expiring.TTL + 1, durable + 1)
+                    if r >= 0
+                ]
+            )
+            assert bool(store.contains(recent).all()), f"trial {trial}: an id went before its ttl"
+            oldest = durable - crash_expiring.TTL - 1 - trial  # a kill may delay an expiry by a round
+            if oldest >= 0:
+                assert not bool(store.contains(crash_expiring.round_ids(oldest)).any())
+            store.release_unflushed()

@@ -94,17 +94,19 @@ class IdExpiry:
         shutil.rmtree(Path(directory) / EXPIRY_DIRECTORY, ignore_errors=True)
 
     def record(self, keys: torch.Tensor, now: float | None = None, commit: bool = False) -> None:
-        """Record ``keys`` (int64 CPU, distinct) as updated now; ``commit``: durably, with the update
-        count (before the store's flush that writes their rows: a kill between the two leaves
-        records newer than the rows, never older)."""
+        """Record ``keys`` (int64 CPU, distinct) as updated now; ``commit``: durably (before the
+        store's flush that writes their rows: a kill between the two leaves records newer than the
+        rows, never older). The update count is committed after that flush (``expire``), so steps a
+        kill undid, run again, are not counted twice."""
         if keys.numel():
             now = time.time() if now is None else now
             stamp = torch.tensor([float(self.updates), now], dtype=torch.float64)
             self.records.put(keys, stamp.expand(keys.numel(), 2).contiguous())
         if commit:
-            self._commit()
+            self.records.flush()
 
     def _commit(self) -> None:
+        """The records and the update count, durably (after the store's flush)."""
         self.records.flush()
         write_json_atomic(self.directory / CLOCK_FILE, {"updates": self.updates})
 
