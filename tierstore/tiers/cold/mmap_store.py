@@ -171,13 +171,16 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             self._rows.advise(mmap.MADV_RANDOM)
 
     def _iter_rows(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        removed = np.sort(self._removed_rows())  # rows of removed ids, left out
         for start in range(0, self._count, batch_size):
             stop = min(start + batch_size, self._count)
             keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
             stored = self._main_rows()[start:stop].clone()
             held = None
-            if self._removed_count:  # a removed id's row: the index no longer finds it there
-                held = self._rows_of(keys) == torch.arange(start, stop)
+            first, end = np.searchsorted(removed, [start, stop])
+            if end > first:
+                held = torch.ones(stop - start, dtype=torch.bool)
+                held[torch.from_numpy(removed[first:end] - start)] = False
             if self._wal_count:
                 staged = self._wal_index.find(keys)
                 in_wal = staged >= 0
