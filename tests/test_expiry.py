@@ -177,3 +177,14 @@ def test_a_reader_cannot_expire(store_path):
     TieredStore(store_path, dim=DIM).close()
     with pytest.raises(ValueError, match="writable"):
         TieredStore(store_path, read_only=True, ttl=5)
+
+
+def test_ids_removed_by_hand_are_not_counted_against_max_rows(backend, store_path, clock):
+    with TieredStore(store_path, dim=DIM, backend=backend, max_rows=4) as store:
+        store.put(torch.arange(4), torch.ones(4, DIM))
+        store.flush()
+        clock[0] += 1
+        store.remove([0])
+        store.put([10, 11], torch.ones(2, DIM))
+        store.flush()  # five ids: the oldest held one goes (0's record went with it)
+        assert sorted(table_of(store)) == [2, 3, 10, 11]

@@ -83,7 +83,6 @@ class IdExpiry:
         self.policy = policy
         self.directory = Path(directory) / EXPIRY_DIRECTORY
         self.directory.mkdir(exist_ok=True)
-        self._index_kernels = index_kernels
         self.records = MmapColdStore(self.directory, 2, torch.float64, index_kernels=index_kernels)
         clock = self.directory / CLOCK_FILE
         self.updates = json.loads(clock.read_text())["updates"] if clock.exists() else 0
@@ -132,10 +131,9 @@ class IdExpiry:
         """Record the cold store's unrecorded ids as of now and forget records of ids it no longer holds."""
         for keys, _ in cold.iter_rows(SCAN_ROWS):
             self.record(keys[~self.records.contains(keys)], now)
-        for keys, _ in self.records.iter_rows(SCAN_ROWS):
-            gone = keys[~cold.contains(keys)]
-            if gone.numel():
-                self.records.remove(gone)
+        gone = [keys[~cold.contains(keys)] for keys, _ in self.records.iter_rows(SCAN_ROWS)]
+        if gone:  # removed once the scan is over: the records do not change under it
+            self.records.remove(torch.cat(gone))
 
     def _expired(self, held: int, now: float) -> torch.Tensor:
         """The ids to remove (int64, sorted) of a table holding ``held`` ids: ``ttl`` old, then the
