@@ -1,5 +1,5 @@
-"""Random get/put/flush/reopen sequences against a plain dict, with caches of a few rows so every
-eviction, promotion and write-back path runs."""
+"""Random get/put/remove/flush/compact/reopen sequences against a plain dict, with caches of a few
+rows so every eviction, promotion and write-back path runs."""
 
 import shutil
 import tempfile
@@ -78,9 +78,21 @@ class StoreAgainstDict(RuleBasedStateMachine):
         for key, row in zip(keys, rows):
             self.oracle[key] = row  # the last occurrence wins
 
+    @rule(keys=ids)
+    def remove(self, keys):
+        held = len({key for key in keys if key in self.oracle})
+        assert self.store.remove(keys) == held
+        for key in keys:
+            self.oracle.pop(key, None)  # back from its initial row if looked up again
+
     @rule()
     def flush(self):
         self.store.flush()
+        self.durable = dict(self.oracle)
+
+    @rule()
+    def compact(self):
+        self.store.compact()  # flushes, then rewrites the files without removed rows
         self.durable = dict(self.oracle)
 
     @rule()
