@@ -284,7 +284,7 @@ def test_verify_finds_a_damaged_store_and_exits_1(tmp_path, dense, capsys, backe
 
 
 CLI = [sys.executable, "-m", "tierstore"]  # the environment's own interpreter, whatever PATH holds
-COMMANDS = ("import", "export", "apply-delta", "inspect", "verify", "bench", "profile")
+COMMANDS = ("import", "export", "apply-delta", "inspect", "verify", "compact", "bench", "profile")
 
 
 def test_every_command_has_help_through_the_console_script(capsys):

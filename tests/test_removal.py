@@ -3,6 +3,7 @@
 in ``test_crash_safety`` (its writer removes ids every round)."""
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -152,6 +153,9 @@ def test_compact_gives_the_space_of_removed_ids_back(backend, tmp_path):
         store.load(torch.arange(60_000), torch.randn(60_000, 16))
         store.remove(torch.arange(0, 60_000, 2))
         kept = table_of(store)
+    inspect = [sys.executable, "-m", "tierstore", "inspect", "--json", str(path)]
+    on_disk = json.loads(subprocess.run(inspect, capture_output=True, text=True, check=True).stdout)
+    assert on_disk["removed_rows_on_disk"] == (30_000 if backend == "mmap" else 0)  # LMDB reuses pages
     before = subprocess.run(
         [sys.executable, "-m", "tierstore", "compact", str(path)], capture_output=True, text=True, check=True
     ).stdout
@@ -161,6 +165,8 @@ def test_compact_gives_the_space_of_removed_ids_back(backend, tmp_path):
     with TieredStore(path) as store:
         assert table_of(store) == kept
         assert store.structure_problems() == []
+    on_disk = json.loads(subprocess.run(inspect, capture_output=True, text=True, check=True).stdout)
+    assert on_disk["removed_rows_on_disk"] == 0
     assert (
         "TieredStore.remove"
         in subprocess.run(

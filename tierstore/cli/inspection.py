@@ -42,6 +42,7 @@ def inspect_store(path: Path) -> dict:
     with TieredStore(path, read_only=True, host_cache=1) as store:
         rows = len(store)
         flushed = store.last_flush_time()
+        removed_on_disk = store.stats()["cold"].get("removed_rows_on_disk", 0)
     size = disk_bytes(path)
     last_flush = (
         datetime.datetime.fromtimestamp(flushed, datetime.timezone.utc).isoformat(timespec="seconds")
@@ -61,6 +62,7 @@ def inspect_store(path: Path) -> dict:
         "row_bytes": metadata.row_bytes,
         "size_on_disk_bytes": size,
         "disk_bytes_per_row": size / rows if rows else None,
+        "removed_rows_on_disk": removed_on_disk,  # of removed ids, until tierstore compact
         "last_flush_utc": last_flush,
     }
 

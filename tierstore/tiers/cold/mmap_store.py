@@ -340,9 +340,11 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         """The base counters; ``index_bytes``: the RAM of the key indexes (the log's, and the rows'
         where it is not ``index.bin``); ``index_file_bytes``: the size of ``index.bin`` (page cache
         when read, which the kernel reclaims); ``deferred_applies``: flushes whose log stayed
-        unapplied because a reader was open."""
+        unapplied because a reader was open; ``removed_rows_on_disk``: rows of removed ids the files
+        still hold (``compact`` frees them)."""
         return {
             **super().report(),
+            "removed_rows_on_disk": self._removed_count,
             "index_bytes": self._index.nbytes + self._wal_index.nbytes,
             "index_file_bytes": self._index.file_bytes if isinstance(self._index, DiskIndex) else 0,
             "deferred_applies": self.deferred_applies,
