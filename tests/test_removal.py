@@ -90,19 +90,20 @@ def test_a_removed_id_that_returns_starts_from_its_initial_row_and_trains_again(
         assert store.get([3]).tolist() == [[5.0] * DIM]
 
 
-def test_a_reader_keeps_its_flush_while_the_writer_removes_ids(store_path):
-    """mmap: an open reader defers applying the log (removals included) until it closes."""
-    with TieredStore(store_path, dim=DIM, backend="mmap", host_cache=4 * 16 * 4) as store:
+def test_a_reader_keeps_its_flush_while_the_writer_removes_ids(backend, store_path):
+    """A snapshot (LMDB: a read transaction; mmap: a reader, which defers applying the log, removals
+    included, until it closes) reads the rows of its flush while the writer removes ids."""
+    with TieredStore(store_path, dim=DIM, backend=backend, host_cache=4 * 16 * 4) as store:
         store.load(torch.arange(20), torch.arange(80.0).view(20, DIM))
         snapshot = store.snapshot()
         store.remove(torch.arange(0, 20, 2))
-        store.flush()  # committed, not applied: the snapshot reads rows.bin
+        store.flush()  # mmap: committed, not applied (the snapshot reads rows.bin)
         store.put([4], torch.full((1, DIM), -1.0))
         store.flush()
         assert sorted(torch.cat([ids for ids, _ in snapshot.iter_rows()]).tolist()) == list(range(20))
         snapshot.close()
         store.remove([5])
-        store.flush()  # applies the three flushes' log
+        store.flush()  # mmap: applies the three flushes' log
         expected = {id_: (id_ * 4.0, id_ * 4.0 + 1, id_ * 4.0 + 2, id_ * 4.0 + 3) for id_ in range(1, 20, 2)}
         expected.pop(5)
         expected[4] = (-1.0,) * DIM
