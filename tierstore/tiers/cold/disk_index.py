@@ -111,11 +111,13 @@ class DiskIndex(KernelHashTable):
             and (self.header("keys_crc32") == keys_crc32)
         )
 
-    def set_removed(self, removed: int) -> None:
+    def set_removed(self, removed: int, sync: bool = True) -> None:
         """The table matches a state with ``removed`` removed rows (-1: it is being changed and matches
-        none: a process killed meanwhile leaves it to be rebuilt); written to the file at once."""
+        none: a process killed meanwhile leaves it to be rebuilt); ``sync``: written to the file
+        at once (else with the next ``commit``)."""
         self._set("removed", removed)
-        self._whole.flush()
+        if sync:
+            self._whole.flush()
 
     def begin(self, pending: int, pending_crc32: int | None) -> None:
         """Rows up to ``pending`` (their keys' CRC32 ``pending_crc32``) are about to have their

@@ -234,7 +234,7 @@ class MmapLog:
     def _commit_index(self) -> None:
         """``index.bin`` matches the state just committed."""
         if isinstance(self._index, DiskIndex):
-            self._index.set_removed(self._removed_count)
+            self._index.set_removed(self._removed_count, sync=False)  # the commit syncs it
             self._index.commit(self._count, self._keys_crc)
 
     def _reset_wal(self) -> None:

@@ -151,7 +151,7 @@ class MmapOpening:
         os.replace(partial, path)
         fsync_directory(self.directory)
         index = DiskIndex(path, kernels, read_only=False)
-        index.set_removed(self._removed_count)
+        index.set_removed(self._removed_count, sync=False)  # the commit syncs it
         index.commit(count, crc)
         return index
 
