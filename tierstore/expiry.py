@@ -6,10 +6,11 @@ directory: an mmap cold store of ``[update count, unix seconds]`` per id). The i
 count and the time of that flush, committed just before it (a kill between the two leaves records
 newer than the rows), so an id's record is never older than its last update. After the
 flush commits, the ids whose record is ``ttl`` old (an int: the store's optimizer updates; a
-``timedelta``: time) are removed; then, past ``max_rows``, the oldest (fewest updates, earliest,
-smallest id) until ``max_rows`` remain. The removals commit in a second flush. Never removed: ids
-whose rows are pinned for batches in flight (a lookahead pipeline) and the ids of the last training
-lookup whose update has not come yet. An id removed and looked up again starts from its initial row.
+``timedelta``: time) are removed; then, past ``max_rows``, the oldest (the lowest update count
+recorded, then the earliest time, then the smallest id) until ``max_rows`` remain. The removals
+commit in a second flush. Never removed: ids whose rows are pinned for batches in flight (a lookahead
+pipeline) and the ids of the last training lookup whose update has not come yet. An id removed and
+looked up again starts from its initial row.
 
 The record is advisory: a store opened without expiry drops it (its ids' updates would go unrecorded),
 and a store whose ids and records differ (a first open with expiry, a restored checkpoint) records
