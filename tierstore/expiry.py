@@ -118,9 +118,7 @@ class IdExpiry:
         if len(self.records) != len(cold):
             self._reconcile(cold, now)
         going = self._expired(len(cold), now)
-        going = going[~torch.isin(going, protected)]
-        for cache in store.stack.caches:
-            going = going[~torch.isin(going, cache.pinned_keys(going))]
+        going = going[~torch.isin(going, torch.cat([protected, store.stack.pinned_keys(going)]))]
         if going.numel():
             store.stack.remove(going)
             self.records.remove(going)

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from .expiry import ExpiryPolicy, IdExpiry
-from .kernels import host_kernels
 from .locking import serialized
+from .tiers.build import index_kernels
 from .validation import as_ids
 
 
@@ -46,8 +46,7 @@ class StoreRemovals:
         if self._expiry_policy is None:
             IdExpiry.drop(self.path)
             return None
-        kernels = None if self.config.host_cache_backend == "torch" else host_kernels()[0]
-        return IdExpiry(self.path, self._expiry_policy, kernels)
+        return IdExpiry(self.path, self._expiry_policy, index_kernels(self.config))
 
     @property
     def expiry(self) -> ExpiryPolicy | None:

@@ -69,17 +69,22 @@ def open_tiers(
     return TierStack(caches, open_cold(path, metadata, config, read_only, new), metadata)
 
 
+def index_kernels(config: TierConfig):
+    """The kernels the cold stores' key indexes run on: the host tier's build, None (torch
+    indexes) where the host tier runs on torch."""
+    return None if config.host_cache_backend == "torch" else host_kernels()[0]
+
+
 def open_cold(path: Path, metadata: StoreMetadata, config: TierConfig, read_only: bool, new: bool):
     """The cold store at ``path`` (``new``: create its files), whose key indexes follow the host
     tier's backend."""
-    index_kernels = None if config.host_cache_backend == "torch" else host_kernels()[0]
     return open_cold_store(
         metadata.backend,
         path,
         metadata.row_width,
         metadata.torch_dtype,
         read_only,
-        index_kernels,
+        index_kernels(config),
         new,
         checksums=metadata.row_checksums,
     )

@@ -194,17 +194,20 @@ class TierStack:
         for cache in self.caches:
             cache.take(keys, torch.zeros_like(keys))  # counts no lookup
 
+    def pinned_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of distinct ``keys`` (int64 CPU) a cache tier holds pinned (int64 CPU)."""
+        return torch.cat([cache.pinned_keys(keys) for cache in self.caches])
+
     def remove(self, keys: torch.Tensor) -> int:
         """Remove distinct ``keys`` (int64 CPU) from every tier: the cold store stages their removal
         (a full disk raises there, nothing changed), then the cached rows are dropped, dirty or not.
         Rows pinned for batches in flight are refused before any change. Returns how many the table held."""
-        for cache in self.caches:
-            pinned = cache.pinned_keys(keys)
-            if pinned.numel():
-                raise RuntimeError(
-                    f"{pinned.numel()} of the ids to remove (such as {int(pinned[0])}) are pinned for "
-                    f"batches in flight (a lookahead pipeline): remove them once those batches are done"
-                )
+        pinned = self.pinned_keys(keys)
+        if pinned.numel():
+            raise RuntimeError(
+                f"{pinned.numel()} of the ids to remove (such as {int(pinned[0])}) are pinned for "
+                f"batches in flight (a lookahead pipeline): remove them once those batches are done"
+            )
         held = int(self.contains(keys).sum())
         self.cold.remove(keys)
         for cache in self.caches:

@@ -201,10 +201,16 @@ class LmdbReads:
         if self._pending_count:
             databases.append(self._logs[self._staging])
         for log in databases[1:]:
-            if not log.indexed:  # a flush's own rows, read before it committed (it failed)
-                with self._begin() as txn:
-                    self._load(txn, log)
+            self._indexed(log)
         return databases
+
+    def _indexed(self, log):
+        """``log`` with every entry in its index: a flush's own rows are staged without it, and read
+        (or staged over) only when that flush failed to commit."""
+        if not log.indexed:
+            with self._begin() as txn:
+                self._load(txn, log)
+        return log
 
     def _get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._read(None, keys, self._databases())

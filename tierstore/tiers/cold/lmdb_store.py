@@ -191,23 +191,16 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
             log.record(keys, numbers)
 
     def staged_keys(self) -> torch.Tensor:
-        log = self._logs[self._staging]
-        if not log.indexed:
-            with self._begin() as txn:
-                self._load(txn, log)
-        keys, numbers = log.items()
+        keys, numbers = self._indexed(self._logs[self._staging]).items()
         return keys[numbers >= 0]
 
     def _remove(self, keys: torch.Tensor) -> None:
-        log = self._logs[self._staging]
+        log = self._indexed(self._logs[self._staging])
         items, numbers = log.removals_of(keys.numpy())
 
         def stage(txn: lmdb.Transaction) -> None:
             txn.cursor(log.database).putmulti(items, append=True)
 
-        if not log.indexed:  # a flush's own rows, staged unindexed before it failed: indexed first
-            with self._begin() as txn:
-                self._load(txn, log)
         self._write(stage)
         log.record(keys, numbers, removal=True)
 

@@ -165,10 +165,8 @@ class MmapOpening:
             if bool((keys < 0).any()):
                 raise StoreFormatError(f"{self.directory / KEYS_FILE} is damaged: negative ids")
             rows = torch.arange(start, start + keys.numel())
-            first, end = np.searchsorted(removed, [start, start + keys.numel()])
-            if end > first:  # rows of removed ids: left out (an id that came back has a later row)
-                kept = torch.ones(keys.numel(), dtype=torch.bool)
-                kept[torch.from_numpy(removed[first:end] - start)] = False
+            kept = live_rows(removed, start, start + keys.numel())
+            if kept is not None:  # rows of removed ids: left out (an id that came back has a later row)
                 keys, rows = keys[kept], rows[kept]
             try:
                 index.insert(keys, rows)
@@ -257,6 +255,17 @@ class MmapOpening:
                 self._try_apply()
         elif not self.read_only:
             self._reset_wal()  # never committed: discard (no reader reads an uncommitted log)
+
+
+def live_rows(removed: np.ndarray, start: int, stop: int) -> torch.Tensor | None:
+    """bool [stop - start]: which committed rows ``start..stop`` hold a live id, given the rows of
+    removed ids (``removed``, sorted); None where all do."""
+    first, end = np.searchsorted(removed, [start, stop])
+    if end == first:
+        return None
+    live = torch.ones(stop - start, dtype=torch.bool)
+    live[torch.from_numpy(removed[first:end] - start)] = False
+    return live
 
 
 def removal_records(keys: np.ndarray) -> np.ndarray:

@@ -64,7 +64,7 @@ from .codec import rows_from_bytes
 from .disk_index import INDEX_FILE, DiskIndex
 from .mmap_files import KEYS_FILE, ROWS_FILE, STATE_FILE, WAL_ROWS_FILE
 from .mmap_log import MmapLog
-from .mmap_opening import MmapOpening, log_entries
+from .mmap_opening import MmapOpening, live_rows, log_entries
 
 
 class MmapColdStore(MmapOpening, MmapLog, ColdStore):
@@ -176,11 +176,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             stop = min(start + batch_size, self._count)
             keys = torch.from_numpy(np.array(self._keys.array[start:stop, 0]))
             stored = self._main_rows()[start:stop].clone()
-            held = None
-            first, end = np.searchsorted(removed, [start, stop])
-            if end > first:
-                held = torch.ones(stop - start, dtype=torch.bool)
-                held[torch.from_numpy(removed[first:end] - start)] = False
+            held = live_rows(removed, start, stop)
             if self._wal_count:
                 staged = self._wal_index.find(keys)
                 in_wal = staged >= 0
@@ -316,12 +312,14 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         """``keys.bin`` against the CRC32 ``state.json`` records, and every committed id found at its
         row through the index (``index.bin``, which opening trusts without reading it)."""
         crc, misplaced = 0, 0
-        removed = torch.from_numpy(np.sort(self._removed_rows()))
+        removed = np.sort(self._removed_rows())
         for start, keys in self._committed_keys():
             crc = zlib.crc32(keys.numpy(), crc)
             rows = torch.arange(start, start + keys.numel())
-            live = ~torch.isin(rows, removed) if removed.numel() else slice(None)
-            misplaced += int((self._rows_of(keys[live]) != rows[live]).sum())
+            live = live_rows(removed, start, start + keys.numel())
+            if live is not None:
+                keys, rows = keys[live], rows[live]
+            misplaced += int((self._rows_of(keys) != rows).sum())
         problems = [problem for problem in [self._keys_crc_problem(crc)] if problem is not None]
         extra = 0 if self._repair_pending else max(len(self._index) - self._count + self._removed_count, 0)
         if misplaced or extra:
