@@ -8,9 +8,11 @@ newer than the rows), so an id's record is never older than its last update. Aft
 flush commits, the ids whose record is ``ttl`` old (an int: the store's optimizer updates; a
 ``timedelta``: time) are removed; then, past ``max_rows``, the oldest (the lowest update count
 recorded, then the earliest time, then the smallest id) until ``max_rows`` remain. The removals
-commit in a second flush. Never removed: ids whose rows are pinned for batches in flight (a lookahead
-pipeline) and the ids of the last training lookup whose update has not come yet. An id removed and
-looked up again starts from its initial row.
+commit in flushes of their own, ``COMMIT_IDS`` ids each (the logs' indexes hold a commit's ids in
+RAM, so a store far larger than memory expires its ids in bounded memory). Never removed: ids
+whose rows are pinned for batches in flight (a lookahead pipeline) and the ids of the last training
+lookup whose update has not come yet. An id removed and looked up again starts from its initial
+row.
 
 The record is advisory: a store opened without expiry drops it (its ids' updates would go unrecorded),
 and a store whose ids and records differ (a first open with expiry, a restored checkpoint) records
@@ -37,6 +39,7 @@ from .tiers.cold.mmap_store import MmapColdStore
 EXPIRY_DIRECTORY = "expiry"
 CLOCK_FILE = "clock.json"  # the store's update count as of its last flush with expiry
 SCAN_ROWS = 1 << 16  # records read at once by an expiry scan
+COMMIT_IDS = 1 << 18  # ids recorded or removed in one commit (the logs' indexes hold them in RAM)
 
 
 @dataclass(frozen=True)
@@ -119,23 +122,30 @@ class IdExpiry:
             self._reconcile(cold, now)
         going = self._expired(len(cold), now)
         going = going[~torch.isin(going, torch.cat([protected, store.stack.pinned_keys(going)]))]
-        if going.numel():
-            store.stack.remove(going)
-            self.records.remove(going)
+        for part in going.split(COMMIT_IDS):
+            store.stack.remove(part)
+            self.records.remove(part)
             cold.flush()
+            self.records.flush()
         self._commit()
         return going.numel()
 
     def _reconcile(self, cold, now: float) -> None:
         """Record the cold store's unrecorded ids as of now and forget records of ids it no longer holds."""
+        recorded = 0
         for keys, _ in cold.iter_rows(SCAN_ROWS):
-            self.record(keys[~self.records.contains(keys)], now)
+            unrecorded = keys[~self.records.contains(keys)]
+            recorded += unrecorded.numel()
+            self.record(unrecorded, now, commit=recorded >= COMMIT_IDS)  # committed now and then
+            recorded = 0 if recorded >= COMMIT_IDS else recorded
+        # the records' own scan first, then their removal: they do not change under it
         gone = [keys[~cold.contains(keys)] for keys, _ in self.records.iter_rows(SCAN_ROWS)]
-        if gone:  # removed once the scan is over: the records do not change under it
-            self.records.remove(torch.cat(gone))
+        for part in torch.cat([*gone, torch.zeros(0, dtype=torch.int64)]).split(COMMIT_IDS):
+            self.records.remove(part)
+            self.records.flush()
 
     def _expired(self, held: int, now: float) -> torch.Tensor:
-        """The ids to remove (int64, sorted) of a table holding ``held`` ids: ``ttl`` old, then the
+        """The ids to remove (int64, distinct) of a table holding ``held`` ids: ``ttl`` old, then the
         oldest past ``max_rows`` (two scans: the count of each record, then the ids)."""
         policy = self.policy
         counts: Counter = Counter()
@@ -165,11 +175,21 @@ class IdExpiry:
                 tied.append(keys[~old & (records == cutoff_row).all(dim=1)])
             going.append(keys[old])
         if tied:
-            going.append(torch.cat(tied).sort().values[:at_cutoff])  # the smallest ids of the tie
-        return torch.cat(going).sort().values if going else torch.zeros(0, dtype=torch.int64)
+            going.append(_smallest(torch.cat(tied), at_cutoff))
+        return torch.cat([*going, torch.zeros(0, dtype=torch.int64)])
 
     def close(self) -> None:
         self.records.close()
+
+
+def _smallest(ids: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` smallest of ``ids`` (int64, distinct), in no order, partitioned in place (a
+    sort would take as much memory again, for its indices)."""
+    if count >= ids.numel():
+        return ids
+    values = ids.numpy()
+    values.partition(count - 1)
+    return ids[:count]
 
 
 def _stamp_counts(records: np.ndarray) -> dict:
