@@ -4,6 +4,8 @@
 //   that evicts every step never fills with them (and is never rebuilt for them); and inserts on
 //   one thread (a batch of a few thousand keys costs less than waking the team);
 // - a batch's keys resolved: slots found, hits touched, misses listed; pins and scores set per slot;
+// - a direct layout's homes: where a tier gives the rows of some tables a slot each (their home),
+//   a key found at its home is found without the index, and misses are placed at their homes;
 // - the lowest-scoring evictable slots, ranked (LFU's scan), and the pool it leaves, served;
 // - the rows of slots being evicted, and an admission's writes to its slots.
 // The erase runs on one thread (it moves entries); the row copies on the OpenMP team.
@@ -111,23 +113,104 @@ extern "C" i64 index_erase_shifting(i64* __restrict__ table_keys, i64* __restric
 // Here the product is rounded before the sum (no fused multiply-add), as the touch kernel's weights
 // are computed apart.
 #pragma GCC push_options
+// A tier's direct layout (tierstore/tiers/direct_layout.py): the key `number << 47 | id` of a table
+// with sizes[number] > id has the home slot bases[number] + id; other keys have none. tables 0: no
+// layout. A key is at its home exactly when the home's slot_keys entry holds it, so the index stays
+// the truth for every key and a home is only ever a shortcut to it.
+struct DirectLayout {
+    const i64* bases;
+    const i64* sizes;
+    i64 tables;
+};
+
+#define DIRECT_ID_BITS 47
+
+static inline i64 home_slot(const DirectLayout& layout, i64 key) {
+    const u64 number = (u64)key >> DIRECT_ID_BITS;  // a negative key's is past every table
+    if (number >= (u64)layout.tables) return -1;
+    const i64 id = key & ((1LL << DIRECT_ID_BITS) - 1);
+    return id < layout.sizes[number] ? layout.bases[number] + id : -1;
+}
+
+// keys[i]'s slot through its home where the key is there, else through the index; -1: absent.
+static inline i64 slot_of(const i64* __restrict__ table_keys, const int* __restrict__ table_values, i64 mask,
+                          const i64* __restrict__ slot_keys, const DirectLayout& layout, i64 key) {
+    const i64 home = layout.tables ? home_slot(layout, key) : -1;
+    if (home >= 0 && slot_keys[home] == key) return home;
+    const i64 position = probe(table_keys, mask, key);
+    return position < 0 ? -1 : (i64)table_values[position];
+}
+
+// Ask for the memory slot_of reads first for `key`: its home's key, else its index home.
+static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
+                                    i64 mask, const i64* __restrict__ slot_keys, const DirectLayout& layout,
+                                    i64 key) {
+    const i64 home = layout.tables ? home_slot(layout, key) : -1;
+    if (home >= 0)
+        __builtin_prefetch(&slot_keys[home]);
+    else
+        prefetch_home(table_keys, table_values, mask, key);
+}
+
+// Slots for keys[0..n) (distinct, none in the tier; n <= free_count) from the free-slot stack
+// free[0..free_count): each key whose home is free takes it (moved to the stack's top, positions[s]
+// following every slot s moved: free[positions[s]] == s while s is free), the others the slots
+// below them, so that out[0..n) is the stack's top n slots. Returns how many took their home.
+extern "C" i64 cache_direct_claims(i64* __restrict__ free, int* __restrict__ positions, i64 free_count,
+                                   const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
+                                   const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
+                                   i64 n, i64* __restrict__ out) {
+    const DirectLayout layout{bases, sizes, tables};
+    i64 top = free_count;
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) {
+            const i64 ahead = home_slot(layout, keys[i + AHEAD]);
+            if (ahead >= 0) {
+                __builtin_prefetch(&slot_keys[ahead]);
+                __builtin_prefetch(&positions[ahead], 1);
+            }
+        }
+        const i64 home = home_slot(layout, keys[i]);
+        out[i] = -1;
+        if (home < 0 || slot_keys[home] != EMPTY_KEY) continue;
+        const i64 at = positions[home];
+        if (at < 0 || at >= top || free[at] != home) continue;  // not in the stack's free part
+        --top;
+        const i64 displaced = free[top];
+        free[at] = displaced;
+        positions[displaced] = (int)at;
+        free[top] = home;
+        positions[home] = (int)top;
+        out[i] = home;
+    }
+    const i64 homes = free_count - top;
+    for (i64 i = 0; i < n; ++i)
+        if (out[i] < 0) out[i] = free[--top];
+    return homes;
+}
+
 #pragma GCC optimize("fp-contract=off")
 static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, float increment) {
     scores[slot] += (float)count * increment;
 }
 
+// keys[0..n) (distinct, each looked up counts[i] times) found in a tier (slot_keys, and the layout of
+// bases/sizes/tables: see slot_of): slots[i] its slot or -1, the hits' scores raised by their counts,
+// the hits' slots and the misses' positions listed in key order, the lookups of each counted.
 extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
-                             i64 mask, const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
-                             float* __restrict__ scores, float increment, i64* __restrict__ slots,
-                             i64* __restrict__ hit_slots, i64* __restrict__ missed,
-                             i64* __restrict__ lookups) {
+                             i64 mask, const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
+                             const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
+                             const i64* __restrict__ counts, i64 n, float* __restrict__ scores,
+                             float increment, i64* __restrict__ slots, i64* __restrict__ hit_slots,
+                             i64* __restrict__ missed, i64* __restrict__ lookups) {
+    const DirectLayout layout{bases, sizes, tables};
 #pragma omp parallel if (n >= PARALLEL_FROM)
     {
 #pragma omp for schedule(static)
         for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n) prefetch_home(table_keys, table_values, mask, keys[i + AHEAD]);
-            const i64 position = probe(table_keys, mask, keys[i]);
-            slots[i] = position < 0 ? -1 : (i64)table_values[position];
+            if (i + AHEAD < n)
+                prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
+            slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
         }
         // The hits touched on the team too: the keys are distinct, so each score has one writer.
 #pragma omp for schedule(static)

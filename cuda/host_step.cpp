@@ -867,6 +867,9 @@ struct HostTier {
     unsigned char* fresh;
     float* scores;
     i64 format;
+    const i64* direct_bases;  // the tier's direct layout (DirectLayout; direct_tables 0: none)
+    const i64* direct_sizes;
+    i64 direct_tables;
 };
 
 // How a row the cold store does not hold starts (step_initial_rows' arguments).
@@ -1072,7 +1075,8 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
 struct TierChoice {
     unsigned char* pins;
     i64 capacity;
-    const i64* free_slots;
+    i64* free_slots;      // a stack: its top is taken first (a direct layout's homes moved up first)
+    int* free_positions;  // each free slot's place in it, where the tier has a direct layout
     i64 free_count;
     const i64* pool;
     const float* pool_scores;
@@ -1108,7 +1112,8 @@ static inline i64 steady_ns() {
 
 // A host tier's batch made resident in one call (tierstore/tiers/cold/mmap_store.py's
 // make_resident_in): keys[0..n) (distinct, each looked up counts[i] times) are found in the tier
-// (cache_resolve: the hits' scores raised), the misses take free slots, then victims (LFU's:
+// (cache_resolve: the hits' scores raised), the misses take free slots (their homes where the tier
+// has a direct layout and they all fit: cache_direct_claims), then victims (LFU's:
 // cache_pool_take from the pool, else cache_lowest_slots ranking the pool anew), with the hits and
 // protect[0..protect_count) pinned while they are chosen, and come in from the cold store
 // (step_admit_cold). slots[i]: keys[i]'s slot (where status is 0).
@@ -1125,8 +1130,10 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     const i64 started = steady_ns();
     Room<i64> hit_slots(n), missed(n);
     i64 lookups[2];
-    const i64 misses = cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, keys, counts, n,
-                                     tier.scores, increment, slots, hit_slots.data(), missed.data(), lookups);
+    const i64 misses =
+        cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct_bases,
+                      tier.direct_sizes, tier.direct_tables, keys, counts, n, tier.scores, increment, slots,
+                      hit_slots.data(), missed.data(), lookups);
     const i64 hits = n - misses;
     out->hit_lookups = lookups[0];
     out->missed_lookups = lookups[1];
@@ -1141,7 +1148,12 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
         missed_counts[i] = counts[missed[i]];
     }
     const i64 from_free = std::min(misses, choice.free_count);
-    for (i64 i = 0; i < from_free; ++i) claimed[i] = choice.free_slots[choice.free_count - from_free + i];
+    if (tier.direct_tables && misses <= choice.free_count)  // the misses with a free home take it
+        cache_direct_claims(choice.free_slots, choice.free_positions, choice.free_count, tier.slot_keys,
+                            tier.direct_bases, tier.direct_sizes, tier.direct_tables, missed_keys.data(),
+                            misses, claimed.data());
+    else
+        for (i64 i = 0; i < from_free; ++i) claimed[i] = choice.free_slots[choice.free_count - from_free + i];
     const i64 victims = misses - from_free;
     out->from_free = from_free;
     out->victims = victims;

@@ -26,6 +26,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
     device = "cpu"
     host_cache, device_cache = 4, 6
     initial_rows = None  # slots a tier that grows on demand starts with (None: the default)
+    most_rows = None  # TieredStore's: its tables' rows, whose host tier then has a direct layout
 
     def __init__(self):
         super().__init__()
@@ -48,6 +49,7 @@ class StoreAgainstDict(RuleBasedStateMachine):
                 device_cache=self.device_cache,
                 device_cache_backend=device_backend,
                 host_cache_backend=self.host_cache_backend,
+                most_rows=self.most_rows,
             )
         stats = self.store.stats()
         assert stats["host"]["backend"] == self.host_cache_backend
@@ -145,6 +147,44 @@ class GrowingTiersAgainstDict(GrowingHostTierAgainstDict):
     host_cache, device_cache = 24, 10
 
 
+class DirectLayoutAgainstDict(StoreAgainstDict):
+    """A host tier held whole for a table of 10 rows (every slot a home) on the native path, fed ids
+    up to 40: most keys have no home, and homes are taken by others while their keys are out."""
+
+    backend = "mmap"
+    host_cache, device_cache = 12, 0
+    most_rows = 10
+
+    def open(self):
+        super().open()
+        assert self.host_tier().direct.rows == min(self.host_cache, sum(self.tables()))
+
+    def host_tier(self):
+        return self.store.stack.caches[-1]
+
+    def tables(self) -> list[int]:
+        return self.most_rows if isinstance(self.most_rows, list) else [self.most_rows]
+
+    @invariant()
+    def free_slots_know_their_places(self):
+        top = self.host_tier()
+        free = top._free[: top.capacity - len(top)]
+        assert torch.equal(top._free_positions[free].long(), torch.arange(free.numel()))
+        assert bool((top.slot_keys[free] == -1).all())
+
+
+class PartialDirectLayoutAgainstDict(DirectLayoutAgainstDict):
+    """Two tables of which only the smaller gets homes (ids 0-3), through the Python admission
+    (LMDB) below a torch device tier."""
+
+    backend = "lmdb"
+    host_cache, device_cache = 12, 3
+    most_rows = [4, 30]
+
+    def tables(self) -> list[int]:
+        return [4]
+
+
 class MmapStoreAgainstDict(StoreAgainstDict):
     backend = "mmap"
     host_cache_backend = "torch"
@@ -172,6 +212,8 @@ TestLmdbStoreAgainstDict = StoreAgainstDict.TestCase
 TestGrowingHostTierAgainstDict = GrowingHostTierAgainstDict.TestCase
 TestGrowingTiersAgainstDict = GrowingTiersAgainstDict.TestCase
 TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
+TestDirectLayoutAgainstDict = DirectLayoutAgainstDict.TestCase
+TestPartialDirectLayoutAgainstDict = PartialDirectLayoutAgainstDict.TestCase
 TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
 TestGpuDeviceTierAgainstDict = pytest.mark.gpu(GpuDeviceTierAgainstDict.TestCase)
 TestMmapGpuDeviceTierAgainstDict = pytest.mark.gpu(MmapGpuDeviceTierAgainstDict.TestCase)

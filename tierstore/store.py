@@ -25,7 +25,7 @@ from .store_copies import StoreCopies
 from .store_pins import StorePins
 from .store_removals import StoreRemovals
 from .store_training import StoreTraining
-from .tiers.build import build_caches, check_backends, open_tiers
+from .tiers.build import build_caches, check_backends, open_tiers, rows_by_table
 from .tiers.config import TierConfig
 from .validation import as_device, as_ids, as_path, as_rows, check_out, integral
 from .warm_start import hot_ids
@@ -58,7 +58,10 @@ class TieredStore(StoreTraining, StoreCopies, StorePins, StoreRemovals):
             tier first (``warm_start``); ``warmed_rows`` says how many.
         most_rows: the most distinct ids the table will look up (a bounded table's rows), or None
             (any). No cache tier takes more slots than that, whatever its budget: a small table's
-            caches cost what it can hold, and a table that fits its budget is held whole.
+            caches cost what it can hold, and a table that fits its budget is held whole. A list
+            gives each table's rows (None: unbounded) for a store of several tables' keys
+            (``number << 47 | id``: a collection's group). A host tier addresses the rows of
+            bounded tables directly (``tiers.direct_layout``).
         ttl, max_rows: expiring ids (``tierstore.expiry``): at each flush, ids not updated for
             ``ttl`` (an int: optimizer updates of the table; a ``datetime.timedelta``: time) are
             removed, then the oldest past ``max_rows``; an expired id that returns starts from its
@@ -98,14 +101,10 @@ class TieredStore(StoreTraining, StoreCopies, StorePins, StoreRemovals):
         self.device = as_device(device)
         check_backends(config, self.device, dtype or torch.float32)
         dim, optimizer_state_width, seed = (integral(value) for value in (dim, optimizer_state_width, seed))
-        most_rows = integral(most_rows)
+        table_rows = rows_by_table(most_rows)
         expiry = ExpiryPolicy.of(ttl, max_rows)
         if expiry is not None and read_only:
             raise ValueError("ttl and max_rows remove ids: open the store writable to expire them")
-        if most_rows is not None and (isinstance(most_rows, bool) or not isinstance(most_rows, int)):
-            raise TypeError(f"most_rows must be an int (ids) or None (any), got {most_rows!r}")
-        if most_rows is not None and most_rows < 0:
-            raise ValueError(f"most_rows must be a non-negative number of ids or None (any), got {most_rows}")
         requested = {
             "dim": dim,
             "dtype": None if dtype is None else dtype_name(dtype),
@@ -116,7 +115,7 @@ class TieredStore(StoreTraining, StoreCopies, StorePins, StoreRemovals):
         }
         path = as_path(path)
         self.metadata, new = resolve_metadata(path, requested, read_only)
-        caches = build_caches(self.metadata, config, self.device, most_rows)
+        caches = build_caches(self.metadata, config, self.device, table_rows)
         self._temporary = path is None
         self.path = Path(tempfile.mkdtemp(prefix="tierstore-")) if path is None else path
         # A temporary store goes when it is closed, collected, or at interpreter exit.

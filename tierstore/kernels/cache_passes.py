@@ -22,7 +22,13 @@ _SIGNATURES = {
     "index_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "cache_resolve": (
         _I64,
-        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, ctypes.c_float] + [_POINTER] * 4,
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]
+        + [ctypes.c_float]
+        + [_POINTER] * 4,
+    ),
+    "cache_direct_claims": (
+        _I64,
+        [_POINTER, _POINTER, _I64] + [_POINTER] * 3 + [_I64, _POINTER, _I64, _POINTER],
     ),
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
     "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
@@ -86,20 +92,23 @@ class CachePasses:
         return failed, status.value
 
     def resolve(
-        self, table_keys, table_values, keys: torch.Tensor, counts: torch.Tensor, scores, increment: float
+        self, tier, keys: torch.Tensor, counts: torch.Tensor, scores, increment: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """``(slots, hit_slots, missed, hit lookups, missed lookups)`` of distinct ``keys`` (int64,
-        each looked up ``counts`` times) in a tier's index (int32 values): each key's slot or -1,
-        the hits' slots, the misses' positions in ``keys``; the hits' ``scores`` (float32) gain
-        ``counts x increment`` as LFU's touch adds."""
+        each looked up ``counts`` times) in ``tier`` (a ``RowCache``: its index, int32 values, and
+        its direct layout's homes): each key's slot or -1, the hits' slots, the misses' positions
+        in ``keys``; the hits' ``scores`` (float32) gain ``counts x increment`` as LFU's touch adds."""
         keys, counts = keys.to(torch.int64).contiguous(), counts.to(torch.int64).contiguous()
         count = keys.numel()
         out = torch.empty(3, count, dtype=torch.int64)
         lookups = torch.zeros(2, dtype=torch.int64)
+        index, layout = tier.index, tier.direct
         misses = self._functions["cache_resolve"](
-            table_keys.data_ptr(),
-            table_values.data_ptr(),
-            table_keys.numel() - 1,
+            index.keys.data_ptr(),
+            index.values.data_ptr(),
+            index.keys.numel() - 1,
+            tier.slot_keys.data_ptr(),
+            *layout_arguments(layout),
             keys.data_ptr(),
             counts.data_ptr(),
             count,
@@ -112,6 +121,27 @@ class CachePasses:
         )
         hits, missed = lookups.tolist()
         return out[0], out[1, : count - misses], out[2, :misses], hits, missed
+
+    def direct_claims(
+        self, free: torch.Tensor, positions: torch.Tensor, free_count: int, slot_keys, layout, keys
+    ) -> torch.Tensor:
+        """Slots (int64) for distinct ``keys`` not in a tier (at most ``free_count``): the free-slot
+        stack ``free[:free_count]`` (int64; ``positions`` int32, each free slot's place in it) gets
+        the keys' free homes (``layout``'s) at its top, and the keys take its top slots, each its
+        home where it got one (``cache_direct_claims``). Nothing is taken: the stack only reordered."""
+        keys = keys.to(torch.int64).contiguous()
+        out = torch.empty(keys.numel(), dtype=torch.int64)
+        self._functions["cache_direct_claims"](
+            free.data_ptr(),
+            positions.data_ptr(),
+            free_count,
+            slot_keys.data_ptr(),
+            *layout_arguments(layout),
+            keys.data_ptr(),
+            keys.numel(),
+            out.data_ptr(),
+        )
+        return out
 
     def add_pins(self, pins: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
         """``pins`` (uint8) at ``slots`` (distinct) += ``delta`` (1 or -1), on one thread."""
@@ -206,6 +236,13 @@ class CachePasses:
             in_dirty.data_ptr(),
             in_fresh.data_ptr(),
         )
+
+
+def layout_arguments(layout) -> tuple[int, int, int]:
+    """A ``DirectLayout`` (or None) as the calls take it: its bases, sizes and number of tables."""
+    if layout is None:
+        return 0, 0, 0
+    return layout.bases.data_ptr(), layout.sizes.data_ptr(), layout.sizes.numel()
 
 
 def _tier_arguments(slot_keys, rows, dirty, fresh, slots: torch.Tensor) -> tuple:

@@ -25,6 +25,9 @@ class HostTierArrays(ctypes.Structure):
         ("fresh", _POINTER),
         ("scores", _POINTER),
         ("format", _I64),  # FLOAT32 (-1) or a 16-bit row's code (launch.HALF_FORMATS)
+        ("direct_bases", _POINTER),  # its DirectLayout (direct_tables 0: none)
+        ("direct_sizes", _POINTER),
+        ("direct_tables", _I64),
     ]
 
 
@@ -57,6 +60,7 @@ class TierChoice(ctypes.Structure):
         ("pins", _POINTER),
         ("capacity", _I64),
         ("free_slots", _POINTER),
+        ("free_positions", _POINTER),  # where the tier has a DirectLayout, else null
         ("free_count", _I64),
         ("pool", _POINTER),
         ("pool_scores", _POINTER),

@@ -136,10 +136,10 @@ def shared_features(tables: dict[str, dict]) -> dict[str, list[str]]:
     return {feature: names for feature, names in readers.items() if len(names) > 1}
 
 
-def most_rows(tables) -> int | None:
-    """The most distinct keys a group of ``tables`` looks up: their rows, None if one grows on demand."""
-    rows = [table["num_embeddings"] for table in tables]
-    return None if None in rows else sum(rows)
+def most_rows(tables) -> list[int | None]:
+    """The most distinct ids each of a group's ``tables`` (in number order) looks up: its rows, None
+    where it grows on demand (``TieredStore``'s ``most_rows``)."""
+    return [table["num_embeddings"] for table in tables]
 
 
 def share_budget(budget: Any, parts: int) -> Any:

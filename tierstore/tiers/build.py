@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
 from ..budget import horizon_nbytes, rows_for_budget
 from ..kernels import host_kernels
+from ..kernels.cache_passes import cache_passes_of
 from ..metadata import StoreMetadata
+from ..validation import integral
 from . import backends
 from .cold import open_cold_store
 from .config import TierConfig
+from .direct_layout import DirectLayout
 from .policies import LfuWithAgeing
 from .row_cache import RowCache
 from .stack import TierStack
@@ -28,12 +32,37 @@ def check_backends(config: TierConfig, device: torch.device, dtype: torch.dtype)
     backends.resolve("host", config.host_cache_backend, device, dtype)
 
 
+def rows_by_table(most_rows: Any) -> list[int | None] | None:
+    """``TieredStore``'s ``most_rows`` checked, as each table's rows by number (None: unbounded),
+    or None where the store's ids are unbounded."""
+    if most_rows is None:
+        return None
+    many = isinstance(most_rows, (list, tuple))
+    table_rows = [integral(rows) for rows in most_rows] if many else [integral(most_rows)]
+    for rows in table_rows:
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
+            raise TypeError(
+                "most_rows must be an int (ids), None (any) or a list of them (each table's), "
+                f"got {most_rows!r}"
+            )
+        if rows is not None and rows < 0:
+            raise ValueError(f"most_rows must be a non-negative number of ids or None (any), got {most_rows}")
+    if many and not table_rows:
+        raise ValueError("most_rows is an empty list: give each table's rows, or None (any)")
+    return table_rows
+
+
 def build_caches(
-    metadata: StoreMetadata, config: TierConfig, device: torch.device, most_rows: int | None = None
+    metadata: StoreMetadata,
+    config: TierConfig,
+    device: torch.device,
+    table_rows: list[int | None] | None = None,
 ) -> list[RowCache]:
     """The device tier (on ``device``, if budgeted) and the host tier (if budgeted), top first, each
-    with no more slots than ``most_rows`` (the most distinct ids the table looks up; None: no
-    bound); raises ``ValueError`` when no cache tier has a budget. Touches no file."""
+    with no more slots than the tables' ``table_rows`` (``rows_by_table``: the most distinct ids
+    they look up; None: no bound), a host tier on the tuned host build addressing the rows of
+    bounded tables directly (``DirectLayout``); raises ``ValueError`` when no cache tier has a
+    budget. Touches no file."""
     on_cuda = device.type == "cuda"
     device_memory = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
     ram = psutil.virtual_memory().total
@@ -46,7 +75,7 @@ def build_caches(
         backend = backends.resolve(name, requested, device, metadata.torch_dtype, metadata.state_in_row_dtype)
         horizon = config.horizon if not caches else None  # the top tier holds a horizon's pins
         cache = _cache_tier(
-            name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon, most_rows
+            name, budget, memory, tier_device, backend, metadata, config, on_cuda, horizon, table_rows
         )
         if cache is not None:
             caches.append(cache)
@@ -100,17 +129,27 @@ def _cache_tier(
     config: TierConfig,
     on_cuda: bool,
     horizon: int | str | None,
-    most_rows: int | None,
+    table_rows: list[int | None] | None,
 ) -> RowCache | None:
     """The ``name`` cache tier on ``device`` with as many rows as ``budget`` pays for (None: none),
     beside the memory of a lookahead ``horizon`` where the budget is bytes (see ``TierConfig``),
-    and no more than ``most_rows`` (at least one: a budget a table cannot use is not allocated)."""
+    and no more than ``table_rows`` hold (at least one: a budget a table cannot use is not
+    allocated), with a direct layout where it can have one."""
     row_width, dtype = metadata.row_width, metadata.torch_dtype
     reserve = horizon is not None and isinstance(budget, str)
+    most_rows = None if table_rows is None or None in table_rows else sum(table_rows)
+    # A host tier on the tuned host build that does not grow gives its bounded tables' rows homes.
+    direct = (
+        table_rows is not None
+        and most_rows is not None
+        and device.type == "cpu"
+        and cache_passes_of(getattr(backend, "kernels", None)) is not None
+    )
 
     def nbytes(count: int) -> int:
         held = horizon_nbytes(horizon, count) if reserve else 0
-        return RowCache.nbytes_for(count, row_width, dtype, backend, config.policy, config.half_life) + held
+        cost = RowCache.nbytes_for(count, row_width, dtype, backend, config.policy, config.half_life, direct)
+        return cost + held
 
     rows = rows_for_budget(budget, nbytes, memory)
     if not rows:
@@ -135,6 +174,7 @@ def _cache_tier(
         backend,
         config.policy,
         grows_to=rows,
+        direct=DirectLayout.choose(table_rows, rows) if direct else None,
     )
     cache.horizon_budget = horizon_nbytes(horizon, rows) if reserve else None
     return cache

@@ -5,6 +5,8 @@ flags: ``dirty`` (newer than the tier below) and ``fresh`` (never written to the
 key is counted by nobody else). What differs between tiers is a value, not a subclass: the
 ``backend`` (``tiers.backends``: torch ops, or the kernels on the GPU or the CPU) runs the bulk
 operations, and the ``policy`` (``tiers.policies``, LFU with ageing by default) picks victims.
+A host tier on the tuned host build may be given a ``DirectLayout``: its bounded tables' rows are
+placed at their home slots and found there without the index (``tiers.direct_layout``).
 Pinned slots are never chosen as victims: the current batch's (passed as ``protected``) while
 it is admitted, and those a lookahead pipeline pins until its batch has run (``pin``/``unpin``).
 """
@@ -22,6 +24,7 @@ from ..kernels.step_passes import step_passes_of
 from . import huge_pages
 from .backends import TorchRows
 from .contract import Rows, TierStats
+from .direct_layout import BYTES_PER_SLOT, DirectLayout
 from .policies import EvictionPolicy, LfuWithAgeing
 from .row_cache_native import NativeSide
 
@@ -33,7 +36,9 @@ class RowCache(NativeSide):
 
     ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: an
     ``EvictionPolicy`` subclass, built as ``policy(capacity, device, backend)`` (default: LFU with
-    ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU)."""
+    ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU).
+    ``direct``: the homes of some tables' rows (``DirectLayout``, within ``capacity``), for a tier
+    that does not grow on the tuned host build."""
 
     def __init__(
         self,
@@ -47,6 +52,7 @@ class RowCache(NativeSide):
         backend=None,
         policy: type[EvictionPolicy] | None = None,
         grows_to: int | None = None,
+        direct: DirectLayout | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"{name} cache capacity must be positive, got {capacity}")
@@ -69,6 +75,8 @@ class RowCache(NativeSide):
         self.pins = huge_pages.full((capacity,), 0, torch.uint8, self.device)  # 0: evictable
         self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
+        self.direct = None
+        self._free_positions = None  # each free slot's place in the stack, where there are homes
         if policy is None:
             self.policy = LfuWithAgeing(capacity, self.device, self.backend, half_life)
         else:
@@ -83,6 +91,24 @@ class RowCache(NativeSide):
             step_passes_of(self.kernels) if self.device.type == "cpu" and dtype in KERNEL_DTYPES else None
         )
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
+        if direct is not None:
+            self._address_directly(direct)
+
+    def _address_directly(self, layout: DirectLayout) -> None:
+        """Give the tier ``layout``'s homes: the free stack holds the homes at its bottom (other rows
+        take the slots past them first) and each free slot's place in it."""
+        if self._passes is None or self.max_capacity != self.capacity or layout.rows > self.capacity:
+            raise ValueError(
+                f"{self.name} cache: a direct layout of {layout.rows} homes needs a tier of at least "
+                f"as many slots ({self.capacity}) on the tuned host build that does not grow"
+            )
+        homes = layout.rows
+        self._free = torch.cat(
+            [torch.arange(homes - 1, -1, -1), torch.arange(self.capacity - 1, homes - 1, -1)]
+        )
+        self._free_positions = torch.empty(self.capacity, dtype=torch.int32)
+        self._free_positions[self._free] = torch.arange(self.capacity, dtype=torch.int32)
+        self.direct = layout
 
     def make_room(self, keys: torch.Tensor) -> None:
         """Grow (``grow``, up to ``max_capacity``) where the rows of distinct ``keys`` not resident
@@ -153,17 +179,22 @@ class RowCache(NativeSide):
         backend=None,
         policy: type[EvictionPolicy] | None = None,
         half_life: float | None = None,
+        direct: bool = False,
     ) -> int:
-        """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy)."""
+        """Bytes a cache of ``capacity`` rows allocates (rows, index, per-slot bookkeeping, policy;
+        ``direct``: with a direct layout)."""
         backend = backend if backend is not None else TorchRows()
         policy = policy or LfuWithAgeing
         per_slot = row_width * dtype.itemsize + _SLOT_BYTES + policy.bytes_per_slot
+        per_slot += BYTES_PER_SLOT if direct else 0
         fixed = policy.fixed_nbytes(capacity, half_life)
         return capacity * per_slot + backend.index_nbytes(capacity) + fixed
 
     @property
     def nbytes(self) -> int:
         tensors = (self.rows, self.slot_keys, self.dirty, self.fresh, self.pins, self._free)
+        if self.direct is not None:
+            tensors += (self._free_positions,)
         return self.index.nbytes + self.policy.nbytes + sum(tensor.nbytes for tensor in tensors)
 
     def __len__(self) -> int:
@@ -251,6 +282,9 @@ class RowCache(NativeSide):
         self.fresh[slots] = False
         self.pins[slots] = 0
         self._free[self._free_count : self._free_count + slots.numel()] = slots
+        if self.direct is not None:
+            places = torch.arange(self._free_count, self._free_count + slots.numel(), dtype=torch.int32)
+            self._free_positions[slots] = places
         self._free_count += slots.numel()
 
     def admit(
@@ -260,7 +294,7 @@ class RowCache(NativeSide):
         before_evicting: Callable[[Rows], None] | None = None,
     ) -> tuple[torch.Tensor, Rows]:
         count = len(incoming)
-        slots, victims = self.claim_slots(count, protected)
+        slots, victims = self.claim_slots(count, protected, incoming.keys)
         evicted = Rows(*(tensor[:0] for tensor in (self.slot_keys, self.rows, self.dirty, self.fresh)))
         if victims:
             evicted = self._rows_at(slots[count - victims :])

@@ -7,6 +7,7 @@ import operator
 
 import torch
 
+from ..kernels.cache_passes import layout_arguments
 from ..kernels.launch import ROW_FORMATS
 from ..kernels.native_types import HostTierArrays, Residency, TierChoice
 from .policies import LfuWithAgeing, too_few_evictable
@@ -28,7 +29,7 @@ class NativeSide:
             return None
         policy = self.policy
         slots, hit_slots, missed, hits, misses = self._passes.resolve(
-            self.index.keys, self.index.values, keys, counts, policy.score, policy.increment
+            self, keys, counts, policy.score, policy.increment
         )
         self.stats.hits += hits
         self.stats.misses += misses
@@ -67,16 +68,26 @@ class NativeSide:
             self.fresh.data_ptr(),
             self.policy.score.data_ptr(),
             ROW_FORMATS[self.rows.dtype],
+            *layout_arguments(self.direct),
         )
         self._native_arrays = (tensors, arrays)
         return arrays
 
-    def claim_slots(self, count: int, protected: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def claim_slots(
+        self, count: int, protected: torch.Tensor, keys: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         """Slots for ``count`` rows about to be admitted (int64 [count]: free slots, then the policy's
         victims outside ``protected``) and how many are victims (the last ones); nothing is taken
-        yet. Raises ``CacheCapacityError`` where too few slots are evictable."""
+        yet. Where the rows' ``keys`` are given and all fit in free slots, those with a free home
+        in the tier's direct layout get it. Raises ``CacheCapacityError`` where too few slots are
+        evictable."""
         if count > self._free_count and self.capacity < self.max_capacity:
             self._grow_for(count)
+        if self.direct is not None and keys is not None and count <= self._free_count:
+            layout = self.direct
+            return self._passes.direct_claims(
+                self._free, self._free_positions, self._free_count, self.slot_keys, layout, keys
+            ), 0
         from_free = min(count, self._free_count)
         free = self._free[self._free_count - from_free : self._free_count]
         if count == from_free:
@@ -95,6 +106,7 @@ class NativeSide:
             self.pins.data_ptr(),
             self.capacity,
             free.data_ptr(),
+            0 if self.direct is None else self._free_positions.data_ptr(),
             self._free_count,
             pool.data_ptr(),
             pool_scores.data_ptr(),
