@@ -73,10 +73,7 @@ class RowCache(NativeSide):
         self.dirty = huge_pages.full((capacity,), 0, torch.bool, self.device)
         self.fresh = huge_pages.full((capacity,), 0, torch.bool, self.device)
         self.pins = huge_pages.full((capacity,), 0, torch.uint8, self.device)  # 0: evictable
-        self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
         self._free_count = capacity
-        self.direct = None
-        self._free_positions = None  # each free slot's place in the stack, where there are homes
         if policy is None:
             self.policy = LfuWithAgeing(capacity, self.device, self.backend, half_life)
         else:
@@ -91,7 +88,11 @@ class RowCache(NativeSide):
             step_passes_of(self.kernels) if self.device.type == "cpu" and dtype in KERNEL_DTYPES else None
         )
         self._native_arrays = None  # (the tensors, native_arrays' struct of their addresses)
-        if direct is not None:
+        self.direct = None
+        self._free_positions = None  # each free slot's place in the stack, where there are homes
+        if direct is None:
+            self._free = torch.arange(capacity - 1, -1, -1, device=self.device)  # a stack of free slots
+        else:
             self._address_directly(direct)
 
     def _address_directly(self, layout: DirectLayout) -> None:
@@ -103,11 +104,10 @@ class RowCache(NativeSide):
                 f"as many slots ({self.capacity}) on the tuned host build that does not grow"
             )
         homes = layout.rows
-        self._free = torch.cat(
-            [torch.arange(homes - 1, -1, -1), torch.arange(self.capacity - 1, homes - 1, -1)]
-        )
-        self._free_positions = torch.empty(self.capacity, dtype=torch.int32)
-        self._free_positions[self._free] = torch.arange(self.capacity, dtype=torch.int32)
+        self._free = torch.empty(self.capacity, dtype=torch.int64)
+        torch.arange(homes - 1, -1, -1, out=self._free[:homes])
+        torch.arange(self.capacity - 1, homes - 1, -1, out=self._free[homes:])
+        self._free_positions = self._free.to(torch.int32)  # this order is its own inverse
         self.direct = layout
 
     def make_room(self, keys: torch.Tensor) -> None:
