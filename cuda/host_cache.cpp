@@ -153,13 +153,13 @@ static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const in
 }
 
 // Slots for keys[0..n) (distinct, none in the tier; n <= free_count) from the free-slot stack
-// free[0..free_count): each key whose home is free takes it (moved to the stack's top, positions[s]
-// following every slot s moved: free[positions[s]] == s while s is free), the others the slots
-// below them, so that out[0..n) is the stack's top n slots. Returns how many took their home.
-extern "C" i64 cache_direct_claims(i64* __restrict__ free, int* __restrict__ positions, i64 free_count,
-                                   const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
-                                   const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
-                                   i64 n, i64* __restrict__ out) {
+// stack[0..free_count): each key whose home is free takes it (moved to the stack's top, positions[s]
+// following every slot s moved: stack[positions[s]] == s while s is free), the others the slots
+// below them, so that out[0..n) is the stack's top n slots.
+extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ positions, i64 free_count,
+                                    const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
+                                    const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
+                                    i64 n, i64* __restrict__ out) {
     const DirectLayout layout{bases, sizes, tables};
     i64 top = free_count;
     for (i64 i = 0; i < n; ++i) {
@@ -174,19 +174,17 @@ extern "C" i64 cache_direct_claims(i64* __restrict__ free, int* __restrict__ pos
         out[i] = -1;
         if (home < 0 || slot_keys[home] != EMPTY_KEY) continue;
         const i64 at = positions[home];
-        if (at < 0 || at >= top || free[at] != home) continue;  // not in the stack's free part
+        if (at < 0 || at >= top || stack[at] != home) continue;  // not in the stack's free part
         --top;
-        const i64 displaced = free[top];
-        free[at] = displaced;
+        const i64 displaced = stack[top];
+        stack[at] = displaced;
         positions[displaced] = (int)at;
-        free[top] = home;
+        stack[top] = home;
         positions[home] = (int)top;
         out[i] = home;
     }
-    const i64 homes = free_count - top;
     for (i64 i = 0; i < n; ++i)
-        if (out[i] < 0) out[i] = free[--top];
-    return homes;
+        if (out[i] < 0) out[i] = stack[--top];
 }
 
 #pragma GCC optimize("fp-contract=off")

@@ -27,7 +27,7 @@ _SIGNATURES = {
         + [_POINTER] * 4,
     ),
     "cache_direct_claims": (
-        _I64,
+        None,
         [_POINTER, _POINTER, _I64] + [_POINTER] * 3 + [_I64, _POINTER, _I64, _POINTER],
     ),
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),

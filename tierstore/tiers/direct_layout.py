@@ -37,10 +37,9 @@ class DirectLayout:
     def choose(cls, table_rows: Sequence[int | None], capacity: int) -> DirectLayout | None:
         """The layout for a tier of ``capacity`` slots holding tables of ``table_rows`` (by number;
         None: the table grows on demand and has no homes): every table where they are all bounded
-        and fit,
-        else the smallest (most lookups per row, in click logs) while their homes take at most half
-        the slots, leaving the rest to the other tables' rows (an unbounded table's among them).
-        None where no table gets homes."""
+        and fit, else the smallest (most lookups per row, in click logs) while their homes take at
+        most half the slots, leaving the rest to the other tables' rows (an unbounded table's
+        among them). None where no table gets homes."""
         bounded = sorted((rows, number) for number, rows in enumerate(table_rows) if rows)
         if None in table_rows or sum(rows for rows, _ in bounded) > capacity:
             chosen, total = [], 0
