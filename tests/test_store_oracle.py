@@ -185,6 +185,13 @@ class PartialDirectLayoutAgainstDict(DirectLayoutAgainstDict):
         return [4]
 
 
+class NativePartialDirectLayoutAgainstDict(PartialDirectLayoutAgainstDict):
+    """The same layout on the native path (mmap, host tier alone), evicting once full."""
+
+    backend = "mmap"
+    host_cache, device_cache = 12, 0
+
+
 class MmapStoreAgainstDict(StoreAgainstDict):
     backend = "mmap"
     host_cache_backend = "torch"
@@ -214,6 +221,7 @@ TestGrowingTiersAgainstDict = GrowingTiersAgainstDict.TestCase
 TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
 TestDirectLayoutAgainstDict = DirectLayoutAgainstDict.TestCase
 TestPartialDirectLayoutAgainstDict = PartialDirectLayoutAgainstDict.TestCase
+TestNativePartialDirectLayoutAgainstDict = NativePartialDirectLayoutAgainstDict.TestCase
 TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
 TestGpuDeviceTierAgainstDict = pytest.mark.gpu(GpuDeviceTierAgainstDict.TestCase)
 TestMmapGpuDeviceTierAgainstDict = pytest.mark.gpu(MmapGpuDeviceTierAgainstDict.TestCase)
