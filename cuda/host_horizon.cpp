@@ -22,11 +22,16 @@ struct HorizonTier {
     unsigned char* pins;
     i64* pinned_key;   // [capacity]: the key the horizon pinned at a slot, -1: none
     int* pinned_next;  // [capacity]: that row's next use (a batch number)
+    const i64* slot_keys;
+    DirectLayout direct;  // the tier's homes (tables 0: none), as cache_resolve reads them
 };
 
 static inline i64 horizon_slot(const HorizonTier& tier, i64 key) {
-    const i64 position = probe(tier.index_keys, tier.index_mask, key);
-    return position < 0 ? -1 : (i64)tier.index_values[position];
+    return slot_of(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct, key);
+}
+
+static inline void prefetch_horizon_slot(const HorizonTier& tier, i64 key) {
+    prefetch_slot_of(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct, key);
 }
 
 static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
@@ -77,8 +82,7 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
         }
 #pragma omp section
         for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n)
-                prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, keys[i + AHEAD]);
+            if (i + AHEAD < n) prefetch_horizon_slot(*tier, keys[i + AHEAD]);
             slots[i] = horizon_slot(*tier, keys[i]);
         }
     }
@@ -103,8 +107,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
     Room<i64> slots(n);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n)
-            prefetch_home(tier->index_keys, tier->index_values, tier->index_mask, keys[i + AHEAD]);
+        if (i + AHEAD < n) prefetch_horizon_slot(*tier, keys[i + AHEAD]);
         slots[i] = horizon_slot(*tier, keys[i]);
     }
     i64 change = 0, removed = 0, needed = 0;
@@ -136,9 +139,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
             }
             // After the pins moved on: a key in both batches keeps its pin.
             for (i64 i = 0; i < next_n; ++i) {
-                if (i + AHEAD < next_n)
-                    prefetch_home(tier->index_keys, tier->index_values, tier->index_mask,
-                                  next_keys[i + AHEAD]);
+                if (i + AHEAD < next_n) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
                 const i64 slot = horizon_slot(*tier, next_keys[i]);
                 needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
             }

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from .cache_passes import layout_arguments
 from .native_types import typed
 
 _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -26,7 +27,8 @@ _SIGNATURES = {
 
 
 class HorizonTier(ctypes.Structure):
-    """host_horizon.cpp's ``HorizonTier``: the top tier's index and pins, the horizon's per-slot record."""
+    """host_horizon.cpp's ``HorizonTier``: the top tier's index, homes and pins, the horizon's per-slot
+    record."""
 
     _fields_ = [
         ("index_keys", _POINTER),
@@ -35,6 +37,10 @@ class HorizonTier(ctypes.Structure):
         ("pins", _POINTER),
         ("pinned_key", _POINTER),
         ("pinned_next", _POINTER),
+        ("slot_keys", _POINTER),
+        ("direct_bases", _POINTER),  # the tier's DirectLayout (direct_tables 0: none)
+        ("direct_sizes", _POINTER),
+        ("direct_tables", _I64),
     ]
 
 
@@ -48,6 +54,8 @@ def horizon_tier(top, pinned_key: torch.Tensor, pinned_next: torch.Tensor) -> Ho
         top.pins.data_ptr(),
         pinned_key.data_ptr(),
         pinned_next.data_ptr(),
+        top.slot_keys.data_ptr(),
+        *layout_arguments(top.direct),
     )
 
 
