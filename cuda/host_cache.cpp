@@ -114,13 +114,15 @@ extern "C" i64 index_erase_shifting(i64* __restrict__ table_keys, i64* __restric
 // are computed apart.
 #pragma GCC push_options
 // A tier's direct layout (tierstore/tiers/direct_layout.py): the key `number << 47 | id` of a table
-// with sizes[number] > id has the home slot bases[number] + id; other keys have none. tables 0: no
+// with sizes[number] > id has the home slot bases[number] + id, where that is below `slots` (the
+// tier's slots now: a tier that grows has the rest later); other keys have none. tables 0: no
 // layout. A key is at its home exactly when the home's slot_keys entry holds it, so the index stays
 // the truth for every key and a home is only ever a shortcut to it.
 struct DirectLayout {
     const i64* bases;
     const i64* sizes;
     i64 tables;
+    i64 slots;
 };
 
 #define DIRECT_ID_BITS 47
@@ -129,7 +131,8 @@ static inline i64 home_slot(const DirectLayout& layout, i64 key) {
     const u64 number = (u64)key >> DIRECT_ID_BITS;  // a negative key's is past every table
     if (number >= (u64)layout.tables) return -1;
     const i64 id = key & ((1LL << DIRECT_ID_BITS) - 1);
-    return id < layout.sizes[number] ? layout.bases[number] + id : -1;
+    const i64 home = layout.bases[number] + id;
+    return id < layout.sizes[number] && home < layout.slots ? home : -1;
 }
 
 // keys[i]'s slot through its home where the key is there, else through the index; -1: absent.
@@ -158,9 +161,9 @@ static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const in
 // below them, so that out[0..n) is the stack's top n slots.
 extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ positions, i64 free_count,
                                     const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
-                                    const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
-                                    i64 n, i64* __restrict__ out) {
-    const DirectLayout layout{bases, sizes, tables};
+                                    const i64* __restrict__ sizes, i64 tables, i64 slots,
+                                    const i64* __restrict__ keys, i64 n, i64* __restrict__ out) {
+    const DirectLayout layout{bases, sizes, tables, slots};
     i64 top = free_count;
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {
@@ -193,15 +196,16 @@ static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, fl
 }
 
 // keys[0..n) (distinct, each looked up counts[i] times) found in a tier (slot_keys, and the layout of
-// bases/sizes/tables: see slot_of): slots[i] its slot or -1, the hits' scores raised by their counts,
+// bases/sizes/tables/slots: see slot_of): slots[i] its slot or -1, the hits' scores raised by their counts,
 // the hits' slots and the misses' positions listed in key order, the lookups of each counted.
 extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
                              i64 mask, const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
-                             const i64* __restrict__ sizes, i64 tables, const i64* __restrict__ keys,
-                             const i64* __restrict__ counts, i64 n, float* __restrict__ scores,
-                             float increment, i64* __restrict__ slots, i64* __restrict__ hit_slots,
-                             i64* __restrict__ missed, i64* __restrict__ lookups) {
-    const DirectLayout layout{bases, sizes, tables};
+                             const i64* __restrict__ sizes, i64 tables, i64 tier_slots,
+                             const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                             float* __restrict__ scores, float increment, i64* __restrict__ slots,
+                             i64* __restrict__ hit_slots, i64* __restrict__ missed,
+                             i64* __restrict__ lookups) {
+    const DirectLayout layout{bases, sizes, tables, tier_slots};
 #pragma omp parallel if (n >= PARALLEL_FROM)
     {
 #pragma omp for schedule(static)

@@ -870,6 +870,7 @@ struct HostTier {
     const i64* direct_bases;  // the tier's direct layout (DirectLayout; direct_tables 0: none)
     const i64* direct_sizes;
     i64 direct_tables;
+    i64 direct_slots;
 };
 
 // How a row the cold store does not hold starts (step_initial_rows' arguments).
@@ -1132,8 +1133,8 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     i64 lookups[2];
     const i64 misses =
         cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct_bases,
-                      tier.direct_sizes, tier.direct_tables, keys, counts, n, tier.scores, increment, slots,
-                      hit_slots.data(), missed.data(), lookups);
+                      tier.direct_sizes, tier.direct_tables, tier.direct_slots, keys, counts, n, tier.scores,
+                      increment, slots, hit_slots.data(), missed.data(), lookups);
     const i64 hits = n - misses;
     out->hit_lookups = lookups[0];
     out->missed_lookups = lookups[1];
@@ -1150,8 +1151,8 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     const i64 from_free = std::min(misses, choice.free_count);
     if (tier.direct_tables && misses <= choice.free_count)  // the misses with a free home take it
         cache_direct_claims(choice.free_slots, choice.free_positions, choice.free_count, tier.slot_keys,
-                            tier.direct_bases, tier.direct_sizes, tier.direct_tables, missed_keys.data(),
-                            misses, claimed.data());
+                            tier.direct_bases, tier.direct_sizes, tier.direct_tables, tier.direct_slots,
+                            missed_keys.data(), misses, claimed.data());
     else
         for (i64 i = 0; i < from_free; ++i) claimed[i] = choice.free_slots[choice.free_count - from_free + i];
     const i64 victims = misses - from_free;

@@ -5,7 +5,7 @@ dict and training against ``nn.EmbeddingBag``; the dict-oracle state machines in
 
 import pytest
 import torch
-from helpers import initial
+from helpers import initial, tiers_growing_from
 
 import tierstore
 from tierstore import EmbeddingBagConfig, KeyedJaggedTensor, TieredStore
@@ -105,13 +105,41 @@ def test_a_direct_layout_is_counted_in_the_tiers_bytes(tmp_path):
         assert expected - plain == 64 * BYTES_PER_SLOT
 
 
-def test_no_layout_where_the_tier_grows_or_runs_on_torch(tmp_path):
-    with TieredStore(tmp_path / "a", dim=DIM) as store:  # unbounded: it grows
-        assert store.stack.top.direct is None
-    with TieredStore(tmp_path / "b", dim=DIM, most_rows=[10, None]) as store:
+def test_no_layout_for_a_lone_unbounded_table_or_on_torch(tmp_path):
+    with TieredStore(tmp_path / "a", dim=DIM) as store:  # unbounded: no homes to give
         assert store.stack.top.direct is None
     with TieredStore(tmp_path / "c", dim=DIM, most_rows=10, host_cache_backend="torch") as store:
         assert store.stack.top.direct is None
+
+
+def test_a_growing_tier_gives_homes_as_it_grows_and_keeps_every_row(tmp_path):
+    """A bounded table beside an unbounded one (a collection's group): the tier grows on demand, the
+    bounded table's homes past its slots come with each growth, and nothing found changes."""
+    small, large = 12, 1 << 47  # table 0's ids, and table 1's keys (number 1)
+    oracle = {}
+    with (
+        tiers_growing_from(2),
+        TieredStore(tmp_path / "s", dim=DIM, most_rows=[small, None], host_cache=64) as store,
+    ):
+        top = store.stack.top
+        assert top.direct.sizes.tolist() == [small, 0] and top.capacity == 2
+        for round_ in range(6):
+            keys = torch.cat(
+                [torch.arange(round_ * 2, round_ * 2 + 2), large + torch.arange(round_ * 5, round_ * 5 + 5)]
+            )
+            rows = torch.randn(keys.numel(), DIM)
+            store.put(keys, rows)
+            oracle.update(zip(keys.tolist(), rows))
+            free = top._free[: top.capacity - len(top)]
+            assert torch.equal(top._free_positions[free].long(), torch.arange(free.numel()))
+        assert top.capacity > 2  # it grew
+        keys = torch.tensor(sorted(oracle))
+        assert torch.equal(store.get(keys), torch.stack([oracle[key] for key in keys.tolist()]))
+        held, home = at_home(top)
+        assert held == small and home > 0
+        store.flush()
+    with TieredStore(tmp_path / "s", dim=DIM, most_rows=[small, None], host_cache=64) as store:
+        assert torch.equal(store.get(keys), torch.stack([oracle[key] for key in keys.tolist()]))
 
 
 @pytest.mark.parametrize(

@@ -167,10 +167,14 @@ class DirectLayoutAgainstDict(StoreAgainstDict):
 
     @invariant()
     def free_slots_know_their_places(self):
-        top = self.host_tier()
-        free = top._free[: top.capacity - len(top)]
-        assert torch.equal(top._free_positions[free].long(), torch.arange(free.numel()))
-        assert bool((top.slot_keys[free] == -1).all())
+        check_free_places(self.host_tier())
+
+
+def check_free_places(tier):
+    """Every free slot of a tier with a direct layout is empty and knows its place in the stack."""
+    free = tier._free[: tier.capacity - len(tier)]
+    assert torch.equal(tier._free_positions[free].long(), torch.arange(free.numel()))
+    assert bool((tier.slot_keys[free] == -1).all())
 
 
 class PartialDirectLayoutAgainstDict(DirectLayoutAgainstDict):
@@ -190,6 +194,21 @@ class NativePartialDirectLayoutAgainstDict(PartialDirectLayoutAgainstDict):
 
     backend = "mmap"
     host_cache, device_cache = 12, 0
+
+
+class GrowingDirectLayoutAgainstDict(GrowingHostTierAgainstDict):
+    """A growing host tier (2 slots to 24) holding a bounded table (ids 0-5 have homes) and an
+    unbounded one (a collection's group): homes past the tier's slots come as it grows."""
+
+    most_rows = [6, None]
+
+    def open(self):
+        super().open()
+        assert self.store.stack.top.direct.sizes.tolist() == [6, 0]
+
+    @invariant()
+    def free_slots_know_their_places(self):
+        check_free_places(self.store.stack.top)
 
 
 class MmapStoreAgainstDict(StoreAgainstDict):
@@ -222,6 +241,7 @@ TestMmapStoreAgainstDict = MmapStoreAgainstDict.TestCase
 TestDirectLayoutAgainstDict = DirectLayoutAgainstDict.TestCase
 TestPartialDirectLayoutAgainstDict = PartialDirectLayoutAgainstDict.TestCase
 TestNativePartialDirectLayoutAgainstDict = NativePartialDirectLayoutAgainstDict.TestCase
+TestGrowingDirectLayoutAgainstDict = GrowingDirectLayoutAgainstDict.TestCase
 TestKernelDeviceTierAgainstDict = KernelDeviceTierAgainstDict.TestCase
 TestGpuDeviceTierAgainstDict = pytest.mark.gpu(GpuDeviceTierAgainstDict.TestCase)
 TestMmapGpuDeviceTierAgainstDict = pytest.mark.gpu(MmapGpuDeviceTierAgainstDict.TestCase)

@@ -22,13 +22,13 @@ _SIGNATURES = {
     "index_insert_serial": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]),
     "cache_resolve": (
         _I64,
-        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER]
-        + [ctypes.c_float]
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER, _I64]
+        + [_POINTER, ctypes.c_float]
         + [_POINTER] * 4,
     ),
     "cache_direct_claims": (
         None,
-        [_POINTER, _POINTER, _I64] + [_POINTER] * 3 + [_I64, _POINTER, _I64, _POINTER],
+        [_POINTER, _POINTER, _I64] + [_POINTER] * 3 + [_I64, _I64, _POINTER, _I64, _POINTER],
     ),
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
     "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
@@ -102,13 +102,13 @@ class CachePasses:
         count = keys.numel()
         out = torch.empty(3, count, dtype=torch.int64)
         lookups = torch.zeros(2, dtype=torch.int64)
-        index, layout = tier.index, tier.direct
+        index = tier.index
         misses = self._functions["cache_resolve"](
             index.keys.data_ptr(),
             index.values.data_ptr(),
             index.keys.numel() - 1,
             tier.slot_keys.data_ptr(),
-            *layout_arguments(layout),
+            *layout_arguments(tier),
             keys.data_ptr(),
             counts.data_ptr(),
             count,
@@ -123,20 +123,21 @@ class CachePasses:
         return out[0], out[1, : count - misses], out[2, :misses], hits, missed
 
     def direct_claims(
-        self, free: torch.Tensor, positions: torch.Tensor, free_count: int, slot_keys, layout, keys
+        self, tier, free: torch.Tensor, positions: torch.Tensor, free_count: int, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Slots (int64) for distinct ``keys`` not in a tier (at most ``free_count``): the free-slot
+        """Slots (int64) for distinct ``keys`` not in ``tier`` (at most ``free_count``): its free-slot
         stack ``free[:free_count]`` (int64; ``positions`` int32, each free slot's place in it) gets
-        the keys' free homes (``layout``'s) at its top, and the keys take its top slots, each its
-        home where it got one (``cache_direct_claims``). Nothing is taken: the stack only reordered."""
+        the keys' free homes (its ``DirectLayout``'s) at its top, and the keys take its top slots,
+        each its home where it got one (``cache_direct_claims``). Nothing is taken: the stack is
+        only reordered."""
         keys = keys.to(torch.int64).contiguous()
         out = torch.empty(keys.numel(), dtype=torch.int64)
         self._functions["cache_direct_claims"](
             free.data_ptr(),
             positions.data_ptr(),
             free_count,
-            slot_keys.data_ptr(),
-            *layout_arguments(layout),
+            tier.slot_keys.data_ptr(),
+            *layout_arguments(tier),
             keys.data_ptr(),
             keys.numel(),
             out.data_ptr(),
@@ -238,11 +239,13 @@ class CachePasses:
         )
 
 
-def layout_arguments(layout) -> tuple[int, int, int]:
-    """A ``DirectLayout`` (or None) as the calls take it: its bases, sizes and number of tables."""
+def layout_arguments(tier) -> tuple[int, int, int, int]:
+    """A tier's ``DirectLayout`` (``tier.direct``, or None) as the calls take it: its bases, sizes and
+    number of tables, and the tier's slots now (homes past them come with its growth)."""
+    layout = tier.direct
     if layout is None:
-        return 0, 0, 0
-    return layout.bases.data_ptr(), layout.sizes.data_ptr(), layout.sizes.numel()
+        return 0, 0, 0, 0
+    return layout.bases.data_ptr(), layout.sizes.data_ptr(), layout.sizes.numel(), tier.capacity
 
 
 def _tier_arguments(slot_keys, rows, dirty, fresh, slots: torch.Tensor) -> tuple:

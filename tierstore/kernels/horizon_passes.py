@@ -41,6 +41,7 @@ class HorizonTier(ctypes.Structure):
         ("direct_bases", _POINTER),  # the tier's DirectLayout (direct_tables 0: none)
         ("direct_sizes", _POINTER),
         ("direct_tables", _I64),
+        ("direct_slots", _I64),
     ]
 
 
@@ -55,7 +56,7 @@ def horizon_tier(top, pinned_key: torch.Tensor, pinned_next: torch.Tensor) -> Ho
         pinned_key.data_ptr(),
         pinned_next.data_ptr(),
         top.slot_keys.data_ptr(),
-        *layout_arguments(top.direct),
+        *layout_arguments(top),
     )
 
 

@@ -28,6 +28,7 @@ class HostTierArrays(ctypes.Structure):
         ("direct_bases", _POINTER),  # its DirectLayout (direct_tables 0: none)
         ("direct_sizes", _POINTER),
         ("direct_tables", _I64),
+        ("direct_slots", _I64),
     ]
 
 

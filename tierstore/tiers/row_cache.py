@@ -37,8 +37,8 @@ class RowCache(NativeSide):
     ``backend``: a ``tiers.backends`` value (default ``TorchRows()``). ``policy``: an
     ``EvictionPolicy`` subclass, built as ``policy(capacity, device, backend)`` (default: LFU with
     ageing at ``half_life``). ``pin_memory``: page-locked rows (a host tier feeding a GPU).
-    ``direct``: the homes of some tables' rows (``DirectLayout``, within ``capacity``), for a tier
-    that does not grow on the tuned host build."""
+    ``direct``: the homes of some tables' rows (``DirectLayout``, within the most slots it grows to),
+    for a tier on the tuned host build."""
 
     def __init__(
         self,
@@ -98,12 +98,12 @@ class RowCache(NativeSide):
     def _address_directly(self, layout: DirectLayout) -> None:
         """Give the tier ``layout``'s homes: the free stack holds the homes at its bottom (other rows
         take the slots past them first) and each free slot's place in it."""
-        if self._passes is None or self.max_capacity != self.capacity or layout.rows > self.capacity:
+        if self._passes is None or layout.rows > self.max_capacity:
             raise ValueError(
-                f"{self.name} cache: a direct layout of {layout.rows} homes needs a tier of at least "
-                f"as many slots ({self.capacity}) on the tuned host build that does not grow"
+                f"{self.name} cache: a direct layout of {layout.rows} homes needs a tier of at most "
+                f"as many slots ({self.max_capacity}) on the tuned host build"
             )
-        homes = layout.rows
+        homes = min(layout.rows, self.capacity)  # a growing tier's later slots come with its growth
         self._free = torch.empty(self.capacity, dtype=torch.int64)
         torch.arange(homes - 1, -1, -1, out=self._free[:homes])
         torch.arange(self.capacity - 1, homes - 1, -1, out=self._free[homes:])
@@ -162,6 +162,10 @@ class RowCache(NativeSide):
             [new_slots, self._free[: self._free_count], self._free.new_empty(old - self._free_count)]
         )
         self._free_count += capacity - old
+        if self.direct is not None:  # each free slot's place in the grown stack
+            self._free_positions = torch.full((capacity,), -1, dtype=torch.int32)
+            places = torch.arange(self._free_count, dtype=torch.int32)
+            self._free_positions[self._free[: self._free_count]] = places
         self.policy.grow(capacity)
         self.index.reserve(capacity)  # as a tier made with this capacity has (its byte budget)
         self.capacity = capacity

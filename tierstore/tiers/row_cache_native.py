@@ -68,7 +68,7 @@ class NativeSide:
             self.fresh.data_ptr(),
             self.policy.score.data_ptr(),
             ROW_FORMATS[self.rows.dtype],
-            *layout_arguments(self.direct),
+            *layout_arguments(self),
         )
         self._native_arrays = (tensors, arrays)
         return arrays
@@ -84,9 +84,8 @@ class NativeSide:
         if count > self._free_count and self.capacity < self.max_capacity:
             self._grow_for(count)
         if self.direct is not None and keys is not None and count <= self._free_count:
-            layout = self.direct
             return self._passes.direct_claims(
-                self._free, self._free_positions, self._free_count, self.slot_keys, layout, keys
+                self, self._free, self._free_positions, self._free_count, keys
             ), 0
         from_free = min(count, self._free_count)
         free = self._free[self._free_count - from_free : self._free_count]
