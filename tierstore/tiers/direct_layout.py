@@ -6,7 +6,8 @@ placed at its home where that slot is free, and a lookup finds a key at its home
 slot's key (``host_cache.cpp``'s ``slot_of``), where the index would take a hashed probe. The index
 stays the truth for every key: a key away from its home (its home was taken while it was out, or
 its table has none) is found through it, so a layout changes where rows live and how fast they are
-found, never what is found.
+found, never what is found. In a tier that grows on demand, a home past its slots counts as none
+until it has grown past it (the native calls take the tier's slots now).
 """
 
 from __future__ import annotations
