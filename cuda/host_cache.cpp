@@ -105,14 +105,6 @@ extern "C" i64 index_erase_shifting(i64* __restrict__ table_keys, i64* __restric
     return erase_shifting(table_keys, table_values, mask, keys, n, out_values);
 }
 
-// A batch's distinct keys[0..n) (each looked up counts[i] times) resolved in a tier's index: slots[i]
-// is the key's slot or -1. Hits are touched as LFU counts an access (scores[slot] += counts[i] x
-// increment, in float as the touch kernel's weights are) and their slots listed in hit_slots; the
-// misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses' counts summed.
-// Returns the number of misses.
-// Here the product is rounded before the sum (no fused multiply-add), as the touch kernel's weights
-// are computed apart.
-#pragma GCC push_options
 // A tier's direct layout (tierstore/tiers/direct_layout.py): the key `number << 47 | id` of a table
 // with sizes[number] > id has the home slot bases[number] + id, where that is below `slots` (the
 // tier's slots now: a tier that grows has the rest later); other keys have none. tables 0: no
@@ -157,25 +149,21 @@ static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const in
 
 // Slots for keys[0..n) (distinct, none in the tier; n <= free_count) from the free-slot stack
 // stack[0..free_count): each key whose home is free takes it (moved to the stack's top, positions[s]
-// following every slot s moved: stack[positions[s]] == s while s is free), the others the slots
-// below them, so that out[0..n) is the stack's top n slots.
+// following every slot s moved: stack[positions[s]] == s while s is free, which is how a home is
+// known to be free), the others the slots below them, so that out[0..n) is the stack's top n slots.
 extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ positions, i64 free_count,
-                                    const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
-                                    const i64* __restrict__ sizes, i64 tables, i64 slots,
-                                    const i64* __restrict__ keys, i64 n, i64* __restrict__ out) {
+                                    const i64* __restrict__ bases, const i64* __restrict__ sizes, i64 tables,
+                                    i64 slots, const i64* __restrict__ keys, i64 n, i64* __restrict__ out) {
     const DirectLayout layout{bases, sizes, tables, slots};
     i64 top = free_count;
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {
             const i64 ahead = home_slot(layout, keys[i + AHEAD]);
-            if (ahead >= 0) {
-                __builtin_prefetch(&slot_keys[ahead]);
-                __builtin_prefetch(&positions[ahead], 1);
-            }
+            if (ahead >= 0) __builtin_prefetch(&positions[ahead], 1);
         }
         const i64 home = home_slot(layout, keys[i]);
         out[i] = -1;
-        if (home < 0 || slot_keys[home] != EMPTY_KEY) continue;
+        if (home < 0) continue;
         const i64 at = positions[home];
         if (at < 0 || at >= top || stack[at] != home) continue;  // not in the stack's free part
         --top;
@@ -190,14 +178,19 @@ extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ p
         if (out[i] < 0) out[i] = stack[--top];
 }
 
+// A batch's distinct keys[0..n) (each looked up counts[i] times) resolved in a tier: slots[i] is the
+// key's slot or -1, found at its home where it is there (the layout of bases/sizes/tables/tier_slots
+// over slot_keys: see slot_of), else through the index. Hits are touched as LFU counts an access
+// (scores[slot] += counts[i] x increment, in float as the touch kernel's weights are) and their slots listed
+// in hit_slots; the misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses'
+// counts summed. Returns the number of misses. Here the product is rounded before the sum (no fused
+// multiply-add), as the touch kernel's weights are computed apart.
+#pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, float increment) {
     scores[slot] += (float)count * increment;
 }
 
-// keys[0..n) (distinct, each looked up counts[i] times) found in a tier (slot_keys, and the layout of
-// bases/sizes/tables/slots: see slot_of): slots[i] its slot or -1, the hits' scores raised by their counts,
-// the hits' slots and the misses' positions listed in key order, the lookups of each counted.
 extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
                              i64 mask, const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
                              const i64* __restrict__ sizes, i64 tables, i64 tier_slots,

@@ -1150,9 +1150,9 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     }
     const i64 from_free = std::min(misses, choice.free_count);
     if (tier.direct_tables && misses <= choice.free_count)  // the misses with a free home take it
-        cache_direct_claims(choice.free_slots, choice.free_positions, choice.free_count, tier.slot_keys,
-                            tier.direct_bases, tier.direct_sizes, tier.direct_tables, tier.direct_slots,
-                            missed_keys.data(), misses, claimed.data());
+        cache_direct_claims(choice.free_slots, choice.free_positions, choice.free_count, tier.direct_bases,
+                            tier.direct_sizes, tier.direct_tables, tier.direct_slots, missed_keys.data(),
+                            misses, claimed.data());
     else
         for (i64 i = 0; i < from_free; ++i) claimed[i] = choice.free_slots[choice.free_count - from_free + i];
     const i64 victims = misses - from_free;

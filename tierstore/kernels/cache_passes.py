@@ -28,7 +28,7 @@ _SIGNATURES = {
     ),
     "cache_direct_claims": (
         None,
-        [_POINTER, _POINTER, _I64] + [_POINTER] * 3 + [_I64, _I64, _POINTER, _I64, _POINTER],
+        [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _I64, _POINTER, _I64, _POINTER],
     ),
     "cache_pins_add": (None, [_POINTER, _POINTER, _I64, _I64]),
     "cache_zero_at": (None, [_POINTER, _POINTER, _I64]),
@@ -136,7 +136,6 @@ class CachePasses:
             free.data_ptr(),
             positions.data_ptr(),
             free_count,
-            tier.slot_keys.data_ptr(),
             *layout_arguments(tier),
             keys.data_ptr(),
             keys.numel(),

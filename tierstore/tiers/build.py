@@ -138,9 +138,11 @@ def _cache_tier(
     row_width, dtype = metadata.row_width, metadata.torch_dtype
     reserve = horizon is not None and isinstance(budget, str)
     most_rows = None if table_rows is None or None in table_rows else sum(table_rows)
-    # A host tier on the tuned host build gives its bounded tables' rows homes.
+    # A host tier on the tuned host build gives its bounded tables' rows homes (their 4 bytes a
+    # slot are budgeted where a table has rows to give them).
     direct = (
         table_rows is not None
+        and any(table_rows)
         and device.type == "cpu"
         and cache_passes_of(getattr(backend, "kernels", None)) is not None
     )
