@@ -60,6 +60,70 @@ extern "C" i64 replay_belady(const i64* keys, const i64* following, i64 n, i64 d
     return hits;
 }
 
+// MIN over batches (a batched store's ceiling): accesses come in batches of `batch` (the last may
+// be shorter) whose distinct keys must all be resident at once, every miss admitted when its batch
+// runs; a full cache evicts, for each miss, the resident key outside the batch whose next use is
+// farthest (Belady's choice, which no batched schedule beats). Hits: the batch's lookups less the
+// keys it brings in (a key brought in once serves all its lookups in the batch). Returns -1 where
+// a batch holds more distinct keys than `capacity`.
+extern "C" i64 replay_belady_batched(const i64* keys, const i64* following, i64 n, i64 distinct, i64 capacity,
+                                     i64 batch) {
+    std::vector<i64> upcoming(distinct, NOT_RESIDENT);  // a resident key's next use
+    std::vector<i64> seen_in(distinct, -1);  // the last batch (its first access) that looked a key up
+    std::vector<i64> residents;              // the resident keys (for a rebuild)
+    std::vector<i64> place(distinct, -1);    // a resident key's index in residents
+    std::vector<std::pair<i64, i64>> heap;   // (next use, key), stale entries skipped
+    heap.reserve(2 * capacity + 64);
+    std::vector<i64> misses;
+    i64 hits = 0;
+    for (i64 start = 0; start < n; start += batch) {
+        const i64 end = std::min(n, start + batch);
+        misses.clear();
+        i64 looked_up = 0;  // the batch's distinct keys
+        for (i64 p = start; p < end; ++p) {
+            const i64 key = keys[p];
+            if (seen_in[key] == start) continue;
+            seen_in[key] = start;
+            ++looked_up;
+            if (upcoming[key] == NOT_RESIDENT) misses.push_back(key);
+        }
+        if (looked_up > capacity) return -1;
+        hits += (end - start) - (i64)misses.size();
+        // A batch key's next use lies in the batch, nearer than any other resident key's: it is
+        // popped only once those are gone, which the check above rules out.
+        for (i64 need = (i64)(residents.size() + misses.size()) - capacity; need > 0;) {
+            std::pop_heap(heap.begin(), heap.end());
+            const std::pair<i64, i64> top = heap.back();
+            heap.pop_back();
+            const i64 victim = top.second, index = place[victim];
+            if (upcoming[victim] != top.first) continue;  // stale
+            upcoming[victim] = NOT_RESIDENT;
+            residents[index] = residents.back();
+            place[residents[index]] = index;
+            residents.pop_back();
+            place[victim] = -1;
+            --need;
+        }
+        for (const i64 key : misses) {
+            place[key] = (i64)residents.size();
+            residents.push_back(key);
+        }
+        for (i64 p = start; p < end; ++p) {  // each batch key's next use: its last access's
+            upcoming[keys[p]] = following[p];
+            if (following[p] >= end) {
+                heap.push_back({following[p], keys[p]});
+                std::push_heap(heap.begin(), heap.end());
+            }
+        }
+        if ((i64)heap.size() > 2 * capacity + 64) {  // rebuilt from the resident keys' next uses
+            heap.clear();
+            for (const i64 key : residents) heap.push_back({upcoming[key], key});
+            std::make_heap(heap.begin(), heap.end());
+        }
+    }
+    return hits;
+}
+
 // LRU: a doubly linked list of the resident keys, most recent at the head.
 extern "C" i64 replay_lru(const i64* keys, i64 n, i64 distinct, i64 capacity) {
     std::vector<i64> before(distinct, NOT_RESIDENT), after(distinct, NOT_RESIDENT);

@@ -17,13 +17,14 @@
 from .cost_model import Bandwidths, measure_bandwidths, plan
 from .hit_rates import hit_rate_curve
 from .profile import hot_ids_by_column, profile_trace
-from .reference_policies import belady_hits, policy_hit_counts
+from .reference_policies import batched_belady_hits, belady_hits, policy_hit_counts
 from .traces import Trace, TraceError, load_trace, split_columns
 
 __all__ = [
     "Bandwidths",
     "Trace",
     "TraceError",
+    "batched_belady_hits",
     "belady_hits",
     "hit_rate_curve",
     "hot_ids_by_column",

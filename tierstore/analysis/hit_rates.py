@@ -6,7 +6,9 @@ resident together) with throughput and per-batch latency; per tier hits, rows an
 optionally the store evicting by next use within a horizon; and the hit rates of LRU, FIFO and
 Belady's MIN caches of the same size on the same trace, replayed one access at a time
 (``reference_policies``, native loops). MIN is the ceiling for any cache of that size, so the
-gap to it is the headroom.
+gap to it is the headroom; with MIN comes MIN over the store's batches (``belady_batched``), the
+ceiling for a cache that makes each batch resident whole, as the store does: the gap between the
+two is what batching costs, the gap below it what the policy leaves.
 
 A hit rate is 1 - misses / lookups, a miss being a row brought into the cache: one access at a
 time, the first access to an absent id brings it in and the next ones hit. For our store that is
@@ -197,9 +199,11 @@ def hit_rate_curve(
         "sizes": [],
     }
     all_rows = [cache_rows(size, distinct, row_bytes) for size in sizes]  # every size checked first
-    reference = policy_hit_counts(trace.keys, all_rows, policies)
-    for number, (size, rows) in enumerate(zip(sizes, all_rows)):
-        batch = max(1, min(batch_size, int(rows * BATCH_SHARE)))
+    all_batches = [max(1, min(batch_size, int(rows * BATCH_SHARE))) for rows in all_rows]
+    reference = policy_hit_counts(
+        trace.keys, all_rows, policies, batches=all_batches if "belady" in policies else None
+    )
+    for number, (size, rows, batch) in enumerate(zip(sizes, all_rows, all_batches)):
         entry = {
             "size": size,
             "rows": rows,
@@ -225,7 +229,7 @@ def hit_rate_curve(
             entry["tierstore_warm"] = run_store(
                 trace, rows, batch, dim, backend, progress, held=True, warm=warm
             )
-        for policy in policies:
+        for policy in reference:
             entry[policy] = {"hit_rate": reference[policy][number] / trace.keys.size}
         report["sizes"].append(entry)
     return report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..analysis.reference_policies import BATCHED
 from .plotting import plot_hit_rates
 
 
@@ -16,7 +17,10 @@ def format_table(report: dict, policies: list[str]) -> str:
     names += [f"lookahead {lookahead}"] if lookahead else []
     names += [f"horizon {horizon}"] if horizon else []
     names += [f"admission {admission}"] if admission else []
-    names += [{"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN"}[p] for p in policies]
+    references = _references(policies)
+    names += [
+        {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN", BATCHED: "MIN, batched"}[p] for p in references
+    ]
     header = (
         f"{'cache':>10} {'rows':>10} "
         + " ".join(f"{name:>13}" for name in names)
@@ -26,6 +30,11 @@ def format_table(report: dict, policies: list[str]) -> str:
         f"{report['trace']}: {report['accesses']:,} accesses, {report['distinct_ids']:,} distinct ids, "
         f"batches of up to {report['batch_size']:,} ids and an eighth of the cache; "
         "hit rate = 1 - rows brought in / lookups"
+        + (
+            "; 'MIN, batched': Belady's MIN with each batch resident whole, as the store holds it"
+            if "belady" in policies
+            else ""
+        )
         + (
             f"; lookahead {lookahead}: rows moved ahead count as brought in, and 'waited' is the share "
             "of lookups whose row the table held but the cache did not when its batch ran"
@@ -46,7 +55,7 @@ def format_table(report: dict, policies: list[str]) -> str:
             + ([ahead["hit_rate"]] if ahead else [])
             + ([foreseen["hit_rate"]] if foreseen else [])
             + ([admitted["hit_rate"]] if admitted else [])
-            + [entry[p]["hit_rate"] for p in policies]
+            + [entry[p]["hit_rate"] for p in references]
         )
         lines.append(
             f"{entry['size']:>10} {entry['rows']:>10,} "
@@ -86,8 +95,21 @@ def plot_curve(report: dict, policies: list[str], path: Path) -> bool:
         ours.append(("tierstore_horizon", f"tierstore, evicting by next use within {report['horizon']}"))
     if report.get("admission"):
         ours.append(("tierstore_admission", f"tierstore LFU, admission after {report['admission']} lookups"))
-    names = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady MIN (optimal)"}
+    names = {
+        "lru": "LRU",
+        "fifo": "FIFO",
+        "belady": "Belady MIN (optimal)",
+        BATCHED: "Belady MIN, batches resident whole",
+    }
     curves = [(label, [e[key]["hit_rate"] for e in entries], False) for key, label in ours]
-    curves += [(names[p], [e[p]["hit_rate"] for e in entries], p == "belady") for p in policies]
+    curves += [
+        (names[p], [e[p]["hit_rate"] for e in entries], p in ("belady", BATCHED))
+        for p in _references(policies)
+    ]
     shares = [100 * entry["share_of_distinct"] for entry in entries]
     return plot_hit_rates(path, shares, curves, "host cache size (% of distinct ids)", report["trace"])
+
+
+def _references(policies: list[str]) -> list[str]:
+    """The reference policies a report holds: ``policies``, MIN over batches beside MIN."""
+    return [name for p in policies for name in ((p, BATCHED) if p == "belady" else (p,))]

@@ -1,5 +1,6 @@
 """The reference policies' replay compiled for the CPU (``replay.cpp``, g++), called through ctypes:
-Belady's MIN, LRU and FIFO over a dense key trace, one access at a time, in native loops.
+Belady's MIN (one access at a time, or over batches resident whole), LRU and FIFO over a dense key
+trace, in native loops.
 ``tierstore.analysis.reference_policies`` uses it where it builds, and its Python loops elsewhere.
 """
 
@@ -43,6 +44,8 @@ def replay_library() -> ctypes.CDLL | None:
         return None
     library.replay_belady.restype = _I64
     library.replay_belady.argtypes = [_POINTER, _POINTER, _I64, _I64, _I64]
+    library.replay_belady_batched.restype = _I64
+    library.replay_belady_batched.argtypes = [_POINTER, _POINTER, _I64, _I64, _I64, _I64]
     for name in ("replay_lru", "replay_fifo"):
         getattr(library, name).restype = _I64
         getattr(library, name).argtypes = [_POINTER, _I64, _I64, _I64]
@@ -58,3 +61,14 @@ def native_hits(
     if policy == "belady":
         return library.replay_belady(dense.ctypes.data, following.ctypes.data, dense.size, distinct, capacity)
     return getattr(library, f"replay_{policy}")(dense.ctypes.data, dense.size, distinct, capacity)
+
+
+def native_batched_belady_hits(
+    library: ctypes.CDLL, dense: np.ndarray, distinct: int, capacity: int, batch: int, following: np.ndarray
+) -> int:
+    """Hits of MIN over batches of ``batch`` accesses resident whole (``replay_belady_batched``) with
+    ``capacity`` keys over ``dense`` keys and their ``following`` next uses; -1 where a batch holds
+    more distinct keys than ``capacity``."""
+    return library.replay_belady_batched(
+        dense.ctypes.data, following.ctypes.data, dense.size, distinct, capacity, batch
+    )
