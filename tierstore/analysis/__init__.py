@@ -6,7 +6,9 @@
   (``traces``);
 - ``hit_rate_curve(trace, sizes, policies)``: the hit rate of the store's own cache (LFU with its
   ageing chosen online; optionally with a lookahead, a horizon, an admission filter or a warm
-  start) and of LRU, FIFO and Belady's MIN at each cache size (``hit_rates``, ``reference_policies``);
+  start) and of LRU, FIFO and Belady's MIN at each cache size, and MIN over the store's batches, the
+  ceiling of a cache that holds each batch whole (``hit_rates``, ``reference_policies``:
+  ``batched_belady_hits``);
 - ``profile_trace(trace, sizes, sample_rate, max_ids)``: the curve predicted from a spatial sample of
   the ids, the hot-set sizes and the hot ids ranked (``profile``, ``sampling``);
 - ``plan(curve_rows, curve_rates, lookups, row_width, bandwidths, host_memory, device_memory)``
