@@ -249,7 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument(
         "--policy",
         default="lru,fifo,belady",
-        help="reference policies to compare with ours (LFU): any of lru, fifo, belady",
+        help="reference policies to compare with ours (LFU): any of lru, fifo, belady (belady also "
+        "brings MIN over the same batches, each batch resident whole)",
     )
     command.add_argument("--batch-size", type=positive_int, default=4096, help="ids per lookup batch")
     command.add_argument(
