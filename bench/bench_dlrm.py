@@ -45,6 +45,7 @@ thread, with and without the pipeline; JSON to ``--json``. ``--scale`` multiplie
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -421,13 +422,19 @@ STAGES = [
     ("gradient sum + fused optimizer (native)", 0, StepPasses, "backward"),
 ]
 NATIVE_CALLS = ("its native call", "one native call")
-# The phases of those native calls, as they time them themselves (their Residency's fields), below.
+# The phases of those native calls, as they time them themselves (their Residency's fields), below
+# them: (label, field, depth below the call); the admission's parts below it, the log's and the
+# index's side by side on two threads.
 NATIVE_PHASES = [
-    ("distinct ids, replayed in LFU's shadow caches", "distinct_ns"),
-    ("find them, count the hits", "find_ns"),
-    ("pick the victims (LFU)", "choose_ns"),
-    ("misses read in, victims staged", "admit_ns"),
-    ("pooled lookup, rows read in place", "pooled_ns"),
+    ("distinct ids, replayed in LFU's shadow caches", "distinct_ns", 1),
+    ("find them, count the hits", "find_ns", 1),
+    ("pick the victims (LFU)", "choose_ns", 1),
+    ("misses read in, victims staged", "admit_ns", 1),
+    ("stored rows located and checked", "read_ns", 2),
+    ("dirty victims to the log (a thread)", "log_ns", 2),
+    ("the tier's index (beside it)", "reindex_ns", 2),
+    ("slots filled", "fill_ns", 2),
+    ("pooled lookup, rows read in place", "pooled_ns", 1),
 ]
 
 
@@ -436,7 +443,7 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     pipeline's worker) and of the whole step, over ``run(batches)``; each native call's phases
     (``NATIVE_PHASES``) below it."""
     spent = {label: 0.0 for label, *_ in STAGES}
-    spent.update({(call, phase): 0.0 for call in NATIVE_CALLS for phase, _ in NATIVE_PHASES})
+    spent.update({(call, phase): 0.0 for call in NATIVE_CALLS for phase, *_ in NATIVE_PHASES})
     originals = []
     training = threading.current_thread()
     for label, _, named, attribute in STAGES:
@@ -454,7 +461,7 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
                 spent[_label] += time.perf_counter() - start
             if _label in NATIVE_CALLS:  # its own timing of its phases
                 done = next(part for part in result if isinstance(part, Residency))
-                for phase, field in NATIVE_PHASES:
+                for phase, field, _ in NATIVE_PHASES:
                     spent[_label, phase] += getattr(done, field) * 1e-9
             return result
 
@@ -472,7 +479,9 @@ def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     for label, depth, *_ in STAGES:
         rows.append((label, depth, spent[label] * per_step))
         if label in NATIVE_CALLS:
-            rows.extend((phase, depth + 1, spent[label, phase] * per_step) for phase, _ in NATIVE_PHASES)
+            rows.extend(
+                (phase, depth + below, spent[label, phase] * per_step) for phase, _, below in NATIVE_PHASES
+            )
     return rows
 
 
@@ -641,12 +650,14 @@ def main() -> None:
         caches[f"collection_{args.dtype}"] = host_figures(host_16, rows_16)
     moved_per_step = caches["collection"]["rows_in_per_step"]
     if moved_per_step and not args.device_share:  # the native calls' own timers, per row moved in
-        admission = sum(
-            milliseconds
-            for label, _, milliseconds in breakdowns["collection"]
-            if label in ("pick the victims (LFU)", "misses read in, victims staged")
-        )
+        spent = collections.Counter()  # by label: each native call's phases (one call runs)
+        for label, _, milliseconds in breakdowns["collection"]:
+            spent[label] += milliseconds
+        admission = spent["pick the victims (LFU)"] + spent["misses read in, victims staged"]
         costs["native_us_per_row_moved_in"] = admission * 1e3 / moved_per_step
+        costs["native_us_per_row_parts"] = {
+            label: spent[label] * 1e3 / moved_per_step for label, _, below in NATIVE_PHASES if below == 2
+        }
     print(
         f"{work.description}, dim {args.dim}, batch {args.batch_size}, {args.optimizer}, on {args.device}, "
         f"{tier} cache {top_rows:,} rows ({top_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the "
@@ -690,7 +701,9 @@ def main() -> None:
         print(
             f"a row moved in, as the native call times its victims' choice and the misses' admission: "
             f"{costs['native_us_per_row_moved_in']:.2f} us (the cost model's figure also counts the CPU "
-            "caches the all-hit rerun finds warm)"
+            "caches the all-hit rerun finds warm); of it, per row: "
+            + ", ".join(f"{label} {us:.2f}" for label, us in costs["native_us_per_row_parts"].items())
+            + " us"
         )
     step_ms = breakdowns["collection"][0][2]
     shares = ", ".join(

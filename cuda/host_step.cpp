@@ -880,6 +880,12 @@ struct InitialRows {
     double bound;
 };
 
+static inline i64 steady_ns() {
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (i64)now.tv_sec * 1000000000LL + (i64)now.tv_nsec;
+}
+
 // Write bytes[0..size) at `offset` of the file `fd`; 0, or the errno of the failed write.
 static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
     while (size > 0) {
@@ -908,7 +914,8 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 //    takes keys[i], its stored row (or its initial row where the store holds none: then dirty and
 //    fresh) and a score of counts[i] x increment, as an admission's reset and LFU's count leave it.
 // out[0]: lookups of keys the store holds; out[1]: victims written back; out[2]: records appended;
-// out[3]: keys new to the log's index.
+// out[3]: keys new to the log's index; out[5..8]: where the time went (ns): the stored rows read
+// (1), the log's side of 2 and the tier's index (on their own threads), the slots filled (3).
 static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
                            float increment, const i64* __restrict__ slots, i64 victims,
                            const HostTier* tier_arrays, const ColdFiles* cold_files, int advise,
@@ -917,6 +924,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     const HostTier& tier = *tier_arrays;
     const ColdFiles& cold = *cold_files;
     const RowChecks checks(cold.row_bytes);
+    const i64 started = steady_ns();
     Room<const unsigned char*> sources(n);
     locate_stored_rows(keys, n, cold, advise, sources.data());
     i64 bad = 0, first = n, held_lookups = 0;
@@ -931,6 +939,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             first = i < first ? i : first;
         }
     }
+    out[5] = steady_ns() - started;
     if (bad) {
         out[4] = first;
         return bad;
@@ -966,6 +975,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     {
 #pragma omp section
         {
+            const i64 logging = steady_ns();
             for (i64 j = 0; j < victims; ++j) {
                 if (j + AHEAD < victims) {
                     prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
@@ -1017,14 +1027,17 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                     }
                 }
             }
+            out[6] = steady_ns() - logging;
         }
 #pragma omp section
         {
+            const i64 indexing = steady_ns();
             erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), victims,
                            former.data());
             int status = 0;
             insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n,
                           &status);
+            out[7] = steady_ns() - indexing;
         }
     }
     if (error) {  // the tier's index as it was: the keys out, the victims back at their slots
@@ -1036,6 +1049,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         return -error;
     }
     // The slots change hands.
+    const i64 filling = steady_ns();
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {  // the slot's row, key and score, and the stored row coming in
@@ -1060,6 +1074,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         tier.scores[slot] = 0.0f;
         add_count(tier.scores, slot, counts[i], increment);
     }
+    out[8] = steady_ns() - filling;
     const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
     out[0] = held_lookups;
     out[1] = appended + rewrites;
@@ -1101,15 +1116,10 @@ struct Residency {
     i64 hit_lookups, missed_lookups, misses;
     i64 from_free, victims, pool_taken, ranked_count;
     i64 held_lookups, written_back, appended, new_to_log, bad;
-    i64 find_ns, choose_ns, admit_ns;  // where the call's time went (steady clock)
-    i64 distinct_ns, pooled_ns;        // step_lookup_bags' own passes before and after
+    i64 find_ns, choose_ns, admit_ns;          // where the call's time went (steady clock)
+    i64 distinct_ns, pooled_ns;                // step_lookup_bags' own passes before and after
+    i64 read_ns, log_ns, reindex_ns, fill_ns;  // the admission's parts: step_admit_cold's out[5..8]
 };
-
-static inline i64 steady_ns() {
-    timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (i64)now.tv_sec * 1000000000LL + (i64)now.tv_nsec;
-}
 
 // A host tier's batch made resident in one call (tierstore/tiers/cold/mmap_store.py's
 // make_resident_in): keys[0..n) (distinct, each looked up counts[i] times) are found in the tier
@@ -1188,11 +1198,15 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     const i64 chosen = steady_ns();
     out->choose_ns = chosen - found;
 
-    i64 admitted[5] = {0, 0, 0, 0, 0};
+    i64 admitted[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     const i64 result =
         step_admit_cold(missed_keys.data(), missed_counts.data(), misses, increment, claimed.data(), victims,
                         tier_arrays, cold_files, advise, log_rows_fd, log_keys_fd, initial, admitted);
     out->admit_ns = steady_ns() - chosen;
+    out->read_ns = admitted[5];
+    out->log_ns = admitted[6];
+    out->reindex_ns = admitted[7];
+    out->fill_ns = admitted[8];
     if (result > 0) {
         out->status = 1;
         out->bad = result;

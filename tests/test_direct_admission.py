@@ -15,6 +15,8 @@ import torch
 
 from tierstore import TieredEmbeddingBag, TieredStore, optim
 from tierstore.errors import CacheCapacityError, StoreFormatError
+from tierstore.kernels.native_types import Residency
+from tierstore.kernels.step_passes import StepPasses
 from tierstore.tiers.cold import mmap_store
 
 DIM = 6
@@ -283,3 +285,24 @@ def test_a_failed_log_write_puts_the_tiers_index_back(tmp_path, monkeypatch):
 def _key_to_slot(keys: torch.Tensor, values: torch.Tensor) -> dict:
     held = keys >= 0
     return dict(zip(keys[held].tolist(), values[held].tolist()))
+
+
+def test_the_admission_times_its_parts_within_its_own_time(tmp_path, monkeypatch):
+    """``step_make_resident``'s own timers: the admission's parts (the stored rows read, the log's
+    side and the tier's index on their two threads, the slots filled) run one after another inside
+    it, so they add up to no more than its time, whatever the clock's resolution."""
+    calls = []
+    lookup_bags = StepPasses.lookup_bags
+
+    def kept(*arguments, **keywords):
+        result = lookup_bags(*arguments, **keywords)
+        calls.append(next(part for part in result if isinstance(part, Residency)))
+        return result
+
+    monkeypatch.setattr(StepPasses, "lookup_bags", kept)
+    _train(tmp_path / "t", True, optim.SGD(lr=0.1))
+    admitted = [done for done in calls if done.status == done.RESIDENT and done.misses]
+    assert len(admitted) > 20 and any(done.written_back for done in admitted)
+    for done in admitted:
+        assert min(done.read_ns, done.log_ns, done.reindex_ns, done.fill_ns) >= 0
+        assert done.read_ns + max(done.log_ns, done.reindex_ns) + done.fill_ns <= done.admit_ns

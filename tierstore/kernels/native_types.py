@@ -101,6 +101,10 @@ class Residency(ctypes.Structure):
             "admit_ns",
             "distinct_ns",
             "pooled_ns",
+            "read_ns",
+            "log_ns",
+            "reindex_ns",
+            "fill_ns",
         )
     ]
 
