@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@
 
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
 #define SECTIONS_FROM 256   // victims: fewer keep an admission's log writes and index changes on one thread
+#define REWRITE_RUN 64      // records: a thread's share of an admission's rewrites in place, at a time
 
 // Ask for every cache line of [address, address + bytes) (bytes > 0): rows wider than a line (dim 64
 // and more), or not starting on one, would otherwise wait on each line after the first.
@@ -880,6 +882,15 @@ struct InitialRows {
     double bound;
 };
 
+// A spinning thread's hint to the core that it waits (x86's pause, Arm's yield).
+static inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
 static inline i64 steady_ns() {
     timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
@@ -908,14 +919,15 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 //    where it is staged since the last flush, else appended as records log_count on, written with
 //    pwrite (log_rows_fd, log_keys_fd; the caller has allocated their blocks and room in the log's
 //    index). A failed write returns -errno, nothing else changed (bytes past log_count count for
-//    nothing).
+//    nothing). Once the writes are done, the records rewritten in place are shared by both threads.
 // 3. Meanwhile (a second thread, from SECTIONS_FROM victims) the victims' keys leave the tier's
 //    index and the keys enter it (put back as they were if a write failed); then slot slots[i]
 //    takes keys[i], its stored row (or its initial row where the store holds none: then dirty and
 //    fresh) and a score of counts[i] x increment, as an admission's reset and LFU's count leave it.
 // out[0]: lookups of keys the store holds; out[1]: victims written back; out[2]: records appended;
 // out[3]: keys new to the log's index; out[5..8]: where the time went (ns): the stored rows read
-// (1), the log's side of 2 and the tier's index (on their own threads), the slots filled (3).
+// (1), the log's side of 2 (its share of the rewrites included) and the tier's index (on their own
+// threads), the slots filled (3).
 static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
                            float increment, const i64* __restrict__ slots, i64 victims,
                            const HostTier* tier_arrays, const ColdFiles* cold_files, int advise,
@@ -948,6 +960,8 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     // 2. The victims' dirty rows: where each goes (the log's index): over its record where that was
     // staged since the last flush, else appended (packed, in order, then written). 3. Meanwhile, on a
     // second thread, the tier's index: the victims' keys out, the keys in (undone if a write fails).
+    // Once the writes are done, both threads take the rewrites in place, a run at a time: each
+    // rewrites a record of its own (the victims' keys are distinct), so their order changes nothing.
     struct Staged {
         unsigned char* target;  // the record rewritten in place; null: appended
         const unsigned char* row;
@@ -971,10 +985,25 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     for (i64 i = 0; i < n; ++i) slot_values[i] = (int)slots[i];
     int error = 0;
     i64 new_to_log = 0;
-#pragma omp parallel sections num_threads(2) if (victims >= SECTIONS_FROM)
+    std::atomic<int> written{0};  // the log's writes: 0 under way, 1 done, -1 failed
+    std::atomic<i64> next_rewrite{0};
+    auto rewrite_runs = [&]() {  // runs of the rewrites in place, until none is left
+        const i64 rewrites = (i64)rewritten.size();
+        for (i64 first; (first = next_rewrite.fetch_add(REWRITE_RUN)) < rewrites;) {
+            const i64 last = std::min(rewrites, first + REWRITE_RUN);
+            for (i64 j = first; j < last; ++j) {
+                if (j + AHEAD < last) {
+                    prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
+                    prefetch_lines<1>(rewritten[j + AHEAD].target, cold.stored_bytes);
+                }
+                store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
+            }
+        }
+    };
+#pragma omp parallel num_threads(2) if (victims >= SECTIONS_FROM)
     {
-#pragma omp section
-        {
+        const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+        if (thread == 0) {  // the log's side
             const i64 logging = steady_ns();
             for (i64 j = 0; j < victims; ++j) {
                 if (j + AHEAD < victims) {
@@ -1006,15 +1035,8 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                     error = write_all(log_keys_fd, (const unsigned char*)appended_keys.data(),
                                       appended * (i64)sizeof(i64), cold.log_count * (i64)sizeof(i64));
             }
-            if (!error) {  // nothing fails from here on: the rewrites in place, then the log's index
-                const i64 rewrites = (i64)rewritten.size();
-                for (i64 j = 0; j < rewrites; ++j) {
-                    if (j + AHEAD < rewrites) {
-                        prefetch_lines(rewritten[j + AHEAD].row, cold.row_bytes);
-                        prefetch_lines<1>(rewritten[j + AHEAD].target, cold.stored_bytes);
-                    }
-                    store(rewritten[j].target, rewritten[j].row, rewritten[j].key);
-                }
+            written.store(error ? -1 : 1, std::memory_order_release);
+            if (!error) {  // nothing fails from here on: the log's index, then rewrites in place
                 for (i64 j = 0; j < appended; ++j) {
                     const i64 record = cold.log_count + j;
                     if (appended_rows[j].position >= 0) {  // its committed record is superseded
@@ -1026,11 +1048,11 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                         ++new_to_log;
                     }
                 }
+                rewrite_runs();
             }
             out[6] = steady_ns() - logging;
         }
-#pragma omp section
-        {
+        if (thread == 1 || team == 1) {  // the tier's index, then rewrites once the writes are done
             const i64 indexing = steady_ns();
             erase_shifting(tier.index_keys, tier.index_values, tier.index_mask, victim_keys.data(), victims,
                            former.data());
@@ -1038,6 +1060,9 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n,
                           &status);
             out[7] = steady_ns() - indexing;
+            int state;
+            while ((state = written.load(std::memory_order_acquire)) == 0) spin_pause();
+            if (state > 0) rewrite_runs();
         }
     }
     if (error) {  // the tier's index as it was: the keys out, the victims back at their slots

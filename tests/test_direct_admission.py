@@ -306,3 +306,48 @@ def test_the_admission_times_its_parts_within_its_own_time(tmp_path, monkeypatch
     for done in admitted:
         assert min(done.read_ns, done.log_ns, done.reindex_ns, done.fill_ns) >= 0
         assert done.read_ns + max(done.log_ns, done.reindex_ns) + done.fill_ns <= done.admit_ns
+
+
+def test_large_admissions_share_their_rewrites_and_leave_what_the_tiers_own_path_leaves(
+    tmp_path, monkeypatch
+):
+    """Batches evicting hundreds of dirty rows (the log's writes beside the tier index's changes, on
+    two threads, then the rewrites in place shared by both), many of them staged since the last
+    flush: the same outputs and rows, bit for bit, as the tiers' own path."""
+    calls = []
+    lookup_bags = StepPasses.lookup_bags
+
+    def kept(*arguments, **keywords):
+        result = lookup_bags(*arguments, **keywords)
+        calls.append(next(part for part in result if isinstance(part, Residency)))
+        return result
+
+    monkeypatch.setattr(StepPasses, "lookup_bags", kept)
+    results = []
+    for direct in (True, False):
+        table = TieredEmbeddingBag(
+            None,
+            DIM,
+            path=tmp_path / str(direct),
+            backend="mmap",
+            optimizer=optim.SGD(lr=0.1),
+            host_cache=1024,
+        )
+        if not direct:
+            table.store.stack.cold.admits_into = lambda tier: False
+        generator = torch.Generator().manual_seed(9)
+        outputs = []
+        for step in range(24):
+            ids = (torch.rand(1024, generator=generator) ** 2 * 3000).to(torch.int64)
+            out = table(ids, torch.arange(0, 1024, 4))
+            (out * torch.randn(out.shape, generator=generator)).sum().backward()
+            outputs.append(out.detach())
+            if step % 8 == 7:
+                table.store.flush()
+        results.append((outputs, table.store.get(torch.arange(3000), with_state=True)))
+        table.close()
+    shared = [done for done in calls if done.status == done.RESIDENT and done.victims >= 256]
+    assert shared and any(done.written_back > done.appended > 0 for done in shared)  # rewrites and appends
+    (direct_outputs, direct_rows), (own_outputs, own_rows) = results
+    assert all(torch.equal(a, b) for a, b in zip(direct_outputs, own_outputs))
+    assert torch.equal(direct_rows, own_rows)
