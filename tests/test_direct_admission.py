@@ -287,10 +287,8 @@ def _key_to_slot(keys: torch.Tensor, values: torch.Tensor) -> dict:
     return dict(zip(keys[held].tolist(), values[held].tolist()))
 
 
-def test_the_admission_times_its_parts_within_its_own_time(tmp_path, monkeypatch):
-    """``step_make_resident``'s own timers: the admission's parts (the stored rows read, the log's
-    side and the tier's index on their two threads, the slots filled) run one after another inside
-    it, so they add up to no more than its time, whatever the clock's resolution."""
+def _residencies(monkeypatch) -> list:
+    """The ``Residency`` of every one-call lookup from now on (in the list returned), as it comes."""
     calls = []
     lookup_bags = StepPasses.lookup_bags
 
@@ -300,6 +298,14 @@ def test_the_admission_times_its_parts_within_its_own_time(tmp_path, monkeypatch
         return result
 
     monkeypatch.setattr(StepPasses, "lookup_bags", kept)
+    return calls
+
+
+def test_the_admission_times_its_parts_within_its_own_time(tmp_path, monkeypatch):
+    """``step_make_resident``'s own timers: the admission's parts (the stored rows read, the log's
+    side and the tier's index on their two threads, the slots filled) run one after another inside
+    it, so they add up to no more than its time, whatever the clock's resolution."""
+    calls = _residencies(monkeypatch)
     _train(tmp_path / "t", True, optim.SGD(lr=0.1))
     admitted = [done for done in calls if done.status == done.RESIDENT and done.misses]
     assert len(admitted) > 20 and any(done.written_back for done in admitted)
@@ -314,15 +320,7 @@ def test_large_admissions_share_their_rewrites_and_leave_what_the_tiers_own_path
     """Batches evicting hundreds of dirty rows (the log's writes beside the tier index's changes, on
     two threads, then the rewrites in place shared by both), many of them staged since the last
     flush: the same outputs and rows, bit for bit, as the tiers' own path."""
-    calls = []
-    lookup_bags = StepPasses.lookup_bags
-
-    def kept(*arguments, **keywords):
-        result = lookup_bags(*arguments, **keywords)
-        calls.append(next(part for part in result if isinstance(part, Residency)))
-        return result
-
-    monkeypatch.setattr(StepPasses, "lookup_bags", kept)
+    calls = _residencies(monkeypatch)
     results = []
     for direct in (True, False):
         table = TieredEmbeddingBag(
