@@ -15,6 +15,7 @@
 // (host_horizon.cpp) and LFU's shadow caches (host_ageing.cpp).
 
 #include <omp.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,6 +32,7 @@
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
 #define SECTIONS_FROM 256   // victims: fewer keep an admission's log writes and index changes on one thread
 #define REWRITE_RUN 64      // records: a thread's share of an admission's rewrites in place, at a time
+#define SPINS_BEFORE_YIELD 4096  // a thread waiting on another's write spins this long, then yields
 
 // Ask for every cache line of [address, address + bytes) (bytes > 0): rows wider than a line (dim 64
 // and more), or not starting on one, would otherwise wait on each line after the first.
@@ -1061,7 +1063,12 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                           &status);
             out[7] = steady_ns() - indexing;
             int state;
-            while ((state = written.load(std::memory_order_acquire)) == 0) spin_pause();
+            for (i64 spins = 0; (state = written.load(std::memory_order_acquire)) == 0; ++spins) {
+                if (spins < SPINS_BEFORE_YIELD)
+                    spin_pause();
+                else
+                    sched_yield();  // a write held up (the kernel throttling dirty pages): give the core away
+            }
             if (state > 0) rewrite_runs();
         }
     }
