@@ -1,6 +1,7 @@
-// Reference cache policies replayed over a key trace, one access at a time, every miss admitted
-// (demand paging): Belady's MIN, LRU and FIFO, as tierstore/cli/reference_policies.py defines them
-// in Python (the oracle the tests hold these to). Built by tierstore/kernels/replay.py with g++.
+// Reference cache policies replayed over a key trace, every miss admitted (demand paging): Belady's
+// MIN (one access at a time, or over batches resident whole), LRU and FIFO, as
+// tierstore/analysis/reference_policies.py defines them in Python (the oracle the tests hold these
+// to). Built by tierstore/kernels/replay.py with g++.
 //
 // Keys are dense: keys[p] in [0, distinct) for accesses p in [0, n); `following[p]` is the position
 // of the next access to the same key (NEVER: none). Each call returns the hits of one capacity.
@@ -14,48 +15,69 @@ typedef long long i64;
 
 static const i64 NOT_RESIDENT = -1;
 
-// MIN: on a miss with a full cache, evict the resident key whose next use is farthest. A max-heap
-// of (next use, key) holds stale entries (a key's older next uses) that pops skip; it is rebuilt
-// from the resident keys once stale entries outnumber them, so memory stays O(capacity).
-extern "C" i64 replay_belady(const i64* keys, const i64* following, i64 n, i64 distinct, i64 capacity) {
-    std::vector<i64> upcoming(distinct, NOT_RESIDENT);  // a resident key's next use
-    std::vector<i64> residents;                         // the resident keys (for a rebuild)
-    std::vector<i64> place(distinct, -1);               // a resident key's index in residents
+// The resident keys of a MIN replay, the one whose next use is farthest first. A max-heap of
+// (next use, key) holds stale entries (a key's older next uses) that pops skip; `rebuild_if_stale`
+// rebuilds it from the resident keys once stale entries outnumber them, so memory stays O(capacity).
+// A key is admitted, then given its next use (`use`) before the next eviction or rebuild.
+struct FarthestFirst {
+    std::vector<i64> upcoming;   // a resident key's next use (NOT_RESIDENT: not resident)
+    std::vector<i64> residents;  // the resident keys (for a rebuild)
+    std::vector<i64> place;      // a resident key's index in residents
     std::vector<std::pair<i64, i64>> heap;
-    heap.reserve(2 * capacity + 64);
+    i64 capacity;
+
+    FarthestFirst(i64 distinct, i64 capacity_)
+        : upcoming(distinct, NOT_RESIDENT), place(distinct, -1), capacity(capacity_) {
+        heap.reserve(2 * capacity + 64);
+    }
+    bool holds(i64 key) const { return upcoming[key] != NOT_RESIDENT; }
+    i64 size() const { return (i64)residents.size(); }
+    void admit(i64 key) {
+        place[key] = size();
+        residents.push_back(key);
+    }
+    void use(i64 key, i64 next) {
+        upcoming[key] = next;
+        heap.push_back({next, key});
+        std::push_heap(heap.begin(), heap.end());
+    }
+    void evict_farthest() {
+        while (true) {
+            std::pop_heap(heap.begin(), heap.end());
+            const std::pair<i64, i64> top = heap.back();
+            heap.pop_back();
+            if (upcoming[top.second] != top.first) continue;  // stale
+            const i64 victim = top.second, index = place[victim];
+            upcoming[victim] = NOT_RESIDENT;
+            residents[index] = residents.back();
+            place[residents[index]] = index;
+            residents.pop_back();
+            place[victim] = -1;
+            return;
+        }
+    }
+    void rebuild_if_stale() {
+        if ((i64)heap.size() <= 2 * capacity + 64) return;
+        heap.clear();
+        for (const i64 resident : residents) heap.push_back({upcoming[resident], resident});
+        std::make_heap(heap.begin(), heap.end());
+    }
+};
+
+// MIN: on a miss with a full cache, evict the resident key whose next use is farthest.
+extern "C" i64 replay_belady(const i64* keys, const i64* following, i64 n, i64 distinct, i64 capacity) {
+    FarthestFirst cache(distinct, capacity);
     i64 hits = 0;
     for (i64 p = 0; p < n; ++p) {
         const i64 key = keys[p];
-        if (upcoming[key] != NOT_RESIDENT) {
+        if (cache.holds(key)) {
             ++hits;
         } else {
-            if ((i64)residents.size() >= capacity) {
-                while (true) {
-                    std::pop_heap(heap.begin(), heap.end());
-                    const std::pair<i64, i64> top = heap.back();
-                    heap.pop_back();
-                    if (upcoming[top.second] == top.first) {
-                        const i64 victim = top.second, index = place[victim];
-                        upcoming[victim] = NOT_RESIDENT;
-                        residents[index] = residents.back();
-                        place[residents[index]] = index;
-                        residents.pop_back();
-                        place[victim] = -1;
-                        break;
-                    }
-                }
-            }
-            place[key] = (i64)residents.size();
-            residents.push_back(key);
+            if (cache.size() >= capacity) cache.evict_farthest();
+            cache.admit(key);
         }
-        upcoming[key] = following[p];
-        heap.push_back({following[p], key});
-        std::push_heap(heap.begin(), heap.end());
-        if ((i64)heap.size() > 2 * capacity + 64) {
-            heap.clear();
-            for (const i64 resident : residents) heap.push_back({upcoming[resident], resident});
-            std::make_heap(heap.begin(), heap.end());
-        }
+        cache.use(key, following[p]);
+        cache.rebuild_if_stale();
     }
     return hits;
 }
@@ -68,12 +90,8 @@ extern "C" i64 replay_belady(const i64* keys, const i64* following, i64 n, i64 d
 // a batch holds more distinct keys than `capacity`.
 extern "C" i64 replay_belady_batched(const i64* keys, const i64* following, i64 n, i64 distinct, i64 capacity,
                                      i64 batch) {
-    std::vector<i64> upcoming(distinct, NOT_RESIDENT);  // a resident key's next use
+    FarthestFirst cache(distinct, capacity);
     std::vector<i64> seen_in(distinct, -1);  // the last batch (its first access) that looked a key up
-    std::vector<i64> residents;              // the resident keys (for a rebuild)
-    std::vector<i64> place(distinct, -1);    // a resident key's index in residents
-    std::vector<std::pair<i64, i64>> heap;   // (next use, key), stale entries skipped
-    heap.reserve(2 * capacity + 64);
     std::vector<i64> misses;
     i64 hits = 0;
     for (i64 start = 0; start < n; start += batch) {
@@ -85,41 +103,18 @@ extern "C" i64 replay_belady_batched(const i64* keys, const i64* following, i64 
             if (seen_in[key] == start) continue;
             seen_in[key] = start;
             ++looked_up;
-            if (upcoming[key] == NOT_RESIDENT) misses.push_back(key);
+            if (!cache.holds(key)) misses.push_back(key);
         }
         if (looked_up > capacity) return -1;
         hits += (end - start) - (i64)misses.size();
         // A batch key's next use lies in the batch, nearer than any other resident key's: it is
-        // popped only once those are gone, which the check above rules out.
-        for (i64 need = (i64)(residents.size() + misses.size()) - capacity; need > 0;) {
-            std::pop_heap(heap.begin(), heap.end());
-            const std::pair<i64, i64> top = heap.back();
-            heap.pop_back();
-            const i64 victim = top.second, index = place[victim];
-            if (upcoming[victim] != top.first) continue;  // stale
-            upcoming[victim] = NOT_RESIDENT;
-            residents[index] = residents.back();
-            place[residents[index]] = index;
-            residents.pop_back();
-            place[victim] = -1;
-            --need;
-        }
-        for (const i64 key : misses) {
-            place[key] = (i64)residents.size();
-            residents.push_back(key);
-        }
-        for (i64 p = start; p < end; ++p) {  // each batch key's next use: its last access's
-            upcoming[keys[p]] = following[p];
-            if (following[p] >= end) {
-                heap.push_back({following[p], keys[p]});
-                std::push_heap(heap.begin(), heap.end());
-            }
-        }
-        if ((i64)heap.size() > 2 * capacity + 64) {  // rebuilt from the resident keys' next uses
-            heap.clear();
-            for (const i64 key : residents) heap.push_back({upcoming[key], key});
-            std::make_heap(heap.begin(), heap.end());
-        }
+        // evicted only once those are gone, which the check above rules out.
+        for (i64 need = cache.size() + (i64)misses.size() - capacity; need > 0; --need)
+            cache.evict_farthest();
+        for (const i64 key : misses) cache.admit(key);
+        for (i64 p = start; p < end; ++p)  // each batch key's next use: its last access's
+            if (following[p] >= end) cache.use(keys[p], following[p]);
+        cache.rebuild_if_stale();
     }
     return hits;
 }
