@@ -2,7 +2,10 @@
 use close to Belady's MIN (the oracle: ``belady_hits``, one access at a time); its pins within
 the tier's room and gone when the loop ends; its arguments checked."""
 
+import subprocess
+import sys
 from contextlib import closing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,6 +239,32 @@ def test_leaving_the_loop_early_unpins_the_horizon(tmp_path):
                     break
             loop.close()
             assert table.store.stack.top.pinned_count() == 0
+
+
+UNFINISHED_AT_EXIT = """
+import sys, torch, tierstore
+sys.path.insert(0, sys.argv[2])
+from test_prefetch import TWO_TABLES, two_feature_batches
+collection = tierstore.TieredEmbeddingBagCollection(
+    TWO_TABLES, sys.argv[1], host_cache=40, optimizer=tierstore.optim.SGD(lr=0.1)
+)
+batches = two_feature_batches(30, lambda rng, rows, n: rng.integers(0, rows, n))
+loop = iter(tierstore.prefetch(batches, collection, 3, background=sys.argv[3] == "1", horizon="4x"))
+for _ in range(5):
+    collection(next(loop)).values().sum().backward()
+print("left the loop unfinished")
+"""
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_loop_left_unfinished_at_exit_ends_the_process_cleanly(tmp_path, background):
+    """The loop's generator is finalized with the interpreter: it must not unpin through torch
+    then (a garbage collection there aborted the process)."""
+    tests = str(Path(__file__).parent)
+    arguments = [sys.executable, "-c", UNFINISHED_AT_EXIT, str(tmp_path / "c"), tests, str(int(background))]
+    run = subprocess.run(arguments, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.decode().strip() == "left the loop unfinished"
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -155,7 +156,7 @@ def _inline(
                 store, chunk = chunks.pop(0)
                 stats[id(store)].warmed_rows += store.preload(chunk)
     finally:
-        if ahead is not None:
+        if ahead is not None and not sys.is_finalizing():  # the process exits: its pins go with it
             ahead.release()
 
 
@@ -329,6 +330,8 @@ class _Pipeline:
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
+        if sys.is_finalizing():  # the process exits (a loop left unfinished): its pins go with it
+            return
         self._release(current)
         try:
             self._drain()
