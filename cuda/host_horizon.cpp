@@ -6,7 +6,9 @@
 //   next use; an id new to the horizon whose row is resident in the top tier gets the horizon's pin;
 // - horizon_consume: a batch has run: each of its rows' pins follows its id's next use (kept, with
 //   the next use recorded, or dropped where there is none), its ids with no next use leave the map,
-//   and the slots the next batch needs beyond the horizon's pins are counted.
+//   and the slots the next batch needs beyond the horizon's pins are counted. The slots it finds for
+//   the next batch are kept as hints for that batch's own consume: its rows found then where their
+//   slots still hold them (most), the index probed for the rest.
 // The map's changes run on one thread, the tier's side beside them on another (from PARALLEL_FROM
 // keys). Entries are numbered (codes); an entry's next use lives at next_use[code & ring_mask]
 // (NEVER: none in the horizon). The horizon's pin of a slot: pinned_key[slot] holds the slot's key
@@ -24,6 +26,7 @@ struct HorizonTier {
     int* pinned_next;  // [capacity]: that row's next use (a batch number)
     const i64* slot_keys;
     DirectLayout direct;  // the tier's homes (tables 0: none), as cache_resolve reads them
+    i64 slots;            // the tier's slots now
 };
 
 static inline i64 horizon_slot(const HorizonTier& tier, i64 key) {
@@ -32,6 +35,19 @@ static inline i64 horizon_slot(const HorizonTier& tier, i64 key) {
 
 static inline void prefetch_horizon_slot(const HorizonTier& tier, i64 key) {
     prefetch_slot_of(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct, key);
+}
+
+// The slot of `key`: `hint` where that slot holds the key now, else found through the index.
+static inline i64 hinted_slot(const HorizonTier& tier, i64 key, int hint) {
+    if (hint >= 0 && hint < tier.slots && tier.slot_keys[hint] == key) return hint;
+    return horizon_slot(tier, key);
+}
+
+static inline void prefetch_hinted_slot(const HorizonTier& tier, i64 key, int hint) {
+    if (hint >= 0 && hint < tier.slots)
+        __builtin_prefetch(&tier.slot_keys[hint]);
+    else
+        prefetch_horizon_slot(tier, key);
 }
 
 static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
@@ -95,23 +111,34 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
 }
 
 // keys[0..n) (distinct, coded first_code + i) have run. next_keys[0..next_n): the next batch in the
-// horizon. out[0]: the pins added less those dropped; out[1]: the ids that left the map; out[2]: the
-// next batch's ids whose rows the horizon does not pin (its misses, and hits the cap unpinned): the
-// slots it may claim beyond the horizon's pins. The keys' slots are found on the team; then the
-// ids with no next use leave the map on one thread (erasing moves entries) while another moves the
-// pins on and counts the next batch's.
+// horizon. hints[0..max(n, next_n)): on entry, where the previous call found keys[i] (a slot or -1;
+// any value is safe: a hint is taken only where its slot holds the key); on return, next_keys[i]'s
+// slot (-1: not resident) for the next call. out[0]: the pins added less those dropped; out[1]: the
+// ids that left the map; out[2]: the next batch's ids whose rows the horizon does not pin (its
+// misses, and hits the cap unpinned): the slots it may claim beyond the horizon's pins. Both
+// batches' slots are found on the team; then the ids with no next use leave the map on one thread
+// (erasing moves entries) while another moves the pins on; then the next batch's are counted.
 extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_code,
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                                 const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
-                                const i64* __restrict__ next_keys, i64 next_n, i64* __restrict__ out) {
-    Room<i64> slots(n);
-#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_horizon_slot(*tier, keys[i + AHEAD]);
-        slots[i] = horizon_slot(*tier, keys[i]);
+                                const i64* __restrict__ next_keys, i64 next_n, int* __restrict__ hints,
+                                i64* __restrict__ out) {
+    Room<i64> slots(n), next_slots(next_n);
+#pragma omp parallel if (n + next_n >= PARALLEL_FROM)
+    {
+#pragma omp for schedule(static) nowait
+        for (i64 i = 0; i < n; ++i) {
+            if (i + AHEAD < n) prefetch_hinted_slot(*tier, keys[i + AHEAD], hints[i + AHEAD]);
+            slots[i] = hinted_slot(*tier, keys[i], hints[i]);
+        }
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < next_n; ++i) {
+            if (i + AHEAD < next_n) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
+            next_slots[i] = horizon_slot(*tier, next_keys[i]);
+        }
     }
-    i64 change = 0, removed = 0, needed = 0;
-#pragma omp parallel sections num_threads(2) if (n + next_n >= PARALLEL_FROM)
+    i64 change = 0, removed = 0;
+#pragma omp parallel sections num_threads(2) if (n >= PARALLEL_FROM)
     {
 #pragma omp section
         {
@@ -124,26 +151,26 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
             }
         }
 #pragma omp section
-        {
-            for (i64 i = 0; i < n; ++i) {
-                const i64 slot = slots[i], key = keys[i];
-                if (slot < 0) continue;
-                const i64 following = next_use[(first_code + i) & ring_mask];
-                if (following != HORIZON_NEVER) {
-                    change += horizon_pin(*tier, slot, key, following);
-                } else if (horizon_holds(*tier, slot, key)) {
-                    tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
-                    tier->pinned_key[slot] = -1;
-                    change -= 1;
-                }
-            }
-            // After the pins moved on: a key in both batches keeps its pin.
-            for (i64 i = 0; i < next_n; ++i) {
-                if (i + AHEAD < next_n) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
-                const i64 slot = horizon_slot(*tier, next_keys[i]);
-                needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
+        for (i64 i = 0; i < n; ++i) {
+            const i64 slot = slots[i], key = keys[i];
+            if (slot < 0) continue;
+            const i64 following = next_use[(first_code + i) & ring_mask];
+            if (following != HORIZON_NEVER) {
+                change += horizon_pin(*tier, slot, key, following);
+            } else if (horizon_holds(*tier, slot, key)) {
+                tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
+                tier->pinned_key[slot] = -1;
+                change -= 1;
             }
         }
+    }
+    // After the pins moved on: a key in both batches keeps its pin.
+    i64 needed = 0;
+#pragma omp parallel for schedule(static) reduction(+ : needed) if (next_n >= PARALLEL_FROM)
+    for (i64 i = 0; i < next_n; ++i) {
+        const i64 slot = next_slots[i];
+        needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
+        hints[i] = (int)slot;
     }
     out[0] = change;
     out[1] = removed;

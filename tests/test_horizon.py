@@ -19,6 +19,7 @@ import tierstore
 from tierstore import TieredStore, optim
 from tierstore.analysis.reference_policies import belady_hits
 from tierstore.budget import horizon_accesses
+from tierstore.horizon import Foresight
 from tierstore.kernels.host import openmp_runtime
 
 
@@ -183,6 +184,44 @@ def test_the_horizons_native_passes_do_not_depend_on_the_thread_count():
     for rows_in, slot_keys, pinned in results[1:]:
         assert rows_in == results[0][0] and pinned == results[0][2]
         assert torch.equal(slot_keys, results[0][1])
+
+
+@pytest.mark.parametrize("backend", ["openmp", "torch"])
+def test_the_horizon_pins_the_resident_rows_of_its_batches_at_their_next_use(backend):
+    """Against an oracle, after each batch has run: the horizon pins exactly the resident rows its
+    live batches (entered, not yet run) look up, each recorded with its first such batch, and
+    counts the next batch's rows it does not pin. Rows taken out of the tier meanwhile (the next
+    batch's, whose slots the last count found, by ``load``) are found anew where they come back."""
+    rng = np.random.default_rng(7)
+    batches = [torch.from_numpy(np.unique(rng.integers(0, 600, 60))) for _ in range(70)]
+    ahead, taken_out = 3, 0
+    with closing(TieredStore(None, dim=2, host_cache=200, host_cache_backend=backend)) as store:
+        top = store.stack.top
+        sight = Foresight(store, horizon=10_000)
+        for keys in batches[:ahead]:
+            sight.enter(keys)
+        for number, keys in enumerate(batches):
+            store.get(keys)
+            sight.consume()
+            if number + ahead < len(batches):
+                sight.enter(batches[number + ahead])
+            first_use = {}
+            for later, live in enumerate(batches[number + 1 : number + 1 + ahead], start=number + 1):
+                for key in live.tolist():
+                    first_use.setdefault(key, later)
+            held = sight._mine(top).nonzero().squeeze(1)
+            pinned = dict(zip(top.slot_keys[held].tolist(), sight._pinned_next[held].tolist()))
+            resident = (top.find(torch.tensor(list(first_use), dtype=torch.int64)) >= 0).tolist()
+            assert pinned == {key: first_use[key] for key, there in zip(first_use, resident) if there}
+            assert sight.unpinned_far == 0
+            if number + 1 < len(batches):
+                following = batches[number + 1]
+                assert sight._need == int((top.find(following) < 0).sum())
+                if number % 5 == 3:  # out of the tier (their slots then taken by others) until they run
+                    some = following[::3]
+                    taken_out += int((top.find(some) >= 0).sum())
+                    store.load(some, torch.zeros(some.numel(), 2))
+        assert top.stats.evictions > 500 and taken_out > 50
 
 
 def test_horizon_ids_feed_the_same_horizon_as_the_batches():

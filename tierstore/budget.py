@@ -99,9 +99,8 @@ def rows_for_budget(
 
 
 HORIZON_BYTES_PER_LOOKUP = 48  # a lookahead horizon's memory per row lookup it spans (ids, next uses, id map)
-HORIZON_BYTES_PER_SLOT = (
-    16  # and per top-tier slot (the key it pinned there, that row's next use, a cap's scratch)
-)
+# and per top-tier slot: the key it pinned there, that row's next use, a cap's scratch, a batch's slots
+HORIZON_BYTES_PER_SLOT = 20
 
 
 def horizon_accesses(horizon: int | str, capacity: int) -> int:

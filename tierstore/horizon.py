@@ -65,6 +65,7 @@ class Foresight:
         self._sequence = 0  # number of the next batch to enter
         self._ids_bytes = 0  # of the batches' ids it holds
         self._scratch = None  # the native cap's slots (int32 [capacity]), made at its first use
+        self._hints = torch.full((0,), -1, dtype=torch.int32)  # native: the next batch's slots, as last found
         self._pinned_key = torch.full((self.capacity,), -1, dtype=torch.int64, device=top.device)
         self._pinned_next = torch.full((self.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
@@ -93,11 +94,9 @@ class Foresight:
                 positions = 1 << (2 * wanted - 1).bit_length()
             map_bytes = positions * (self._map_keys.element_size() + self._map_codes.element_size())
         ids = self._ids_bytes + count * 8
-        slots = (
-            self._pinned_key.nbytes
-            + self._pinned_next.nbytes
-            + 4 * self.capacity * (self._passes is not None)
-        )
+        slots = self._pinned_key.nbytes + self._pinned_next.nbytes
+        if self._passes is not None:  # the cap's scratch, and the hints (a batch's slots)
+            slots += 4 * self.capacity + 4 * max(self.largest, count)
         return ids + ring * self._next_use.element_size() + map_bytes + slots
 
     def enter(self, keys: torch.Tensor, room: int = 0) -> None:
@@ -199,6 +198,9 @@ class Foresight:
     def _enter_natively(self, keys: torch.Tensor, sequence: int) -> None:
         if 2 * (self._map_live + keys.numel()) > self._map_keys.numel():
             self._grow_map(self._map_live + keys.numel())
+        if self._hints.numel() < keys.numel():  # room for any batch's slots (the largest's)
+            grown = self._hints.new_full((self.largest - self._hints.numel(),), -1)
+            self._hints = torch.cat([self._hints, grown])
         first_code = self._next_code
         self._next_code += keys.numel()
         self._batches.append((keys, first_code))
@@ -217,7 +219,9 @@ class Foresight:
 
         def move_on(top) -> None:
             tier = horizon_tier(top, self._pinned_key, self._pinned_next)
-            change, removed, need = self._passes.consume(keys, first_code, self._links(), tier, following)
+            change, removed, need = self._passes.consume(
+                keys, first_code, self._links(), tier, following, self._hints
+            )
             self.protected += change
             self._map_live -= removed
             self._need = need if self._batches else self.largest

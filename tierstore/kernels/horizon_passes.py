@@ -21,7 +21,8 @@ _SIGNATURES = {
     "horizon_drop_farthest": (None, [_POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER]),
     "horizon_consume": (
         None,
-        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER],
+        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _I64]
+        + [_POINTER] * 2,
     ),
 }
 
@@ -42,6 +43,7 @@ class HorizonTier(ctypes.Structure):
         ("direct_sizes", _POINTER),
         ("direct_tables", _I64),
         ("direct_slots", _I64),
+        ("slots", _I64),  # the tier's slots now
     ]
 
 
@@ -57,6 +59,7 @@ def horizon_tier(top, pinned_key: torch.Tensor, pinned_next: torch.Tensor) -> Ho
         pinned_next.data_ptr(),
         top.slot_keys.data_ptr(),
         *layout_arguments(top),
+        top.capacity,
     )
 
 
@@ -89,10 +92,17 @@ class HorizonPasses:
         return out[0], out[1]
 
     def consume(
-        self, keys: torch.Tensor, first_code: int, links: tuple, tier: HorizonTier, next_keys: torch.Tensor
+        self,
+        keys: torch.Tensor,
+        first_code: int,
+        links: tuple,
+        tier: HorizonTier,
+        next_keys: torch.Tensor,
+        hints: torch.Tensor,
     ) -> tuple[int, int, int]:
         """``horizon_consume``: ``(pins added less dropped, ids that left the map, slots the next
-        batch may claim beyond the horizon's pins)``."""
+        batch may claim beyond the horizon's pins)``. ``hints`` (int32, at least either batch's
+        length): the slots the last call found for ``keys``, then ``next_keys``' slots."""
         map_keys, map_values, ring = links
         out = (ctypes.c_int64 * 3)()
         self._functions["horizon_consume"](
@@ -107,6 +117,7 @@ class HorizonPasses:
             ctypes.byref(tier),
             next_keys.data_ptr(),
             next_keys.numel(),
+            hints.data_ptr(),
             out,
         )
         return out[0], out[1], out[2]
