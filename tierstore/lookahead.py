@@ -26,11 +26,13 @@ counted in ``store.stats()["prefetch"]``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -44,6 +46,7 @@ from .prefetch_stats import PrefetchStats
 INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 PRELOAD_CHUNK = 1 << 16  # ranked ids the worker loads at a time (the store's lock is held meanwhile)
+EXIT_WAIT_S = 30.0  # at the interpreter's exit, how long a worker is waited for (it ends its batch)
 
 
 @dataclasses.dataclass
@@ -205,6 +208,7 @@ class _Pipeline:
         return stats
 
     def run(self) -> Iterator:
+        _RUNNING.add(self)
         self._worker.start()
         current: list[_Pins] = []
         try:
@@ -325,6 +329,14 @@ class _Pipeline:
                 stats.pinned_rows -= pinned.count
             self._changed.notify_all()
 
+    def stop_worker(self, timeout: float | None = None) -> None:
+        """Have the worker stop after the batch it is reading or pinning, and wait for it."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        if self._worker.is_alive():
+            self._worker.join(timeout)
+
     def _stop(self, current: list[_Pins]) -> None:
         """Stop the worker (it finishes the batch it is reading or pinning) and unpin everything."""
         with self._changed:
@@ -351,6 +363,17 @@ class _Pipeline:
             if isinstance(item, tuple):
                 self._release(item[1])
         self._worker.join()
+
+
+_RUNNING: weakref.WeakSet[_Pipeline] = weakref.WeakSet()  # pipelines whose worker was started
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """Stop the workers of loops left unfinished, before the interpreter finalizes: a thread still
+    inside a native call then is ended there, which aborts the process."""
+    for pipeline in list(_RUNNING):
+        pipeline.stop_worker(EXIT_WAIT_S)
 
 
 def _one_openmp_thread() -> None:
