@@ -267,6 +267,49 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_c
         closing.close()
 
 
+EXITS_WHILE_WRITING = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[3])
+    import tierstore.checkpoint
+    from tierstore.snapshot import StoreSnapshot
+    from test_checkpoint import table, train, batches
+    tierstore.checkpoint.WRITE_ROWS = 16
+    embedding = table(sys.argv[1], sys.argv[2], "adagrad")
+    train(embedding, batches(4))
+    rows = StoreSnapshot.iter_rows
+
+    def slowly(self, batch_size):
+        for part in rows(self, batch_size):
+            time.sleep(0.05)
+            yield part
+
+    StoreSnapshot.iter_rows = slowly
+    writing = embedding.checkpoint(sys.argv[1] + ".checkpoint", background=True)
+    print("still writing" if not writing.done() else "written")
+    """
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_still_being_written_when_the_program_ends_is_completed(tmp_path, backend):
+    """Its thread is waited for at the interpreter's exit, as a program that never called
+    ``wait()`` expects: the checkpoint is whole, with the rows of its snapshot."""
+    store = tmp_path / "store"
+    script = [sys.executable, "-c", EXITS_WHILE_WRITING, str(store), backend, os.path.dirname(__file__)]
+    result = subprocess.run(script, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "still writing"
+    assert not [path for path in tmp_path.iterdir() if ".partial" in path.name]
+    expected = table(tmp_path / "expected", backend, "adagrad")
+    train(expected, batches(4))
+    restored = table(tmp_path / "restored", backend, "adagrad")
+    restored.restore(tmp_path / "store.checkpoint")
+    assert same_rows(all_rows(expected.store), all_rows(restored.store))
+    for closing in (expected, restored):
+        closing.close()
+
+
 class Model(torch.nn.Module):
     """A tiered table under a dense layer, as a model holds one."""
 

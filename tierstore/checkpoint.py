@@ -113,7 +113,8 @@ class CheckpointWriting:
             raise
         self._parts = parts
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._write, name="tierstore-checkpoint", daemon=True)
+        # not a daemon: a checkpoint started before the program ends is completed before it exits
+        self._thread = threading.Thread(target=self._write, name="tierstore-checkpoint")
         if background:
             self._thread.start()
         else:

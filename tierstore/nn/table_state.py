@@ -32,7 +32,8 @@ class TableState:
     def checkpoint(self, path: str | Path, background: bool = False) -> CheckpointWriting:
         """Write every row, its optimizer state and the step count as of now (a flush) to the new
         directory ``path``: training may go on while a ``background`` one is written (``wait()`` on
-        the returned handle gives its path). Sharded, every rank calls it (each writes its own part).
+        the returned handle gives its path; a program that ends meanwhile exits once it is
+        complete). Sharded, every rank calls it (each writes its own part).
         ``restore(path)`` brings the table back to that moment; see ``tierstore.checkpoint``."""
         return write_checkpoint(path, {None: self}, self.sharding, background)
 
