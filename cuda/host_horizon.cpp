@@ -110,38 +110,38 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
     out[1] = added;
 }
 
+#define NEXT_RUN 256  // keys: a thread's share of the next batch's slots found, at a time
+
 // keys[0..n) (distinct, coded first_code + i) have run. next_keys[0..next_n): the next batch in the
 // horizon. hints[0..max(n, next_n)): on entry, where the previous call found keys[i] (a slot or -1;
 // any value is safe: a hint is taken only where its slot holds the key); on return, next_keys[i]'s
 // slot (-1: not resident) for the next call. out[0]: the pins added less those dropped; out[1]: the
 // ids that left the map; out[2]: the next batch's ids whose rows the horizon does not pin (its
-// misses, and hits the cap unpinned): the slots it may claim beyond the horizon's pins. Both
-// batches' slots are found on the team; then the ids with no next use leave the map on one thread
-// (erasing moves entries) while another moves the pins on; then the next batch's are counted.
+// misses, and hits the cap unpinned): the slots it may claim beyond the horizon's pins. The keys'
+// slots are found on the team; then the ids with no next use leave the map on one thread (erasing
+// moves entries) while another moves the pins on, each then taking runs of the next batch's slots
+// to find (whichever side is longer: many ids leaving, or many pins), counting a run's ids as it
+// finds them once the pins have moved on, and the other runs after.
 extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_code,
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                                 const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
                                 const i64* __restrict__ next_keys, i64 next_n, int* __restrict__ hints,
                                 i64* __restrict__ out) {
     Room<i64> slots(n), next_slots(next_n);
-#pragma omp parallel if (n + next_n >= PARALLEL_FROM)
-    {
-#pragma omp for schedule(static) nowait
-        for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n) prefetch_hinted_slot(*tier, keys[i + AHEAD], hints[i + AHEAD]);
-            slots[i] = hinted_slot(*tier, keys[i], hints[i]);
-        }
-#pragma omp for schedule(static)
-        for (i64 i = 0; i < next_n; ++i) {
-            if (i + AHEAD < next_n) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
-            next_slots[i] = horizon_slot(*tier, next_keys[i]);
-        }
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
+    for (i64 i = 0; i < n; ++i) {
+        if (i + AHEAD < n) prefetch_hinted_slot(*tier, keys[i + AHEAD], hints[i + AHEAD]);
+        slots[i] = hinted_slot(*tier, keys[i], hints[i]);
     }
     i64 change = 0, removed = 0;
-#pragma omp parallel sections num_threads(2) if (n >= PARALLEL_FROM)
+    std::atomic<i64> next_run{0}, needed{0};
+    std::atomic<bool> pins_moved{false};
+    const i64 runs = (next_n + NEXT_RUN - 1) / NEXT_RUN;
+    Room<unsigned char> counted(runs);  // runs whose ids were counted as their slots were found
+#pragma omp parallel num_threads(2) if (n + next_n >= PARALLEL_FROM)
     {
-#pragma omp section
-        {
+        const int side = omp_get_thread_num(), team = omp_get_num_threads();
+        if (side == 0) {
             i64 removed_value = 0;
             for (i64 i = 0; i < n; ++i) {
                 if (i + AHEAD < n && next_use[(first_code + i + AHEAD) & ring_mask] == HORIZON_NEVER)
@@ -150,31 +150,48 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                     removed += erase_shifting(map_keys, map_values, map_mask, &keys[i], 1, &removed_value);
             }
         }
-#pragma omp section
-        for (i64 i = 0; i < n; ++i) {
-            const i64 slot = slots[i], key = keys[i];
-            if (slot < 0) continue;
-            const i64 following = next_use[(first_code + i) & ring_mask];
-            if (following != HORIZON_NEVER) {
-                change += horizon_pin(*tier, slot, key, following);
-            } else if (horizon_holds(*tier, slot, key)) {
-                tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
-                tier->pinned_key[slot] = -1;
-                change -= 1;
+        if (side == 1 || team == 1) {
+            for (i64 i = 0; i < n; ++i) {
+                const i64 slot = slots[i], key = keys[i];
+                if (slot < 0) continue;
+                const i64 following = next_use[(first_code + i) & ring_mask];
+                if (following != HORIZON_NEVER) {
+                    change += horizon_pin(*tier, slot, key, following);
+                } else if (horizon_holds(*tier, slot, key)) {
+                    tier->pins[slot] = (unsigned char)(tier->pins[slot] - 1);
+                    tier->pinned_key[slot] = -1;
+                    change -= 1;
+                }
             }
+            pins_moved.store(true, std::memory_order_release);
+        }
+        // The next batch's slots (its rows' pins, once moved on, counted beside them), a run at a time.
+        for (i64 first; (first = next_run.fetch_add(NEXT_RUN)) < next_n;) {
+            const i64 last = std::min(next_n, first + NEXT_RUN);
+            const bool count = pins_moved.load(std::memory_order_acquire);
+            i64 run_needed = 0;
+            for (i64 i = first; i < last; ++i) {
+                if (i + AHEAD < last) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
+                const i64 slot = horizon_slot(*tier, next_keys[i]);
+                next_slots[i] = slot;
+                hints[i] = (int)slot;  // the keys' hints were read above
+                if (count) run_needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
+            }
+            counted[first / NEXT_RUN] = count;
+            if (count) needed += run_needed;
         }
     }
-    // After the pins moved on: a key in both batches keeps its pin.
-    i64 needed = 0;
-#pragma omp parallel for schedule(static) reduction(+ : needed) if (next_n >= PARALLEL_FROM)
-    for (i64 i = 0; i < next_n; ++i) {
-        const i64 slot = next_slots[i];
-        needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
-        hints[i] = (int)slot;
+    // Runs found while the pins were moving on are counted after (a key in both batches keeps its pin).
+    i64 late = 0;
+#pragma omp parallel for schedule(static) reduction(+ : late) if (next_n >= PARALLEL_FROM)
+    for (i64 r = 0; r < runs; ++r) {
+        if (counted[r]) continue;
+        for (i64 i = r * NEXT_RUN; i < std::min(next_n, (r + 1) * NEXT_RUN); ++i)
+            late += next_slots[i] < 0 || !horizon_holds(*tier, next_slots[i], next_keys[i]);
     }
     out[0] = change;
     out[1] = removed;
-    out[2] = needed;
+    out[2] = needed + late;
 }
 
 // The horizon's pins past `keep` dropped, the farthest next use first (ties: the lower slot first),
