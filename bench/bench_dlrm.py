@@ -25,7 +25,8 @@ down (a fixed dense tensor), and the optimizer (SGD or Adagrad):
   this machine's default runs the pipeline inline (few cores; ``tierstore.lookahead``);
 - ``collection_horizon``: with ``--horizon H``, a collection like the lookahead one trained through
   ``tierstore.prefetch(..., horizon=H)`` as well (evicting by next use within H row lookups), one
-  loop over the warm-up's and every round's batches, so its horizon reads ahead across rounds;
+  loop over the warm-up's and every round's batches and H lookups' worth beyond them, so its
+  horizon reads ahead across rounds and past the last, as in a long run;
 - ``separate``: one ``TieredEmbeddingBag`` per table, each with that share of its own rows (what
   fusion saves; warmed by ``--warm-up`` batches only, so its caches are not full: a conservative
   figure);
@@ -75,6 +76,7 @@ from tierstore import (
     prefetch,
 )
 from tierstore.analysis.traces import load_trace
+from tierstore.budget import horizon_accesses
 from tierstore.kernels.native_types import Residency
 from tierstore.kernels.step_passes import StepPasses
 from tierstore.lookahead import default_background
@@ -264,6 +266,17 @@ def streamed_run(step, collection, work: Workload, lookahead: int, horizon: str,
             step(*batch)
 
     return run
+
+
+def batches_beyond(batch, accesses: int) -> list:
+    """Batches (``batch()`` each) whose distinct ids add up to ``accesses`` row lookups: after the
+    last timed one, so that a horizon of that many lookups still reads ahead at every timed step
+    (its steady state), instead of reaching the stream's end."""
+    beyond, distinct = [], 0
+    while distinct < accesses:
+        beyond.append(batch())
+        distinct += sum(int(torch.unique(ids).numel()) for ids in beyond[-1][0])
+    return beyond
 
 
 def _features(work: Workload):
@@ -623,6 +636,7 @@ def main() -> None:
         timed = [[batch() for _ in range(args.steps)] for _ in range(args.rounds)]
         if args.horizon:
             horizon_stream.extend(warm_up + [one for batches in timed for one in batches])
+            horizon_stream.extend(batches_beyond(batch, horizon_accesses(args.horizon, top_rows)))
         for run in tqdm(runs.values(), desc="warming up", leave=False, disable=None):
             run(warm_up)
         host.clear()
