@@ -6,9 +6,11 @@
 //   next use; an id new to the horizon whose row is resident in the top tier gets the horizon's pin;
 // - horizon_consume: a batch has run: each of its rows' pins follows its id's next use (kept, with
 //   the next use recorded, or dropped where there is none), its ids with no next use leave the map,
-//   and the slots the next batch needs beyond the horizon's pins are counted. The slots it finds for
-//   the next batch are kept as hints for that batch's own consume: its rows found then where their
-//   slots still hold them (most), the index probed for the rest.
+//   and the slots the next batch needs beyond the horizon's pins are counted.
+// Each entry keeps a hint of its row's slot (entry_slot, beside next_use): found when its batch
+// entered, found again when the batch before it was consumed. A hint is taken only where the tier's
+// slot_keys still holds the key there (most rows: the horizon's pins keep them in place), the index
+// probed for the rest.
 // The map's changes run on one thread, the tier's side beside them on another (from PARALLEL_FROM
 // keys). Entries are numbered (codes); an entry's next use lives at next_use[code & ring_mask]
 // (NEVER: none in the horizon). The horizon's pin of a slot: pinned_key[slot] holds the slot's key
@@ -63,15 +65,16 @@ static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 ne
     return 1;
 }
 
-// keys[0..n) (distinct) enter as batch `sequence`, their entries coded first_code + i. The map has
-// room for them (the caller sizes it). out[0]: the pins added; out[1]: the ids new to the map.
+// keys[0..n) (distinct) enter as batch `sequence`, their entries coded first_code + i, each with
+// its row's slot as a hint (entry_slot). The map has room for them (the caller sizes it). out[0]:
+// the pins added; out[1]: the ids new to the map.
 // The map's changes run on one thread (inserts claim positions in order), beside the keys' slots
 // found in the tier on another; then the new ids' rows are pinned on the team (distinct keys hold
 // distinct slots: one writer a slot).
 extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_code, i64 sequence,
                               i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
-                              int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
-                              i64* __restrict__ out) {
+                              int* __restrict__ next_use, int* __restrict__ entry_slot, i64 ring_mask,
+                              const HorizonTier* tier, i64* __restrict__ out) {
     Room<i64> slots(n);
     std::vector<unsigned char> new_ids(n);
     i64 added = 0;
@@ -104,8 +107,10 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
     }
     i64 pinned = 0;
 #pragma omp parallel for schedule(static) reduction(+ : pinned) if (n >= PARALLEL_FROM)
-    for (i64 i = 0; i < n; ++i)
+    for (i64 i = 0; i < n; ++i) {
+        entry_slot[(first_code + i) & ring_mask] = (int)slots[i];
         if (new_ids[i] && slots[i] >= 0) pinned += horizon_pin(*tier, slots[i], keys[i], sequence);
+    }
     out[0] = pinned;
     out[1] = added;
 }
@@ -113,9 +118,8 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
 #define NEXT_RUN 256  // keys: a thread's share of the next batch's slots found, at a time
 
 // keys[0..n) (distinct, coded first_code + i) have run. next_keys[0..next_n): the next batch in the
-// horizon. hints[0..max(n, next_n)): on entry, where the previous call found keys[i] (a slot or -1;
-// any value is safe: a hint is taken only where its slot holds the key); on return, next_keys[i]'s
-// slot (-1: not resident) for the next call. out[0]: the pins added less those dropped; out[1]: the
+// horizon, coded next_code + i; their slots are found (their hints taken where they hold) and
+// kept as their hints for the next call. out[0]: the pins added less those dropped; out[1]: the
 // ids that left the map; out[2]: the next batch's ids whose rows the horizon does not pin (its
 // misses, and hits the cap unpinned): the slots it may claim beyond the horizon's pins. The keys'
 // slots are found on the team; then the ids with no next use leave the map on one thread (erasing
@@ -124,14 +128,15 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
 // finds them once the pins have moved on, and the other runs after.
 extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_code,
                                 i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
-                                const int* __restrict__ next_use, i64 ring_mask, const HorizonTier* tier,
-                                const i64* __restrict__ next_keys, i64 next_n, int* __restrict__ hints,
-                                i64* __restrict__ out) {
+                                const int* __restrict__ next_use, int* __restrict__ entry_slot, i64 ring_mask,
+                                const HorizonTier* tier, const i64* __restrict__ next_keys, i64 next_n,
+                                i64 next_code, i64* __restrict__ out) {
     Room<i64> slots(n), next_slots(next_n);
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_hinted_slot(*tier, keys[i + AHEAD], hints[i + AHEAD]);
-        slots[i] = hinted_slot(*tier, keys[i], hints[i]);
+        if (i + AHEAD < n)
+            prefetch_hinted_slot(*tier, keys[i + AHEAD], entry_slot[(first_code + i + AHEAD) & ring_mask]);
+        slots[i] = hinted_slot(*tier, keys[i], entry_slot[(first_code + i) & ring_mask]);
     }
     i64 change = 0, removed = 0;
     std::atomic<i64> next_run{0}, needed{0};
@@ -171,10 +176,13 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
             const bool count = pins_moved.load(std::memory_order_acquire);
             i64 run_needed = 0;
             for (i64 i = first; i < last; ++i) {
-                if (i + AHEAD < last) prefetch_horizon_slot(*tier, next_keys[i + AHEAD]);
-                const i64 slot = horizon_slot(*tier, next_keys[i]);
+                int* hint = &entry_slot[(next_code + i) & ring_mask];
+                if (i + AHEAD < last)
+                    prefetch_hinted_slot(*tier, next_keys[i + AHEAD],
+                                         entry_slot[(next_code + i + AHEAD) & ring_mask]);
+                const i64 slot = hinted_slot(*tier, next_keys[i], *hint);
                 next_slots[i] = slot;
-                hints[i] = (int)slot;  // the keys' hints were read above
+                *hint = (int)slot;
                 if (count) run_needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
             }
             counted[first / NEXT_RUN] = count;

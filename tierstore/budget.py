@@ -98,9 +98,10 @@ def rows_for_budget(
     return low
 
 
-HORIZON_BYTES_PER_LOOKUP = 48  # a lookahead horizon's memory per row lookup it spans (ids, next uses, id map)
-# and per top-tier slot: the key it pinned there, that row's next use, a cap's scratch, a batch's slots
-HORIZON_BYTES_PER_SLOT = 20
+# a lookahead horizon's memory per row lookup it spans (ids, next uses, slot hints, id map), and per
+# top-tier slot (the key it pinned there, that row's next use, a cap's scratch)
+HORIZON_BYTES_PER_LOOKUP = 52
+HORIZON_BYTES_PER_SLOT = 16
 
 
 def horizon_accesses(horizon: int | str, capacity: int) -> int:

@@ -54,6 +54,7 @@ class Foresight:
         self._batches: collections.deque = collections.deque()  # (keys, first code)
         self._next_code = 0  # entry numbers: an entry's next use lives at code % ring size
         self._next_use = torch.full((1024,), NEVER, dtype=torch.int32)
+        self._entry_slot = torch.full((1024,), -1, dtype=torch.int32)  # native: entries' slot hints
         # the tuned host build's calls where the top tier runs on it, else torch ops
         self._passes = horizon_passes_of(top.kernels) if top.index.keys.dim() == 1 else None
         if self._passes is None:
@@ -65,7 +66,6 @@ class Foresight:
         self._sequence = 0  # number of the next batch to enter
         self._ids_bytes = 0  # of the batches' ids it holds
         self._scratch = None  # the native cap's slots (int32 [capacity]), made at its first use
-        self._hints = torch.full((0,), -1, dtype=torch.int32)  # native: the next batch's slots, as last found
         self._pinned_key = torch.full((self.capacity,), -1, dtype=torch.int64, device=top.device)
         self._pinned_next = torch.full((self.capacity,), NEVER, dtype=torch.int32, device=top.device)
 
@@ -95,9 +95,11 @@ class Foresight:
             map_bytes = positions * (self._map_keys.element_size() + self._map_codes.element_size())
         ids = self._ids_bytes + count * 8
         slots = self._pinned_key.nbytes + self._pinned_next.nbytes
-        if self._passes is not None:  # the cap's scratch, and the hints (a batch's slots)
-            slots += 4 * self.capacity + 4 * max(self.largest, count)
-        return ids + ring * self._next_use.element_size() + map_bytes + slots
+        entries = self._next_use.element_size()
+        if self._passes is not None:  # the cap's scratch, and each entry's slot hint
+            slots += 4 * self.capacity
+            entries += self._entry_slot.element_size()
+        return ids + ring * entries + map_bytes + slots
 
     def enter(self, keys: torch.Tensor, room: int = 0) -> None:
         """The next batch read ahead looks up distinct ``keys`` (int64 CPU). ``room``: rows the
@@ -161,8 +163,8 @@ class Foresight:
 
     # -- under the lock ------------------------------------------------------------------------
 
-    def _links(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._map_keys, self._map_codes, self._next_use
+    def _links(self) -> tuple[torch.Tensor, ...]:
+        return self._map_keys, self._map_codes, self._next_use, self._entry_slot
 
     def _enter_with_torch(self, keys: torch.Tensor, sequence: int) -> None:
         count = keys.numel()
@@ -198,9 +200,6 @@ class Foresight:
     def _enter_natively(self, keys: torch.Tensor, sequence: int) -> None:
         if 2 * (self._map_live + keys.numel()) > self._map_keys.numel():
             self._grow_map(self._map_live + keys.numel())
-        if self._hints.numel() < keys.numel():  # room for any batch's slots (the largest's)
-            grown = self._hints.new_full((self.largest - self._hints.numel(),), -1)
-            self._hints = torch.cat([self._hints, grown])
         first_code = self._next_code
         self._next_code += keys.numel()
         self._batches.append((keys, first_code))
@@ -215,12 +214,12 @@ class Foresight:
         self.store.with_top_tier(link)
 
     def _consume_natively(self, keys: torch.Tensor, first_code: int) -> None:
-        following = self._batches[0][0] if self._batches else keys[:0]
+        following, next_code = self._batches[0] if self._batches else (keys[:0], 0)
 
         def move_on(top) -> None:
             tier = horizon_tier(top, self._pinned_key, self._pinned_next)
             change, removed, need = self._passes.consume(
-                keys, first_code, self._links(), tier, following, self._hints
+                keys, first_code, self._links(), tier, following, next_code
             )
             self.protected += change
             self._map_live -= removed
@@ -248,9 +247,11 @@ class Foresight:
         while live + count > grown:
             grown *= 2
         codes = torch.arange(self._next_code - live, self._next_code, dtype=torch.int64)
-        values = self._next_use[codes % size]
+        values, hints = self._next_use[codes % size], self._entry_slot[codes % size]
         self._next_use = torch.full((grown,), NEVER, dtype=torch.int32)
         self._next_use[codes % grown] = values
+        self._entry_slot = torch.full((grown,), -1, dtype=torch.int32)
+        self._entry_slot[codes % grown] = hints
 
     def _pin(self, top, keys: torch.Tensor, next_uses: torch.Tensor) -> None:
         """Pin the resident rows of ``keys`` not pinned by the horizon yet; record their next uses."""

@@ -16,13 +16,13 @@ _POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "horizon_enter": (
         None,
-        [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64] + [_POINTER] * 2,
+        [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 2,
     ),
     "horizon_drop_farthest": (None, [_POINTER, _POINTER, _I64, _I64, _POINTER, _POINTER]),
     "horizon_consume": (
         None,
-        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _POINTER, _POINTER, _I64]
-        + [_POINTER] * 2,
+        [_POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64]
+        + [_I64, _POINTER],
     ),
 }
 
@@ -65,7 +65,8 @@ def horizon_tier(top, pinned_key: torch.Tensor, pinned_next: torch.Tensor) -> Ho
 
 class HorizonPasses:
     """The horizon calls of one host build. Keys int64 CPU, contiguous; ``links`` is the horizon's
-    map and ring: ``(map keys, map values, ring of next uses)``, int64, power-of-two sizes."""
+    map and rings: ``(map keys, map values (int64), next uses, slot hints (int32, one ring))``,
+    power-of-two sizes."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
@@ -74,7 +75,7 @@ class HorizonPasses:
         self, keys: torch.Tensor, first_code: int, sequence: int, links: tuple, tier: HorizonTier
     ) -> tuple[int, int]:
         """``horizon_enter``: ``(pins added, ids new to the map)``."""
-        map_keys, map_values, ring = links
+        map_keys, map_values, ring, entry_slot = links
         out = (ctypes.c_int64 * 2)()
         self._functions["horizon_enter"](
             keys.data_ptr(),
@@ -85,6 +86,7 @@ class HorizonPasses:
             map_values.data_ptr(),
             map_keys.numel() - 1,
             ring.data_ptr(),
+            entry_slot.data_ptr(),
             ring.numel() - 1,
             ctypes.byref(tier),
             out,
@@ -98,12 +100,11 @@ class HorizonPasses:
         links: tuple,
         tier: HorizonTier,
         next_keys: torch.Tensor,
-        hints: torch.Tensor,
+        next_code: int,
     ) -> tuple[int, int, int]:
         """``horizon_consume``: ``(pins added less dropped, ids that left the map, slots the next
-        batch may claim beyond the horizon's pins)``. ``hints`` (int32, at least either batch's
-        length): the slots the last call found for ``keys``, then ``next_keys``' slots."""
-        map_keys, map_values, ring = links
+        batch may claim beyond the horizon's pins)``; ``next_code``: the next batch's first entry."""
+        map_keys, map_values, ring, entry_slot = links
         out = (ctypes.c_int64 * 3)()
         self._functions["horizon_consume"](
             keys.data_ptr(),
@@ -113,11 +114,12 @@ class HorizonPasses:
             map_values.data_ptr(),
             map_keys.numel() - 1,
             ring.data_ptr(),
+            entry_slot.data_ptr(),
             ring.numel() - 1,
             ctypes.byref(tier),
             next_keys.data_ptr(),
             next_keys.numel(),
-            hints.data_ptr(),
+            next_code,
             out,
         )
         return out[0], out[1], out[2]
