@@ -18,7 +18,7 @@ import torch
 
 from .errors import ReadOnlyStoreError, StoreClosedError
 from .expiry import ExpiryPolicy
-from .locking import serialized
+from .locking import hold_interrupts, serialized
 from .metadata import create_store, dtype_name, resolve_metadata
 from .snapshot import StoreSnapshot
 from .store_copies import StoreCopies
@@ -94,6 +94,7 @@ class TieredStore(StoreTraining, StoreCopies, StorePins, StoreRemovals):
         **tier_settings,
     ) -> None:
         self._lock = threading.RLock()
+        hold_interrupts()
         self.prefetch_stats = None  # a lookahead pipeline's counters (``tierstore.prefetch``)
         # Everything is checked, and the caches allocated, before anything is created on disk.
         config = TierConfig.from_settings(tiers, tier_settings)
