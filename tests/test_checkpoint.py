@@ -213,18 +213,20 @@ def test_a_collection_checkpoints_and_restores_every_group(tmp_path):
         closing.close()
 
 
-KILLED_WHILE_WRITING = textwrap.dedent(
-    """
-    import os, signal, sys, torch
-    sys.path.insert(0, sys.argv[3])
-    import tierstore.checkpoint
-    from tierstore.snapshot import StoreSnapshot
-    from test_checkpoint import table, train, batches
-    tierstore.checkpoint.WRITE_ROWS = 16
-    embedding = table(sys.argv[1], sys.argv[2], "adagrad")
-    train(embedding, batches(6))
-    rows = StoreSnapshot.iter_rows
+CHECKPOINT_WRITER = """
+import os, signal, sys, time, torch
+sys.path.insert(0, sys.argv[3])
+import tierstore.checkpoint
+from tierstore.snapshot import StoreSnapshot
+from test_checkpoint import table, train, batches
+tierstore.checkpoint.WRITE_ROWS = 16
+embedding = table(sys.argv[1], sys.argv[2], "adagrad")
+train(embedding, batches({steps}))
+rows = StoreSnapshot.iter_rows
+"""  # a table trained {steps} steps, checkpointed in parts of 16 rows; the script goes on from there
 
+KILLED_WHILE_WRITING = CHECKPOINT_WRITER.format(steps=6) + textwrap.dedent(
+    """
     def killed_on_the_third_part(self, batch_size):
         for number, part in enumerate(rows(self, batch_size)):
             if number == 2:
@@ -267,18 +269,8 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_store_and_the_earlier_c
         closing.close()
 
 
-EXITS_WHILE_WRITING = textwrap.dedent(
+EXITS_WHILE_WRITING = CHECKPOINT_WRITER.format(steps=4) + textwrap.dedent(
     """
-    import sys, time
-    sys.path.insert(0, sys.argv[3])
-    import tierstore.checkpoint
-    from tierstore.snapshot import StoreSnapshot
-    from test_checkpoint import table, train, batches
-    tierstore.checkpoint.WRITE_ROWS = 16
-    embedding = table(sys.argv[1], sys.argv[2], "adagrad")
-    train(embedding, batches(4))
-    rows = StoreSnapshot.iter_rows
-
     def slowly(self, batch_size):
         for part in rows(self, batch_size):
             time.sleep(0.05)
