@@ -56,6 +56,8 @@ static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
     return tier.pinned_key[slot] == key && tier.pins[slot] > 0;
 }
 
+#define SLOT_RUN 256  // keys: a thread's share of a batch's slots found, at a time
+
 // Pin the row of `key` at `slot` for the horizon (once), its next use `next`. Returns 1 if pinned now.
 static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 next) {
     tier.pinned_next[slot] = (int)next;
@@ -68,9 +70,9 @@ static inline i64 horizon_pin(const HorizonTier& tier, i64 slot, i64 key, i64 ne
 // keys[0..n) (distinct) enter as batch `sequence`, their entries coded first_code + i, each with
 // its row's slot as a hint (entry_slot). The map has room for them (the caller sizes it). out[0]:
 // the pins added; out[1]: the ids new to the map.
-// The map's changes run on one thread (inserts claim positions in order), beside the keys' slots
-// found in the tier on another; then the new ids' rows are pinned on the team (distinct keys hold
-// distinct slots: one writer a slot).
+// The map's changes run on one thread (inserts claim positions in order) while the other finds the
+// keys' slots in the tier, runs of them at a time, which the first joins once done; then the new
+// ids' rows are pinned on the team (distinct keys hold distinct slots: one writer a slot).
 extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_code, i64 sequence,
                               i64* __restrict__ map_keys, i64* __restrict__ map_values, i64 map_mask,
                               int* __restrict__ next_use, int* __restrict__ entry_slot, i64 ring_mask,
@@ -78,31 +80,35 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
     Room<i64> slots(n);
     std::vector<unsigned char> new_ids(n);
     i64 added = 0;
-#pragma omp parallel sections num_threads(2) if (n >= PARALLEL_FROM)
+    std::atomic<i64> slot_run{0};
+#pragma omp parallel num_threads(2) if (n >= PARALLEL_FROM)
     {
-#pragma omp section
-        for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n) prefetch_home<1>(map_keys, map_values, map_mask, keys[i + AHEAD]);
-            const i64 key = keys[i], code = first_code + i;
-            next_use[code & ring_mask] = HORIZON_NEVER;
-            u64 position = mix((u64)key) & (u64)map_mask;
-            while (map_keys[position] != EMPTY_KEY && map_keys[position] != key) {
-                position = (position + 1) & (u64)map_mask;
-            }
-            if (map_keys[position] == key) {  // its latest entry now has a next use: this batch
-                next_use[map_values[position] & ring_mask] = (int)sequence;
+        if (omp_get_thread_num() == 0) {
+            for (i64 i = 0; i < n; ++i) {
+                if (i + AHEAD < n) prefetch_home<1>(map_keys, map_values, map_mask, keys[i + AHEAD]);
+                const i64 key = keys[i], code = first_code + i;
+                next_use[code & ring_mask] = HORIZON_NEVER;
+                u64 position = mix((u64)key) & (u64)map_mask;
+                while (map_keys[position] != EMPTY_KEY && map_keys[position] != key) {
+                    position = (position + 1) & (u64)map_mask;
+                }
+                if (map_keys[position] == key) {  // its latest entry now has a next use: this batch
+                    next_use[map_values[position] & ring_mask] = (int)sequence;
+                    map_values[position] = code;
+                    continue;
+                }
+                map_keys[position] = key;
                 map_values[position] = code;
-                continue;
+                new_ids[i] = 1;
+                ++added;
             }
-            map_keys[position] = key;
-            map_values[position] = code;
-            new_ids[i] = 1;
-            ++added;
         }
-#pragma omp section
-        for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n) prefetch_horizon_slot(*tier, keys[i + AHEAD]);
-            slots[i] = horizon_slot(*tier, keys[i]);
+        for (i64 first; (first = slot_run.fetch_add(SLOT_RUN)) < n;) {
+            const i64 last = std::min(n, first + SLOT_RUN);
+            for (i64 i = first; i < last; ++i) {
+                if (i + AHEAD < last) prefetch_horizon_slot(*tier, keys[i + AHEAD]);
+                slots[i] = horizon_slot(*tier, keys[i]);
+            }
         }
     }
     i64 pinned = 0;
@@ -114,8 +120,6 @@ extern "C" void horizon_enter(const i64* __restrict__ keys, i64 n, i64 first_cod
     out[0] = pinned;
     out[1] = added;
 }
-
-#define NEXT_RUN 256  // keys: a thread's share of the next batch's slots found, at a time
 
 // keys[0..n) (distinct, coded first_code + i) have run. next_keys[0..next_n): the next batch in the
 // horizon, coded next_code + i; their slots are found (their hints taken where they hold) and
@@ -141,7 +145,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
     i64 change = 0, removed = 0;
     std::atomic<i64> next_run{0}, needed{0};
     std::atomic<bool> pins_moved{false};
-    const i64 runs = (next_n + NEXT_RUN - 1) / NEXT_RUN;
+    const i64 runs = (next_n + SLOT_RUN - 1) / SLOT_RUN;
     Room<unsigned char> counted(runs);  // runs whose ids were counted as their slots were found
 #pragma omp parallel num_threads(2) if (n + next_n >= PARALLEL_FROM)
     {
@@ -171,8 +175,8 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
             pins_moved.store(true, std::memory_order_release);
         }
         // The next batch's slots (its rows' pins, once moved on, counted beside them), a run at a time.
-        for (i64 first; (first = next_run.fetch_add(NEXT_RUN)) < next_n;) {
-            const i64 last = std::min(next_n, first + NEXT_RUN);
+        for (i64 first; (first = next_run.fetch_add(SLOT_RUN)) < next_n;) {
+            const i64 last = std::min(next_n, first + SLOT_RUN);
             const bool count = pins_moved.load(std::memory_order_acquire);
             i64 run_needed = 0;
             for (i64 i = first; i < last; ++i) {
@@ -185,7 +189,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                 *hint = (int)slot;
                 if (count) run_needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
             }
-            counted[first / NEXT_RUN] = count;
+            counted[first / SLOT_RUN] = count;
             if (count) needed += run_needed;
         }
     }
@@ -194,7 +198,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
 #pragma omp parallel for schedule(static) reduction(+ : late) if (next_n >= PARALLEL_FROM)
     for (i64 r = 0; r < runs; ++r) {
         if (counted[r]) continue;
-        for (i64 i = r * NEXT_RUN; i < std::min(next_n, (r + 1) * NEXT_RUN); ++i)
+        for (i64 i = r * SLOT_RUN; i < std::min(next_n, (r + 1) * SLOT_RUN); ++i)
             late += next_slots[i] < 0 || !horizon_holds(*tier, next_slots[i], next_keys[i]);
     }
     out[0] = change;
