@@ -228,3 +228,32 @@ def test_a_programs_own_ctrl_c_handler_is_left_alone():
     result = subprocess.run([sys.executable, "-c", OWN_HANDLER], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"
+
+
+TWICE_DURING_A_CALL = """
+import os, signal, sys, tierstore
+store = tierstore.TieredStore(None, dim=2, host_cache=8)
+stats = type(store).stats.__wrapped__
+
+
+def long_call(self):  # a store method that takes a while; Ctrl-C comes twice meanwhile
+    for _ in range(int(sys.argv[1])):
+        os.kill(os.getpid(), signal.SIGINT)
+    print("finished", flush=True)
+    return stats(self)
+
+
+type(store).stats = tierstore.locking.serialized(long_call)
+try:
+    store.stats()
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("presses, printed", [(1, "finished\ninterrupted"), (2, "interrupted")])
+def test_one_ctrl_c_waits_for_the_store_method_and_a_second_one_does_not(presses, printed):
+    arguments = [sys.executable, "-c", TWICE_DURING_A_CALL, str(presses)]
+    result = subprocess.run(arguments, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == printed

@@ -4,8 +4,9 @@ A store changes its files and its caches in several steps; a ``KeyboardInterrupt
 two of them (Python raises it at the next bytecode of the main thread) would leave the store's
 state half changed, and a ``flush`` or ``close`` in the program's handler would then write that
 state out. So while the main thread runs a store's method, a Ctrl-C is recorded and raised when
-the outermost method returns. ``hold_interrupts`` installs the handler that does this, where
-SIGINT still has Python's default handler (a program's own handler is left alone).
+the outermost method returns; a second one meanwhile is raised at once (a long ``load`` stays
+stoppable, at the cost the first one avoids). ``hold_interrupts`` installs the handler that does
+this, where SIGINT still has Python's default handler (a program's own handler is left alone).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ class _Interrupts:
 
 
 def _on_interrupt(signum, frame) -> None:
-    if _Interrupts.depth:
+    if _Interrupts.depth and not _Interrupts.pending:
         _Interrupts.pending = True
         return
+    _Interrupts.pending = False  # a second Ctrl-C meanwhile is not held: the user insists
     signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
 
 
