@@ -56,6 +56,11 @@ static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
     return tier.pinned_key[slot] == key && tier.pins[slot] > 0;
 }
 
+// Whether the row of `key` (at `slot`, -1: not resident) needs a slot beyond the horizon's pins.
+static inline bool horizon_needs(const HorizonTier& tier, i64 slot, i64 key) {
+    return slot < 0 || !horizon_holds(tier, slot, key);
+}
+
 #define SLOT_RUN 256  // keys: a thread's share of a batch's slots found, at a time
 
 // Pin the row of `key` at `slot` for the horizon (once), its next use `next`. Returns 1 if pinned now.
@@ -187,7 +192,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                 const i64 slot = hinted_slot(*tier, next_keys[i], *hint);
                 next_slots[i] = slot;
                 *hint = (int)slot;
-                if (count) run_needed += slot < 0 || !horizon_holds(*tier, slot, next_keys[i]);
+                if (count) run_needed += horizon_needs(*tier, slot, next_keys[i]);
             }
             counted[first / SLOT_RUN] = count;
             if (count) needed += run_needed;
@@ -199,7 +204,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
     for (i64 r = 0; r < runs; ++r) {
         if (counted[r]) continue;
         for (i64 i = r * SLOT_RUN; i < std::min(next_n, (r + 1) * SLOT_RUN); ++i)
-            late += next_slots[i] < 0 || !horizon_holds(*tier, next_slots[i], next_keys[i]);
+            late += horizon_needs(*tier, next_slots[i], next_keys[i]);
     }
     out[0] = change;
     out[1] = removed;

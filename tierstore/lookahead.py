@@ -331,17 +331,18 @@ class _Pipeline:
 
     def stop_worker(self, timeout: float | None = None) -> None:
         """Have the worker stop after the batch it is reading or pinning, and wait for it."""
-        with self._changed:
-            self._stopping = True
-            self._changed.notify_all()
+        self._ask_to_stop()
         if self._worker.is_alive():
             self._worker.join(timeout)
 
-    def _stop(self, current: list[_Pins]) -> None:
-        """Stop the worker (it finishes the batch it is reading or pinning) and unpin everything."""
+    def _ask_to_stop(self) -> None:
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
+
+    def _stop(self, current: list[_Pins]) -> None:
+        """Stop the worker (it finishes the batch it is reading or pinning) and unpin everything."""
+        self._ask_to_stop()
         if sys.is_finalizing():  # the process exits (a loop left unfinished): its pins go with it
             return
         self._release(current)
