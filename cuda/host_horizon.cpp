@@ -56,9 +56,10 @@ static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
     return tier.pinned_key[slot] == key && tier.pins[slot] > 0;
 }
 
-// Whether the row of `key` (at `slot`, -1: not resident) needs a slot beyond the horizon's pins.
-static inline bool horizon_needs(const HorizonTier& tier, i64 slot, i64 key) {
-    return slot < 0 || !horizon_holds(tier, slot, key);
+// Whether the row of `key` (at `slot`, -1: not resident) needs a slot beyond the pinned ones (the
+// horizon's, and a window's, whose rows the window counts).
+static inline bool horizon_needs(const HorizonTier& tier, i64 slot) {
+    return slot < 0 || tier.pins[slot] == 0;
 }
 
 #define SLOT_RUN 256  // keys: a thread's share of a batch's slots found, at a time
@@ -192,7 +193,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
                 const i64 slot = hinted_slot(*tier, next_keys[i], *hint);
                 next_slots[i] = slot;
                 *hint = (int)slot;
-                if (count) run_needed += horizon_needs(*tier, slot, next_keys[i]);
+                if (count) run_needed += horizon_needs(*tier, slot);
             }
             counted[first / SLOT_RUN] = count;
             if (count) needed += run_needed;
@@ -204,7 +205,7 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
     for (i64 r = 0; r < runs; ++r) {
         if (counted[r]) continue;
         for (i64 i = r * SLOT_RUN; i < std::min(next_n, (r + 1) * SLOT_RUN); ++i)
-            late += horizon_needs(*tier, next_slots[i], next_keys[i]);
+            late += horizon_needs(*tier, next_slots[i]);
     }
     out[0] = change;
     out[1] = removed;
@@ -212,13 +213,14 @@ extern "C" void horizon_consume(const i64* __restrict__ keys, i64 n, i64 first_c
 }
 
 // The horizon's pins past `keep` dropped, the farthest next use first (ties: the lower slot first),
-// over a tier of `capacity` slots whose keys are slot_keys; records of rows taken out of the tier
+// over a tier of `capacity` slots whose keys are slot_keys; only pins of rows no one else pins
+// (a window's) are dropped, since only those free a slot. Records of rows taken out of the tier
 // since (another key there, or no pin left) are cleared. scratch: capacity ints. out[0]: the pins
 // it holds now; out[1]: how many it dropped.
 extern "C" void horizon_drop_farthest(const HorizonTier* tier, const i64* __restrict__ slot_keys,
                                       i64 capacity, i64 keep, int* __restrict__ scratch,
                                       i64* __restrict__ out) {
-    i64 held = 0;
+    i64 held = 0, alone = 0;
     for (i64 slot = 0; slot < capacity; ++slot) {
         const i64 key = tier->pinned_key[slot];
         if (key < 0) continue;
@@ -226,12 +228,14 @@ extern "C" void horizon_drop_farthest(const HorizonTier* tier, const i64* __rest
             tier->pinned_key[slot] = -1;
             continue;
         }
-        scratch[held++] = (int)slot;
+        ++held;
+        if (tier->pins[slot] == 1) scratch[alone++] = (int)slot;  // another's pin keeps its slot anyway
     }
-    const i64 dropped = held > keep ? held - keep : 0;
+    const i64 excess = held > keep ? held - keep : 0;
+    const i64 dropped = excess < alone ? excess : alone;
     if (dropped) {
         const int* next = tier->pinned_next;
-        std::nth_element(scratch, scratch + dropped - 1, scratch + held,
+        std::nth_element(scratch, scratch + dropped - 1, scratch + alone,
                          [next](int a, int b) { return next[a] > next[b] || (next[a] == next[b] && a < b); });
         for (i64 i = 0; i < dropped; ++i) {
             const int slot = scratch[i];

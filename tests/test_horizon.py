@@ -100,11 +100,15 @@ def test_a_horizon_over_a_device_tier_trains_the_same(tmp_path, device_tier, hos
     assert stats["prefetch"]["horizon"] == 6 * 16
 
 
-def test_the_collection_trains_the_same_with_a_horizon(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "worker"])
+def test_the_collection_trains_the_same_with_a_horizon(tmp_path, background):
     batches = two_feature_batches(30, lambda rng, rows, n: rng.zipf(1.3, n) % rows)
     outputs, stored, plain = train_collection(tmp_path / "plain", batches, 40)
     foreseen_outputs, foreseen_stored, stats = train_collection(
-        tmp_path / "foreseen", batches, 40, lambda b, c: tierstore.prefetch(b, c, 2, horizon="8x")
+        tmp_path / "foreseen",
+        batches,
+        40,
+        lambda b, c: tierstore.prefetch(b, c, 2, background=background, horizon="8x"),
     )
     assert all(torch.equal(a, b) for a, b in zip(outputs, foreseen_outputs))
     assert stored == foreseen_stored
@@ -119,32 +123,40 @@ def zipf_trace(seed: int, accesses: int, ids: int) -> np.ndarray:
 
 
 def rows_brought_in(
-    keys: np.ndarray, capacity: int, batch: int, horizon=None, ids=None, backend="openmp"
+    keys: np.ndarray, capacity: int, batch: int, horizon=None, ids=None, backend="openmp", window=(1, False)
 ) -> int:
     """Rows a store of ``capacity`` rows brings into its host tier replaying ``keys`` in batches
-    (the horizon's native calls on the "openmp" tier, its torch ops on the "torch" one)."""
+    (the horizon's native calls on the "openmp" tier, its torch ops on the "torch" one), the
+    pipeline's ``window``: ``(lookahead, background)``."""
     batches = torch.from_numpy(keys).split(batch)
     with closing(TieredStore(None, dim=2, host_cache=capacity, host_cache_backend=backend)) as store:
         loop = (
             batches
             if horizon is None
-            else tierstore.prefetch(batches, store, 1, background=False, horizon=horizon, horizon_ids=ids)
+            else tierstore.prefetch(
+                batches, store, window[0], background=window[1], horizon=horizon, horizon_ids=ids
+            )
         )
         for ids_ in loop:
             store.get(ids_)
         return store.stats()["host"]["rows_in"]
 
 
+@pytest.mark.parametrize("window", [(1, False), (4, True)], ids=["inline", "worker-4"])
 @pytest.mark.parametrize("backend", ["openmp", "torch"])
 @pytest.mark.parametrize("capacity", [40, 200])
-def test_eviction_by_next_use_comes_within_a_few_percent_of_belady(capacity, backend):
+def test_eviction_by_next_use_comes_within_a_few_percent_of_belady(capacity, backend, window):
+    """Inline, and with a worker pinning 4 batches ahead: the window's rows take slots beside the
+    horizon's pins, counted once (a row both pin holds one slot)."""
     keys = zipf_trace(3, 20000, 2000)
     batch = capacity // 8
     optimal = belady_hits(keys, capacity) / keys.size  # one access at a time: the ceiling
     lfu = 1 - rows_brought_in(keys, capacity, batch, backend=backend) / keys.size
-    foreseen = 1 - rows_brought_in(keys, capacity, batch, horizon="10x", backend=backend) / keys.size
+    foreseen = 1 - rows_brought_in(keys, capacity, batch, "10x", backend=backend, window=window) / keys.size
     assert foreseen > lfu + 0.05  # measured: +0.10 at both sizes
-    assert foreseen >= 0.97 * optimal  # measured: 0.99x at both
+    # measured: 0.99x inline; 0.968-0.975x (40) and 0.981-0.986x (200) with the worker, which
+    # reached 0.93-0.94x and 0.95-0.957x while every row the window pinned counted against the horizon
+    assert foreseen >= (0.97 if window == (1, False) else 0.96) * optimal
 
 
 @pytest.mark.parametrize("backend", ["openmp", "torch"])
@@ -222,6 +234,28 @@ def test_the_horizon_pins_the_resident_rows_of_its_batches_at_their_next_use(bac
                     taken_out += int((top.find(some) >= 0).sum())
                     store.load(some, torch.zeros(some.numel(), 2))
         assert top.stats.evictions > 500 and taken_out > 50
+
+
+@pytest.mark.parametrize("backend", ["openmp", "torch"])
+def test_a_worker_beside_the_horizon_always_leaves_a_batch_its_slots(backend):
+    """Tiny tiers, batches near their size, a worker pinning up to 7 batches ahead beside the
+    horizon's pins (each counted once where both pin a row): no step and no window's pin finds
+    too few evictable slots (``CacheCapacityError``), whatever the threads' timing."""
+    shapes = [  # capacity, lookahead, batch, ids, Zipf exponent, horizon
+        (7, 3, 4, 23, 1.3, "30x"),
+        (10, 6, 8, 98, 1.5, "10x"),
+        (21, 4, 13, 158, 1.2, "30x"),
+        (30, 7, 29, 129, 1.46, 377),
+        (37, 7, 35, 238, 1.38, "30x"),
+    ]
+    for seed, (capacity, lookahead, batch, ids, exponent, horizon) in enumerate(shapes):
+        keys = torch.from_numpy((np.random.default_rng(seed).zipf(exponent, batch * 100) - 1) % ids)
+        for _ in range(3):
+            with closing(TieredStore(None, dim=2, host_cache=capacity, host_cache_backend=backend)) as store:
+                batches = keys.split(batch)
+                for ids in tierstore.prefetch(batches, store, lookahead, background=True, horizon=horizon):
+                    store.get(ids)
+                assert store.stack.top.pinned_count() == 0
 
 
 def test_horizon_ids_feed_the_same_horizon_as_the_batches():

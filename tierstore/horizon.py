@@ -11,17 +11,19 @@ an id's latest entry is found in a hash map and given the new batch as its next 
 row whose id has a next use in the horizon is pinned in the top tier (one pin of the horizon's);
 a row with none is not, so victims come first from rows not used within the horizon, by the
 tier's own policy (LFU with ageing). The horizon's pins are capped at what leaves room for the
-next batch (its ids the horizon does not pin: its misses) and the pinned window: past the cap,
-the pinned rows whose next use is farthest are unpinned (a slack's worth more, so that this
-happens every few batches, not at each), and they become victims like the rest. A row moves
-only where the store moves it, so training is the same, bit for bit, with or without the
-horizon.
+next batch (its rows no one pins: its misses), the rows a pinned window holds that the horizon
+does not pin (a row both pin takes one slot), and, while a window pins a batch, that batch's:
+past the cap, the pinned rows whose next use is farthest are unpinned (a slack's worth more, so
+that this happens every few batches, not at each; never a row a window pins too, whose slot
+stays taken), and they become victims like the rest. A row moves only where the store moves it,
+so training is the same, bit for bit, with or without the horizon.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +40,8 @@ SLACK_SHARE = 1 / 64  # of the top tier's capacity: pins dropped beyond the cap,
 class Foresight:
     """The horizon of one store (``TieredStore``): ``enter`` each batch's distinct ids (int64)
     when the pipeline reads it, ``consume`` after the loop has run it (in the same order), and
-    ``make_room`` before pinning ``rows`` more for the window. Thread-safe."""
+    ``pin_window`` where a window pins a batch (the rows it pins beside the horizon's counted in
+    ``window_slots``). Thread-safe."""
 
     def __init__(self, store: Any, horizon: int | str) -> None:
         self.store = store
@@ -50,6 +53,8 @@ class Foresight:
         self.protected = 0  # rows the horizon pins now
         self.unpinned_far = 0  # pins dropped by the cap (rows whose next use was farthest)
         self._need = None  # rows the next batch brings in (None: not known yet, its largest)
+        self.window_slots: Callable[[], int] = lambda: 0  # slots a pinned window holds beside these pins
+        self._pinning = 0  # slots the batch a window is pinning takes (while it does)
         self._lock = threading.Lock()
         self._batches: collections.deque = collections.deque()  # (keys, first code)
         self._next_code = 0  # entry numbers: an entry's next use lives at code % ring size
@@ -101,9 +106,8 @@ class Foresight:
             entries += self._entry_slot.element_size()
         return ids + ring * entries + map_bytes + slots
 
-    def enter(self, keys: torch.Tensor, room: int = 0) -> None:
-        """The next batch read ahead looks up distinct ``keys`` (int64 CPU). ``room``: rows the
-        pinned window holds or may hold now (left to it by the cap)."""
+    def enter(self, keys: torch.Tensor) -> None:
+        """The next batch read ahead looks up distinct ``keys`` (int64 CPU)."""
         keys = keys.reshape(-1).to(torch.int64).contiguous()
         with self._lock:
             count = keys.numel()
@@ -114,39 +118,45 @@ class Foresight:
             self.ahead += count
             self.largest = max(self.largest, count)
             self._grow_ring(count)
-            if self._passes is not None:
-                self._enter_natively(keys, sequence)
-            else:
-                self._enter_with_torch(keys, sequence)
-            self._cap(room)
+            enter = self._enter_natively if self._passes is not None else self._enter_with_torch
+            enter(keys, sequence)
 
-    def consume(self, room: int = 0) -> None:
+    def consume(self) -> None:
         """The oldest batch entered has run: its rows' next uses move on to their next entries."""
         with self._lock:
             keys, first_code = self._batches.popleft()
             self._ids_bytes -= keys.nbytes
             self.ahead -= keys.numel()
-            if self._passes is not None:
-                self._consume_natively(keys, first_code)
-            else:
-                self._consume_with_torch(keys, first_code)
-            self._cap(room)
+            consume = self._consume_natively if self._passes is not None else self._consume_with_torch
+            consume(keys, first_code)
 
     def _next_needs(self, top) -> int:
-        """Slots the next batch in the horizon needs beyond the horizon's pins: its misses, and its
-        hits on rows the cap unpinned (its other hits are pinned by the horizon already)."""
-        if not self._batches:
-            return self.largest
-        keys = self._batches[0][0].to(top.device)
-        slots = top.find(keys)
-        resident = slots >= 0
-        held = self._held(top, slots[resident], keys[resident])
-        return keys.numel() - int(held.sum())
+        """Slots the next batch in the horizon needs beyond the pinned ones: its misses, and its
+        hits on rows no one pins (the cap unpinned them; a window counts the rows it pins)."""
+        return _needs(top, self._batches[0][0]) if self._batches else self.largest
 
-    def make_room(self, room: int) -> None:
-        """Drop the farthest pins so that ``room`` rows fit beside them and the largest batch."""
+    def pin_window(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """A window's ``store.pin_rows(keys)`` (distinct int64), the farthest of the horizon's pins
+        dropped first where the batch's slots (its rows pinned by no one) would not fit beside them
+        and the next batch's; in one hold of the store's lock, so no other pass comes between.
+        Returns ``pin_rows``' ``(keys, slots, rows moved up)`` and how many of those rows the
+        horizon does not pin (the window's to count in ``window_slots``)."""
         with self._lock:
-            self._cap(room)
+
+            def pin(top) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+                self._pinning = _needs(top, keys)
+                while self._cap(top):  # it may have dropped pins of this batch's rows
+                    needs = _needs(top, keys)
+                    if needs <= self._pinning:
+                        break
+                    self._pinning = needs
+                self._pinning = 0
+                held, slots, moved = self.store.pin_rows(keys)
+                unheld = int((~self._held(top, slots, held.to(top.device))).sum())
+                return held, slots, moved, unheld
+
+            pinned = self.store.with_top_tier(pin)
+        return (*self.store.pin_rows(keys), keys.numel()) if pinned is None else pinned  # closed: raises
 
     def release(self) -> None:
         """Unpin every row the horizon pinned (the pipeline stops)."""
@@ -181,8 +191,12 @@ class Foresight:
         self._latest.insert(first, codes[~seen])
         self._batches.append((keys, int(codes[0]) if count else self._next_code))
         self._ids_bytes += keys.nbytes
-        # ids new to the horizon: a resident row now has a next use
-        self.store.with_top_tier(lambda top: self._pin(top, first, torch.full_like(first, sequence)))
+
+        def pin_new(top) -> None:  # ids new to the horizon: a resident row now has a next use
+            self._pin(top, first, torch.full_like(first, sequence))
+            self._cap(top)
+
+        self.store.with_top_tier(pin_new)
 
     def _consume_with_torch(self, keys: torch.Tensor, first_code: int) -> None:
         codes = first_code + torch.arange(keys.numel(), dtype=torch.int64)
@@ -194,6 +208,7 @@ class Foresight:
             self._unpin(top, keys[last])
             self._pin(top, keys[~last], following[~last])
             self._need = self._next_needs(top)
+            self._cap(top)
 
         self.store.with_top_tier(move_on)
 
@@ -210,6 +225,7 @@ class Foresight:
             pinned, added = self._passes.enter(keys, first_code, sequence, self._links(), tier)
             self.protected += pinned
             self._map_live += added
+            self._cap(top)
 
         self.store.with_top_tier(link)
 
@@ -224,6 +240,7 @@ class Foresight:
             self.protected += change
             self._map_live -= removed
             self._need = need if self._batches else self.largest
+            self._cap(top)
 
         self.store.with_top_tier(move_on)
 
@@ -286,35 +303,39 @@ class Foresight:
         pinned_key = self._pinned_key[: top.capacity]
         return (pinned_key >= 0) & (top.slot_keys == pinned_key) & (top.pins > 0)
 
-    def _cap(self, room: int) -> None:
-        limit = self.capacity - (self.largest if self._need is None else self._need) - room
+    def _cap(self, top) -> bool:
+        """Drop the farthest pins where the horizon's pins leave too few slots for the next batch
+        (its slots beyond the pinned ones) and a window (``window_slots``, and the batch it is
+        pinning), in the same hold of the store's lock as the pins it caps, so that no batch or
+        window in between finds too few. Returns whether it dropped any."""
+        limit = self.capacity - (self.largest if self._need is None else self._need)
+        limit -= self.window_slots() + self._pinning
         if self.protected <= limit:
-            return
-
+            return False
         keep = max(0, limit - int(self.capacity * SLACK_SHARE))
         if self._passes is not None:
+            if self._scratch is None:
+                self._scratch = torch.empty(self.capacity, dtype=torch.int32)
+            tier = horizon_tier(top, self._pinned_key, self._pinned_next)
+            self.protected, dropped = self._passes.drop_farthest(tier, top.slot_keys, keep, self._scratch)
+            self.unpinned_far += dropped
+            return dropped > 0
+        mine = self._mine(top)
+        self._pinned_key[: top.capacity][~mine] = -1  # slots past a growing tier's hold no pin
+        slots = mine.nonzero().squeeze(1)
+        excess = slots.numel() - keep
+        slots = slots[top.pins[slots] == 1]  # a row a window pins too keeps its slot anyway
+        dropped = slots[:0]
+        if excess > 0 and slots.numel():
+            dropped = slots[torch.topk(self._pinned_next[slots], min(excess, slots.numel())).indices]
+            top.unpin(dropped, self._pinned_key[dropped])
+            self._pinned_key[dropped] = -1
+            self.unpinned_far += dropped.numel()
+        self.protected = int((self._pinned_key >= 0).sum())
+        return dropped.numel() > 0
 
-            def drop_natively(top) -> None:
-                if self._scratch is None:
-                    self._scratch = torch.empty(self.capacity, dtype=torch.int32)
-                tier = horizon_tier(top, self._pinned_key, self._pinned_next)
-                self.protected, dropped = self._passes.drop_farthest(tier, top.slot_keys, keep, self._scratch)
-                self.unpinned_far += dropped
 
-            self.store.with_top_tier(drop_natively)
-            return
-
-        def drop_farthest(top) -> None:
-            mine = self._mine(top)
-            self._pinned_key[: top.capacity][~mine] = -1  # slots past a growing tier's hold no pin
-            slots = mine.nonzero().squeeze(1)
-            excess = slots.numel() - keep
-            if excess > 0:
-                far = torch.topk(self._pinned_next[slots], min(excess, slots.numel())).indices
-                dropped = slots[far]
-                top.unpin(dropped, self._pinned_key[dropped])
-                self._pinned_key[dropped] = -1
-                self.unpinned_far += dropped.numel()
-            self.protected = int((self._pinned_key >= 0).sum())
-
-        self.store.with_top_tier(drop_farthest)
+def _needs(top, keys: torch.Tensor) -> int:
+    """How many of distinct ``keys`` have no pinned row in ``top``: not resident, or pinned by no one."""
+    slots = top.find(keys.to(top.device))
+    return slots.numel() - int((top.pins[slots[slots >= 0]] > 0).sum())

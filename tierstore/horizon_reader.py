@@ -32,7 +32,7 @@ class HorizonReader:
         self._source = None if horizon_ids is None else iter(horizon_ids)
         self._held: collections.deque = collections.deque()  # batches read ahead (no horizon_ids)
         self._entered: collections.deque = collections.deque()  # per batch entered: its Foresights
-        self.window_rows: Callable[[Any], int] = lambda store: 0  # rows a window may pin in a store
+        self.window_rows: Callable[[Any], int] = lambda store: 0  # slots a window holds beside the pins
         self._handed = 0  # batches handed on
         self._consumed = 0  # batches run (consumed from every Foresight they entered)
         self._ended = False  # the horizon's source is exhausted
@@ -90,14 +90,15 @@ class HorizonReader:
             sight = self.sights.get(id(store))
             if sight is None:
                 sight = self.sights[id(store)] = Foresight(store, self._horizon)
-            sight.enter(keys, self.window_rows(store))
+                sight.window_slots = lambda: self.window_rows(store)
+            sight.enter(keys)
             sights.append(sight)
         self._entered.append(sights)
 
     def ran(self) -> None:
         """The oldest batch handed on has run."""
         for sight in self._entered.popleft():
-            sight.consume(self.window_rows(sight.store))
+            sight.consume()
             stats = sight.store.prefetch_stats
             if stats is None or stats.horizon != sight.accesses:
                 stats = sight.store.prefetch_stats = stats or PrefetchStats(self._lookahead)
@@ -107,11 +108,13 @@ class HorizonReader:
             stats.horizon_bytes = sight.nbytes
         self._consumed += 1
 
-    def make_room(self, store: Any, rows: int) -> None:
-        """Leave ``rows`` of ``store``'s top tier to the pinned window."""
+    def pin_window(self, store: Any, keys: Any) -> tuple[Any, Any, int, int]:
+        """A window's ``store.pin_rows(keys)``, the horizon's pins making room first: its
+        ``(keys, slots, rows moved up)`` and how many of those rows the horizon does not pin."""
         sight = self.sights.get(id(store))
-        if sight is not None:
-            sight.make_room(rows)
+        if sight is None:
+            return (*store.pin_rows(keys), keys.numel())
+        return sight.pin_window(keys)
 
     def release(self) -> None:
         """Unpin the horizon's rows in every store (the pipeline stops)."""

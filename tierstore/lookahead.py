@@ -57,6 +57,7 @@ class _Pins:
     count: int
     keys: Any
     slots: Any
+    unheld: int  # of them, rows the horizon does not pin (0 without one)
 
 
 @dataclasses.dataclass
@@ -185,6 +186,7 @@ class _Pipeline:
         self._queued = 0  # batches read ahead, not yet handed to the loop
         self._stopping = False
         self._pinned: dict[int, int] = {}  # id(store) -> rows pinned now
+        self._unheld: dict[int, int] = {}  # id(store) -> of those, rows the horizon did not pin then
         self._largest: dict[int, int] = {}  # id(store) -> most distinct keys a batch had
         self._stats: dict[int, PrefetchStats] = {}
         self._preloads: list[tuple[Any, torch.Tensor]] = []  # (store, ranked ids) chunks left
@@ -197,9 +199,9 @@ class _Pipeline:
             self._preloads.extend((store, chunk) for chunk in ranked.split(PRELOAD_CHUNK))
 
     def _window_rows(self, store: Any) -> int:
-        """Rows the window may pin in ``store`` before the next batch runs: what it pins now and
-        one batch more."""
-        return self._pinned.get(id(store), 0) + self._largest.get(id(store), 0)
+        """Slots of ``store``'s top tier the window holds beside the horizon's pins: rows it pins
+        that the horizon did not pin when it pinned them (its other rows take no slot more)."""
+        return self._unheld.get(id(store), 0)
 
     def _stats_of(self, store: Any) -> PrefetchStats:
         stats = self._stats.get(id(store))
@@ -304,15 +306,17 @@ class _Pipeline:
                 stats.skipped_batches += 1
                 return None
             self._pinned[key] = pinned + count
-        if self._ahead is not None:
-            self._ahead.make_room(store, pinned + count)
-        held, slots, moved = store.pin_rows(keys)
+        if self._ahead is None:
+            (held, slots, moved), unheld = store.pin_rows(keys), 0
+        else:  # the horizon's pins on these rows only grow until they run: its cap drops none
+            held, slots, moved, unheld = self._ahead.pin_window(store, keys)
         with self._changed:
+            self._unheld[key] = self._unheld.get(key, 0) + unheld
             stats.pinned_batches += 1
             stats.rows_moved_up += moved
             stats.window_batches += 1
             stats.pinned_rows += count
-        return _Pins(store, count, held, slots)
+        return _Pins(store, count, held, slots, unheld)
 
     # -- both threads --------------------------------------------------------------------------
 
@@ -324,6 +328,7 @@ class _Pipeline:
             for pinned in pins:
                 key = id(pinned.store)
                 self._pinned[key] -= pinned.count
+                self._unheld[key] -= pinned.unheld
                 stats = self._stats[key]
                 stats.window_batches -= 1
                 stats.pinned_rows -= pinned.count
