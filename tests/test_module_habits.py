@@ -228,6 +228,28 @@ def test_tables_load_no_compiler_until_one_is_used_and_stay_opaque_to_it(tmp_pat
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
+def test_training_and_state_dicts_load_neither_torch_distributed_nor_sympy(tmp_path):
+    """``torch.distributed.checkpoint`` (with the sympy it imports: tens of MiB of a process's
+    memory, README "Larger than RAM") is loaded only where ``dcp`` saves or loads a table: a process
+    under a memory limit keeps that memory for its caches. In a fresh interpreter."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        from tierstore import TieredEmbeddingBag
+        table = TieredEmbeddingBag(50, 4, mode="sum", path={str(tmp_path / "t")!r}, host_cache=24)
+        table(torch.tensor([1, 2, 3]), torch.tensor([0])).sum().backward()
+        table.load_state_dict(table.state_dict())
+        table.close()
+        loaded = [name for name in ("torch.distributed.checkpoint", "sympy") if name in sys.modules]
+        assert not loaded, loaded
+        print("ok")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
 # -- pickling, torch.save, deepcopy ----------------------------------------------------------------
 
 

@@ -23,14 +23,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..snapshot import StoreSnapshot
 from ..store import TieredStore
+
+if TYPE_CHECKING:  # imported where dcp calls: torch.distributed.checkpoint and its sympy cost memory
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 CHUNK_BYTES = 64 * 2**20  # the most bytes of records read or written at once
 ANY_ROWS = 2**40  # the rows a table being loaded accepts (its shape's first size, to the planner)
@@ -121,6 +124,13 @@ class TableRows(torch.Tensor):
         return max(1, CHUNK_BYTES // self.record_bytes)
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         rows, chunk = len(self.snapshot), self._chunk_rows()
         properties = TensorProperties(dtype=torch.uint8)
         size = torch.Size((rows, self.record_bytes))
@@ -151,6 +161,8 @@ class TableRows(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """Called by ``dcp.load`` only: from here on this object takes the rows it reads."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         self._received_rows = 0
         self._incoming.unlink(missing_ok=True)
         return [
