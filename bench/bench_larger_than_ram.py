@@ -142,7 +142,11 @@ def _build(args, methods: list[str], work: Path) -> None:
 
     sample = ZipfIds(args.rows, args.alpha, SEED)
     count = args.warm_up + args.steps
-    np.save(work / "batches.npy", sample(count * args.batch_size * args.bag).reshape(count, -1))
+    batches = sample(count * args.batch_size * args.bag).reshape(count, -1)
+    np.save(work / "batches.npy", batches)
+    distinct = np.unique(batches)  # here, outside the limit: the batches' ids are tens of MiB
+    np.save(work / "checked.npy", distinct[:: max(1, distinct.size // CHECKED_ROWS)])
+    del batches, distinct
     table = np.lib.format.open_memmap(work / "table.npy", "w+", np.float32, (args.rows, args.dim))
     stores = [
         TieredStore(work / name, dim=args.dim, backend=backend, host_cache=1024)
@@ -219,9 +223,7 @@ def _child(args) -> None:
             flush()
     result = {key: after - timed[key] for key, after in _counters().items()}
     result["steps_per_second"] = args.steps / result.pop("seconds")
-    distinct = np.unique(batches)
-    checked = torch.from_numpy(distinct[:: max(1, distinct.size // CHECKED_ROWS)])
-    rows, extra = finish(checked)
+    rows, extra = finish(torch.from_numpy(np.load(work / "checked.npy")))
     np.save(work / f"{method}-rows.npy", rows.numpy())
     result.update(extra)
     (work / f"{method}.json").write_text(json.dumps(result))
