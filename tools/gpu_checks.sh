@@ -15,7 +15,6 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-GPU_TESTS="tests/test_gpu.py tests/test_embedding.py tests/test_store_oracle.py"
 stage() { # name, seconds, command...
     local name=$1 seconds=$2
     shift 2
@@ -32,7 +31,7 @@ for name in "$@"; do
     case $name in
     env) stage env 60 bash -c 'nvidia-smi; python3 -c "import torch, cuda.bindings, numpy; print(torch.__version__, \
         cuda.bindings.__version__, numpy.__version__, torch.cuda.get_device_name())"' ;;
-    tests) stage tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 $GPU_TESTS ;;
+    tests) stage tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=5 tests ;; # every gpu test
     suite) stage suite 540 python3 -m pytest -v -p no:cacheprovider -n 8 tests ;; # -v: outcomes as they come
     sanitize) for tool in memcheck racecheck synccheck initcheck; do
         sanitize $tool 90 float32
