@@ -56,8 +56,8 @@ static inline bool horizon_holds(const HorizonTier& tier, i64 slot, i64 key) {
     return tier.pinned_key[slot] == key && tier.pins[slot] > 0;
 }
 
-// Whether the row of `key` (at `slot`, -1: not resident) needs a slot beyond the pinned ones (the
-// horizon's, and a window's, whose rows the window counts).
+// Whether the row at `slot` (-1: not resident) needs a slot beyond the pinned ones (the horizon's,
+// and a window's, whose rows the window counts).
 static inline bool horizon_needs(const HorizonTier& tier, i64 slot) {
     return slot < 0 || tier.pins[slot] == 0;
 }
