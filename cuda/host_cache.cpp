@@ -273,8 +273,7 @@ static inline bool evictable(const i64* __restrict__ slot_keys, const unsigned c
     return slot_keys[slot] >= 0 && !pins[slot];
 }
 
-#define SAMPLE_EVERY 64               // slots: one in this many is sampled to bound the scores worth ranking
-#define KEEP_SCRATCH_ITEMS (1 << 17)  // a scan's scratch kept per thread: 1 MiB at most
+#define SAMPLE_EVERY 64  // slots: one in this many is sampled to bound the scores worth ranking
 
 // The `need` smallest of items[0..n) (distinct; 0 < need <= n) into out[0..need), in no order; out
 // has room for need + 1, items is overwritten. A radix select without data-dependent branches: each
@@ -352,10 +351,10 @@ static i64 evictable_slots(const float* __restrict__ scores, const i64* __restri
 extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
                                   const unsigned char* __restrict__ pins, i64 capacity, i64 count, i64 head,
                                   i64* __restrict__ out) {
-    thread_local std::vector<u64> kept_items, kept_chosen;  // the next scan's, up to KEEP_SCRATCH_ITEMS
-    std::vector<u64>& items = kept_items;
-    std::vector<u64>& chosen = kept_chosen;
-    items.resize(capacity + 1);
+    // Scratch not zeroed: the runs write only the items they keep, so pages past those are never
+    // touched (a cleared vector of capacity items would write, and fault in, every page of it).
+    const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 64;  // a margin over the share
+    Room<u64> items(capacity + 1), chosen(std::max(2 * (std::min(count, capacity) + 1), wanted + 2));
     u64* const candidates = items.data();  // ranked slots (ranked_slot)
     i64 n = 0;
     if (capacity >= 64 * SAMPLE_EVERY && count < capacity / 4) {
@@ -364,11 +363,9 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
             candidates[sampled] = ranked_slot(scores, s);
             sampled += evictable(slot_keys, pins, s);
         }
-        const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 64;  // a margin over the share
         if (wanted < sampled) {
-            chosen.resize(wanted + 2);
             select_lowest(candidates, sampled, wanted + 1, chosen.data());
-            const u64 bound = *std::max_element(chosen.begin(), chosen.begin() + wanted + 1) | 0xFFFFFFFFULL;
+            const u64 bound = *std::max_element(chosen.data(), chosen.data() + wanted + 1) | 0xFFFFFFFFULL;
             // every evictable slot of that score or lower
             n = evictable_slots(scores, slot_keys, pins, capacity, bound, candidates);
             if (n < count) n = 0;  // the sample misled: rank every slot
@@ -377,7 +374,6 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
     if (n == 0) n = evictable_slots(scores, slot_keys, pins, capacity, ~0ULL, candidates);
     const i64 kept = std::min<i64>(count, n);
     if (kept == 0) return 0;
-    chosen.resize(2 * (kept + 1));
     u64* const lowest = chosen.data();  // the kept lowest, then a copy of them
     u64* const ranked = candidates;     // the head lowest, then the rest ascending
     select_lowest(candidates, n, kept, lowest);
@@ -397,8 +393,6 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
     }
     std::sort(ranked + unsorted, ranked + kept);
     for (i64 i = 0; i < kept; ++i) out[i] = (i64)(ranked[i] & 0xFFFFFFFFULL);
-    if (items.capacity() > KEEP_SCRATCH_ITEMS) std::vector<u64>().swap(items);
-    if (chosen.capacity() > KEEP_SCRATCH_ITEMS) std::vector<u64>().swap(chosen);
     return kept;
 }
 
