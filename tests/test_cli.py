@@ -342,6 +342,14 @@ def test_ids_past_int64_are_named_not_a_traceback(tmp_path, dense, capsys):
     [
         (["zipf:n=1000", "--sizes", ","], "--sizes ',' names no size"),
         (["zipf:n=1000", "--sizes", "5%,lots"], "cache size 'lots' does not parse"),
+        (
+            ["zipf:n=1000", "--sizes", "1%,0.05"],
+            "cache size '0.05' has no unit: give a share of distinct ids with a % (5%)",
+        ),
+        (
+            ["zipf:n=1000", "--sizes", "0"],
+            "cache size '0' holds no rows (64 bytes a row)",
+        ),  # no made-up count
         (["zipf:n=1000", "--out", "/proc/no/such/dir/x"], "cannot write /proc/no/such/dir/x.json"),
         (["drift:n=100,hot=0"], "drift: hot must be a whole number from 1"),
         (["uniform:n=1e30"], "uniform: n must be a whole number from 1"),

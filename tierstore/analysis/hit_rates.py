@@ -20,6 +20,7 @@ its batch started as a miss, which is lower where an id repeats within a batch.
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from .traces import Trace
 
 REFERENCE_POLICIES = ("lru", "fifo", "belady")
 BATCH_SHARE = 1 / 8  # of a cache's rows: the most a replayed batch holds
+_UNITLESS_FRACTION = re.compile(r"^[0-9]*\.[0-9]+$")  # "0.05": a size missing its unit
 
 
 def horizon_lookups(horizon: str) -> int | str:
@@ -45,13 +47,20 @@ def horizon_lookups(horizon: str) -> int | str:
     return int(text) if text.isdigit() else text
 
 
-def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
+def cache_rows(size: str, distinct: int | None, row_bytes: int) -> int:
     """Rows a cache ``size`` holds: a share of the trace's distinct ids ("5%"), a row count
-    ("20000") or bytes of rows ("64MiB")."""
+    ("20000") or bytes of rows ("64MiB"). ``distinct`` None: not known yet (the size is only
+    checked; a share then counts as one row)."""
     text = size.strip()
+    if _UNITLESS_FRACTION.match(text):  # "0.05" is neither a share (5%) nor bytes nor rows
+        raise ValueError(
+            f"cache size {size!r} has no unit: give a share of distinct ids with a % "
+            f"({float(text) * 100:g}%), a whole number of rows (20000) or bytes with a unit (64MiB)"
+        )
     try:
         if text.endswith("%"):
-            rows = round(float(text[:-1]) / 100 * distinct)
+            share = float(text[:-1]) / 100
+            rows = round(share * distinct) if distinct is not None else int(share > 0)
         elif text.isdigit():
             rows = int(text)
         else:
@@ -62,9 +71,8 @@ def cache_rows(size: str, distinct: int, row_bytes: int) -> int:
             f"a row count (20000) or bytes (64MiB)"
         ) from None
     if rows < 1:
-        raise ValueError(
-            f"cache size {size!r} holds no rows ({distinct:,} distinct ids, {row_bytes} bytes a row)"
-        )
+        of_distinct = "" if distinct is None else f"{distinct:,} distinct ids, "
+        raise ValueError(f"cache size {size!r} holds no rows ({of_distinct}{row_bytes} bytes a row)")
     return rows
 
 

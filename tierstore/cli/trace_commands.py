@@ -160,7 +160,7 @@ def _sizes(args) -> list[str]:
     if not sizes:
         raise CommandError(f"--sizes {args.sizes!r} names no size; give e.g. 1%,5%,10% or 20000 or 64MiB")
     for size in sizes:
-        cache_rows(size, 2**62, args.dim * 4)  # raises ValueError naming a size that does not parse
+        cache_rows(size, None, args.dim * 4)  # raises ValueError naming a size that does not parse
     return sizes
 
 
