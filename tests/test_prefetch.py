@@ -230,6 +230,47 @@ def test_batches_come_out_unchanged_in_order_whatever_they_are(tmp_path):
         assert table.store.stack.top.pinned_count() == 0
 
 
+@pytest.mark.parametrize("ending", ["all batches run", "the loop left early", "the loader failed"])
+def test_a_loop_ending_stops_its_worker_without_waiting_out_a_timeout(tmp_path, monkeypatch, ending):
+    """Each loop's end stops its worker and drains what it read ahead; the worker's last item says
+    it is gone, so the drain never waits for a timeout on a queue no one will fill (which cost a
+    short loop, such as an evaluation's, 50 ms at every end)."""
+    waited_on_nothing = []
+    get = lookahead_module.queue.Queue.get
+
+    def get_noting_a_wait_past_the_worker(queue, *arguments, **keywords):
+        try:
+            return get(queue, *arguments, **keywords)
+        except lookahead_module.queue.Empty:
+            workers = [t for t in threading.enumerate() if t.name == "tierstore-prefetch"]
+            waited_on_nothing.append(not any(worker.is_alive() for worker in workers))
+            raise
+
+    monkeypatch.setattr(lookahead_module.queue.Queue, "get", get_noting_a_wait_past_the_worker)
+
+    def loader():
+        for index in range(6):
+            yield torch.tensor([index, index + 1])
+        if ending == "the loader failed":
+            raise RuntimeError("the loader broke")
+
+    with closing(preloaded_table(tmp_path / "t", host_rows=30)) as table:
+        for _ in range(3):
+            loop = tierstore.prefetch(loader(), table, lookahead=4, background=True)
+            try:
+                for index, ids in enumerate(loop):
+                    table(ids.reshape(1, -1)).sum().backward()
+                    if ending == "the loop left early" and index == 2:
+                        break
+            except RuntimeError as error:
+                assert ending == "the loader failed" and "the loader broke" in str(error)
+            finally:
+                loop.close()
+            assert not any(t.name == "tierstore-prefetch" for t in threading.enumerate())
+            assert table.store.stack.top.pinned_count() == 0
+    assert not any(waited_on_nothing)
+
+
 def test_a_loader_error_is_raised_in_the_loop_at_its_batch(tmp_path):
     def loader():
         for index in range(3):

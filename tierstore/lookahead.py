@@ -66,6 +66,7 @@ class _Failure:
 
 
 _END = object()
+_EXITED = object()  # the worker's last item, after any other: nothing more will come
 
 
 def prefetch(
@@ -181,7 +182,7 @@ class _Pipeline:
         self._lookahead = lookahead
         self._ids = ids
         self._read = 0  # batches read from the loader
-        self._ready: queue.Queue = queue.Queue()  # (batch, pins), then _END or a _Failure
+        self._ready: queue.Queue = queue.Queue()  # (batch, pins), then _END or a _Failure; _EXITED
         self._changed = threading.Condition()  # guards what follows
         self._queued = 0  # batches read ahead, not yet handed to the loop
         self._stopping = False
@@ -216,6 +217,8 @@ class _Pipeline:
         try:
             while True:
                 item = self._ready.get()
+                if item is _EXITED:  # stopped from outside (the interpreter exits)
+                    return
                 with self._changed:
                     self._queued -= 1
                     self._changed.notify_all()
@@ -258,6 +261,8 @@ class _Pipeline:
                 self._ready.put((batch, self._pin(batch)))
         except BaseException as error:  # the loop raises it at this batch
             self._ready.put(_Failure(error))
+        finally:  # a stopping loop waits for this, not for a timeout
+            self._ready.put(_EXITED)
 
     def _pin(self, batch: Any) -> list[_Pins]:
         """Pin the rows of ``batch`` in each store it looks up, waiting for room."""
@@ -362,10 +367,12 @@ class _Pipeline:
         while True:
             try:
                 item = self._ready.get(timeout=0.05)
-            except queue.Empty:
+            except queue.Empty:  # it exits when the batch it reads or pins is done
                 if not self._worker.is_alive():
                     break
                 continue
+            if item is _EXITED:
+                break
             if isinstance(item, tuple):
                 self._release(item[1])
         self._worker.join()
