@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from bench_train import each, interleaved_samples_per_second
+from bench_train import each, interleaved_seconds, paired_ratios
 from torch import nn
 from tqdm import tqdm
 
@@ -451,6 +451,26 @@ NATIVE_PHASES = [
 ]
 
 
+BASELINES = ("nn_embedding_bag", "fbgemm")  # what every method's speed is given against
+# The collection's variants, each against the run it adds to (paired as the baselines are).
+VARIANTS = {
+    "collection_lookahead": "collection",
+    "collection_lookahead_worker": "collection_lookahead",
+    "collection_horizon": "collection_lookahead",
+}
+
+
+def versus_baselines(seconds: dict[str, list[float]]) -> dict[str, dict[str, tuple]]:
+    """``{method: {baseline: paired_ratios}}``: each method against each of ``BASELINES`` timed
+    beside it, and each of ``VARIANTS`` against the run it adds to."""
+    ratios: dict[str, dict[str, tuple]] = {name: {} for name in seconds}
+    for name, taken in seconds.items():
+        for baseline in (*BASELINES, VARIANTS.get(name)):
+            if baseline in seconds:
+                ratios[name][baseline] = paired_ratios(taken, seconds[baseline])
+    return ratios
+
+
 def time_breakdown(run, batches: list) -> list[tuple[str, int, float]]:
     """``(label, depth, ms per step)`` of ``STAGES`` on the training thread (not a lookahead
     pipeline's worker) and of the whole step, over ``run(batches)``; each native call's phases
@@ -646,7 +666,9 @@ def main() -> None:
             host_horizon.clear()
         if args.dtype:
             host_16.clear()
-        rates = interleaved_samples_per_second(runs, timed, samples_per_batch=args.batch_size)
+        seconds = interleaved_seconds(runs, timed)
+        samples = args.steps * args.batch_size
+        rates = {name: samples / statistics.median(taken) for name, taken in seconds.items()}
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
         costs = step_costs(
             waited(step_of_collection, wait), store, [batch()[0] for _ in range(args.steps)], lengths, tier
@@ -677,11 +699,22 @@ def main() -> None:
         f"{tier} cache {top_rows:,} rows ({top_rows / sum(work.rows):.0%} of the {sum(work.rows):,} the "
         "tables hold)"
     )
-    baseline = rates["nn_embedding_bag"]
-    print(f"{'method':<22}{'samples/s':>12}{'vs nn.EmbeddingBag':>20}{'vs FBGEMM':>11}")
+    ratios = versus_baselines(seconds)
+    print(
+        "samples/s: the median round; against a baseline: the median of each round's ratio "
+        "(its lowest-highest), the methods timed in turns"
+    )
+    print(f"{'method':<28}{'samples/s':>12}{'vs nn.EmbeddingBag':>22}{'vs FBGEMM':>22}")
     for name, rate in rates.items():
-        versus_fbgemm = f"{rate / rates['fbgemm']:>11.2f}" if "fbgemm" in rates else f"{'':>11}"
-        print(f"{name:<22}{rate:>12,.0f}{rate / baseline:>20.2f}{versus_fbgemm}")
+        columns = "".join(
+            f"{f'{mid:.2f} ({low:.2f}-{high:.2f})' if (mid, low, high) != (None,) * 3 else '':>22}"
+            for mid, low, high in (ratios[name].get(base, (None,) * 3) for base in BASELINES)
+        )
+        print(f"{name:<28}{rate:>12,.0f}{columns}")
+    for name, against in VARIANTS.items():
+        if against in ratios.get(name, {}):
+            mid, low, high = ratios[name][against]
+            print(f"{name} against {against}: {mid:.2f} ({low:.2f}-{high:.2f})")
     for name, figures in caches.items():
         print(
             f"{name}'s {tier} cache ({figures['rows']:,} rows) while timed: its steps' lookups hit "
@@ -739,6 +772,7 @@ def main() -> None:
                 "config": {k: str(v) for k, v in vars(args).items()},
                 "workload": work.description,
                 "samples_per_s": rates,
+                "paired_ratios": ratios,
                 "host_cache": caches,
                 "memory_as_built": memory,
                 "step_costs": costs,

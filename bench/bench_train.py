@@ -54,21 +54,35 @@ def each(step):
     return run
 
 
-def interleaved_samples_per_second(
-    runs: dict, timed: list[list], samples_per_batch: int | None = None
-) -> dict[str, float]:
-    """Samples/s of each warmed-up ``runs[name](batches)`` (``each(step)`` for a per-batch step),
-    timed in turns on each list of ``timed`` batches (so the machine's drift hits every method
-    alike; each list is fresh to the tiered table). A batch holds ``samples_per_batch`` samples
-    (default: its offsets' length)."""
+def interleaved_seconds(runs: dict, timed: list[list]) -> dict[str, list[float]]:
+    """Seconds each warmed-up ``runs[name](batches)`` (``each(step)`` for a per-batch step) took on
+    each list of ``timed`` batches, the methods timed in turns (so the machine's drift hits every
+    method alike; each list is fresh to the tiered table): ``{name: [seconds of round r]}``."""
     times = {name: [] for name in runs}
     for batches in timed:
         for name, run in runs.items():
             start = time.perf_counter()
             run(batches)
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_samples_per_second(
+    runs: dict, timed: list[list], samples_per_batch: int | None = None
+) -> dict[str, float]:
+    """Median samples/s of each of ``runs`` over ``interleaved_seconds``' rounds. A batch holds
+    ``samples_per_batch`` samples (default: its offsets' length)."""
     samples = len(timed[0]) * (samples_per_batch or timed[0][0][1].numel())
+    times = interleaved_seconds(runs, timed)
     return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
+
+
+def paired_ratios(seconds: list[float], baseline: list[float]) -> tuple[float, float, float]:
+    """Speed against a baseline timed in the same rounds (``interleaved_seconds``), each round's
+    ratio of times taken on its own: ``(median, lowest, highest)``. A round's ratio sees the
+    machine as both methods saw it, so a slow spell between rounds does not move it."""
+    ratios = [theirs / ours for ours, theirs in zip(seconds, baseline)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def torch_baseline(ids: int, dim: int, optimizer: str):
