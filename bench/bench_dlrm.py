@@ -79,7 +79,6 @@ from tierstore.analysis.traces import load_trace
 from tierstore.budget import horizon_accesses
 from tierstore.kernels.native_types import Residency
 from tierstore.kernels.step_passes import StepPasses
-from tierstore.lookahead import default_background
 from tierstore.nn.collection_layout import table_keys
 from tierstore.nn.jagged_batch import JaggedBatch
 from tierstore.tiers.stack import TierStack
@@ -236,7 +235,7 @@ def lookahead_run(
     horizon: str | None = None,
 ):
     """A run of ``step`` over a list of batches through ``tierstore.prefetch`` (``background`` and
-    ``horizon`` as it takes them: None, the default for this machine; no horizon)."""
+    ``horizon`` as it takes them: None, the default (inline); no horizon)."""
 
     def run(batches: list) -> None:
         loop = prefetch(
@@ -617,16 +616,17 @@ def main() -> None:
             step, collection, _, own_store = collection_step(work, args, Path(directory) / "lookahead")
             with_lookahead = lookahead_run(step, collection, work, args.lookahead)
             runs["collection_lookahead"] = counted(with_lookahead, own_store, host_lookahead := {})
-            # What the default (inline here) was chosen against, where the page cache holds a third
-            # store beside the others (and the baselines' tables): else misses would read the disk.
+            # The worker (background=True), what the default (inline) was chosen against, where the page
+            # cache holds a third store beside the others (and the baselines' tables): else misses
+            # would read the disk.
             footprint = store_bytes(Path(directory) / "plain")
             needed = 4 * footprint + 2 * sum(work.rows) * args.dim * 4  # stores incl. separate; 2 baselines
-            if not default_background() and psutil.virtual_memory().available > needed:
+            if psutil.virtual_memory().available > needed:
                 step, collection, _, _ = collection_step(work, args, Path(directory) / "worker")
                 runs["collection_lookahead_worker"] = lookahead_run(
                     step, collection, work, args.lookahead, background=True
                 )
-            elif not default_background():
+            else:
                 print(
                     f"collection_lookahead_worker left out: its store ({footprint / 2**30:.1f} GiB) would "
                     "push the other stores' files out of this machine's page cache"
@@ -759,12 +759,8 @@ def main() -> None:
         if depth <= 1 and ms
     )
     print(f"shares of the collection's step: {shares}")
-    if args.lookahead and not default_background():
-        print("the pipeline ran inline (this machine's default: few cores), so nothing moved off the thread")
-    elif args.lookahead:
-        moving = [label for label, depth, _ in breakdowns["collection"] if label.startswith("make the rows")]
-        before, after = (dict((label, ms) for label, _, ms in breakdowns[name])[moving[0]] for name in names)
-        print(f"share of the rows' movement taken off the training thread: {1 - after / before:.2f}")
+    if args.lookahead:
+        print("collection_lookahead ran inline (prefetch's default), so nothing moved off the thread")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(

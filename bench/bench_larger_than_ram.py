@@ -10,6 +10,9 @@ a fixed random upstream gradient per step) by:
 - ``tiered``: ``TieredEmbeddingBag`` on an mmap store, host cache ``--host-cache`` (default a quarter
   of the limit), in a memory cgroup of ``--limit``;
 - ``tiered_lmdb``: the same on an LMDB store;
+- ``tiered_worker``: ``tiered`` trained through ``tierstore.prefetch(..., 8, background=True)``: a
+  worker thread makes the next 8 batches' rows resident while a batch trains (cold reads off the
+  training thread);
 - ``tiered_horizon``: ``tiered`` trained through ``tierstore.prefetch(..., horizon="10x")`` (evicting
   by next use ten caches ahead, fed the batches' ids from their file), its store budgeting the
   horizon's memory (``horizon="10x"``): the same bytes, fewer rows cached;
@@ -50,8 +53,9 @@ from pathlib import Path
 import numpy as np
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-METHODS = ("tiered", "tiered_lmdb", "tiered_horizon", "memmap", "in_ram")
-LIMITED = {"tiered", "tiered_lmdb", "tiered_horizon", "memmap"}
+METHODS = ("tiered", "tiered_lmdb", "tiered_worker", "tiered_horizon", "memmap", "in_ram")
+LIMITED = {"tiered", "tiered_lmdb", "tiered_worker", "tiered_horizon", "memmap"}
+WORKER_LOOKAHEAD = 8  # tiered_worker's window, in batches
 HORIZON = "10x"  # tiered_horizon's, in host caches
 LEARNING_RATE = 0.05
 BUILD_CHUNK = 1 << 18  # rows generated and written at once
@@ -150,7 +154,12 @@ def _build(args, methods: list[str], work: Path) -> None:
     table = np.lib.format.open_memmap(work / "table.npy", "w+", np.float32, (args.rows, args.dim))
     stores = [
         TieredStore(work / name, dim=args.dim, backend=backend, host_cache=1024)
-        for name, backend in (("tiered", "mmap"), ("tiered_lmdb", "lmdb"), ("tiered_horizon", "mmap"))
+        for name, backend in (
+            ("tiered", "mmap"),
+            ("tiered_lmdb", "lmdb"),
+            ("tiered_worker", "mmap"),
+            ("tiered_horizon", "mmap"),
+        )
         if name in methods
     ]
     for start in range(0, args.rows, BUILD_CHUNK):
@@ -239,7 +248,7 @@ def _method(method: str, args, work: Path):
     def in_turn(numbers, ids_of):
         return numbers
 
-    if method in ("tiered", "tiered_lmdb", "tiered_horizon"):
+    if method in ("tiered", "tiered_lmdb", "tiered_worker", "tiered_horizon"):
         import tierstore
         from tierstore import TieredEmbeddingBag, optim
 
@@ -257,6 +266,9 @@ def _method(method: str, args, work: Path):
         def foreseen(numbers, ids_of):
             return tierstore.prefetch(numbers, table, 1, ids=ids_of, background=False, horizon=HORIZON)
 
+        def ahead(numbers, ids_of):
+            return tierstore.prefetch(numbers, table, WORKER_LOOKAHEAD, ids=ids_of, background=True)
+
         def step(ids, offsets, grad):
             table(ids, offsets).backward(grad)
 
@@ -270,7 +282,8 @@ def _method(method: str, args, work: Path):
             }
             return table.store.get(ids), extra
 
-        return step, finish, table.flush, foreseen if foreseeing else in_turn
+        orders = {"tiered_horizon": foreseen, "tiered_worker": ahead}
+        return step, finish, table.flush, orders.get(method, in_turn)
     if method == "memmap":
         weights = np.load(work / "table.npy", mmap_mode="r+")
 

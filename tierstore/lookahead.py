@@ -11,12 +11,11 @@ within the window. Tiers are exclusive and a move carries a row whole, so traini
 rows with or without the pipeline, bit for bit; the store's lock orders the worker's moves and
 the loop's lookups and updates.
 
-The worker needs a core of its own: on a machine with few cores it contends with the step's own
-threads (the native step runs on every core) and its moves, Python holding the GIL, slow the loop
-more than they save (``bench/bench_dlrm.py --lookahead``). So by default (``background=None``)
-the worker runs only where more than ``INLINE_UP_TO_CORES`` cores are available; otherwise the
-pipeline runs inline: batches pass straight through, each step makes its own rows resident, and a
-``warm`` ranking is loaded a chunk after each batch.
+By default (``background=None`` or False) the pipeline runs inline: batches pass straight through,
+each step makes its own rows resident, and a ``warm`` ranking is loaded a chunk after each batch.
+The worker (``background=True``) was measured slower on every workload tried, with and without a
+core of its own and with cold reads from disk: it holds the store's lock for its moves and the GIL
+for its Python, so the step waits on it rather than overlapping it (README, "Worker or inline").
 
 Pinned rows count in the top tier's budget: the window pins at most the tier's capacity less the
 largest batch's distinct rows, so any batch fits beside it. A batch that does not fit waits for
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import queue
 import sys
 import threading
@@ -43,7 +41,6 @@ from .horizon_reader import HorizonReader
 from .kernels.host import openmp_runtime
 from .prefetch_stats import PrefetchStats
 
-INLINE_UP_TO_CORES = 2  # cores available to this process: up to this many, no worker by default
 MAX_LOOKAHEAD = 64  # a row's pin count is one byte: the window's batches and the current one
 PRELOAD_CHUNK = 1 << 16  # ranked ids the worker loads at a time (the store's lock is held meanwhile)
 EXIT_WAIT_S = 30.0  # at the interpreter's exit, how long a worker is waited for (it ends its batch)
@@ -93,8 +90,8 @@ def prefetch(
     into the caches' free slots in the background, a chunk at a time while its window is full
     (a warm start that does not hold up the first batches).
     Leaving the loop (``break``, an exception) stops the worker and unpins its rows.
-    ``background``: run the worker (True) or the inline pipeline (False); None: the worker only
-    where more than ``INLINE_UP_TO_CORES`` cores are available (see the module docstring).
+    ``background``: run the worker (True) or the inline pipeline (False, or None: the default; see
+    the module docstring).
     ``horizon``: also read the ids of the batches up to this many row lookups ahead (an int, a
     batch counting its distinct ids per store, or ``"10x"``: ten times the top tier's capacity)
     and evict by next use (``tierstore.horizon``), in either mode; the batches read that far
@@ -119,7 +116,7 @@ def prefetch(
             f"got {type(batches).__name__}"
         ) from None
     if background is not None and not isinstance(background, bool):
-        raise TypeError(f"background must be True, False or None (choose by the cores), got {background!r}")
+        raise TypeError(f"background must be True, False or None (the default: inline), got {background!r}")
     if horizon is not None:
         horizon_accesses(horizon, 1)  # a bad horizon raises here
     elif horizon_ids is not None:
@@ -129,17 +126,11 @@ def prefetch(
     if horizon is not None:
         ahead = HorizonReader(iterator, module, ids, horizon, horizon_ids, lookahead)
         iterator = ahead
-    if not (default_background() if background is None else background):
+    if not background:
         return _inline(iterator, lookahead, preloads, ahead)
     pipeline = _Pipeline(iterator, module, lookahead, ids, ahead)
     pipeline.preload_later(preloads)
     return pipeline.run()
-
-
-def default_background() -> bool:
-    """Whether ``prefetch`` runs its worker by default here: more than ``INLINE_UP_TO_CORES``
-    cores available to this process."""
-    return len(os.sched_getaffinity(0)) > INLINE_UP_TO_CORES
 
 
 def _inline(
