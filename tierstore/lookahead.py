@@ -2,7 +2,8 @@
 batch trains.
 
 The batches of an epoch are known before they are trained (Bagpipe's oracle cacher, TorchRec's
-prefetch pipeline). A worker thread reads up to ``lookahead`` batches ahead of the training loop;
+prefetch pipeline). With ``background=True`` a worker thread reads up to ``lookahead`` batches
+ahead of the training loop;
 for each it moves the rows the batch will look up (those the table holds; new ids are added by
 the batch itself) into the top tier and pins them there until the batch has run. The step then
 finds its rows resident, and no eviction takes a row the window needs: victims come from the
@@ -76,8 +77,8 @@ def prefetch(
     horizon: int | str | None = None,
     horizon_ids: Iterable | None = None,
 ) -> Iterator:
-    """Yield ``batches`` unchanged and in order while a worker thread moves the rows of the next
-    ``lookahead`` batches into ``module``'s top cache tier.
+    """Yield ``batches`` unchanged and in order; with ``background=True``, while a worker thread
+    moves the rows of the next ``lookahead`` batches into ``module``'s top cache tier.
 
     ``module``: a ``TieredEmbeddingBag``, ``TieredEmbedding`` or ``TieredEmbeddingBagCollection``
     (or a ``TieredStore``, whose ``get`` the loop calls). ``ids(batch)``: what the module is called
