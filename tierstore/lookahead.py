@@ -3,9 +3,9 @@ batch trains.
 
 The batches of an epoch are known before they are trained (Bagpipe's oracle cacher, TorchRec's
 prefetch pipeline). With ``background=True`` a worker thread reads up to ``lookahead`` batches
-ahead of the training loop;
-for each it moves the rows the batch will look up (those the table holds; new ids are added by
-the batch itself) into the top tier and pins them there until the batch has run. The step then
+ahead of the training loop; for each it moves the rows the batch will look up (those the table
+holds; new ids are added by the batch itself) into the top tier and pins them there until the
+batch has run. The step then
 finds its rows resident, and no eviction takes a row the window needs: victims come from the
 rows outside the window, by the tier's own policy (LFU with ageing), which is Belady's choice
 within the window. Tiers are exclusive and a move carries a row whole, so training gives the same
