@@ -4,13 +4,12 @@ batch trains.
 The batches of an epoch are known before they are trained (Bagpipe's oracle cacher, TorchRec's
 prefetch pipeline). With ``background=True`` a worker thread reads up to ``lookahead`` batches
 ahead of the training loop; for each it moves the rows the batch will look up (those the table
-holds; new ids are added by the batch itself) into the top tier and pins them there until the
-batch has run. The step then
-finds its rows resident, and no eviction takes a row the window needs: victims come from the
-rows outside the window, by the tier's own policy (LFU with ageing), which is Belady's choice
-within the window. Tiers are exclusive and a move carries a row whole, so training gives the same
-rows with or without the pipeline, bit for bit; the store's lock orders the worker's moves and
-the loop's lookups and updates.
+holds; new ids are added by the batch itself) into the top tier and pins them there until the batch
+has run. The step then finds its rows resident, and no eviction takes a row the window needs:
+victims come from the rows outside the window, by the tier's own policy (LFU with ageing), which is
+Belady's choice within the window. Tiers are exclusive and a move carries a row whole, so training
+gives the same rows with or without the pipeline, bit for bit; the store's lock orders the worker's
+moves and the loop's lookups and updates.
 
 By default (``background=None`` or False) the pipeline runs inline: batches pass straight through,
 each step makes its own rows resident, and a ``warm`` ranking is loaded a chunk after each batch.
