@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from bench_train import each, interleaved_seconds, paired_ratios
+from bench_train import each, interleaved_seconds, median_rates, paired_ratios, ratio_text
 from torch import nn
 from tqdm import tqdm
 
@@ -667,8 +667,7 @@ def main() -> None:
         if args.dtype:
             host_16.clear()
         seconds = interleaved_seconds(runs, timed)
-        samples = args.steps * args.batch_size
-        rates = {name: samples / statistics.median(taken) for name, taken in seconds.items()}
+        rates = median_rates(seconds, args.steps * args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
         costs = step_costs(
             waited(step_of_collection, wait), store, [batch()[0] for _ in range(args.steps)], lengths, tier
@@ -707,14 +706,12 @@ def main() -> None:
     print(f"{'method':<28}{'samples/s':>12}{'vs nn.EmbeddingBag':>22}{'vs FBGEMM':>22}")
     for name, rate in rates.items():
         columns = "".join(
-            f"{f'{mid:.2f} ({low:.2f}-{high:.2f})' if (mid, low, high) != (None,) * 3 else '':>22}"
-            for mid, low, high in (ratios[name].get(base, (None,) * 3) for base in BASELINES)
+            f"{ratio_text(ratios[name][base]) if base in ratios[name] else '':>22}" for base in BASELINES
         )
         print(f"{name:<28}{rate:>12,.0f}{columns}")
     for name, against in VARIANTS.items():
         if against in ratios.get(name, {}):
-            mid, low, high = ratios[name][against]
-            print(f"{name} against {against}: {mid:.2f} ({low:.2f}-{high:.2f})")
+            print(f"{name} against {against}: {ratio_text(ratios[name][against])}")
     for name, figures in caches.items():
         print(
             f"{name}'s {tier} cache ({figures['rows']:,} rows) while timed: its steps' lookups hit "

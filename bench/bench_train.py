@@ -73,8 +73,12 @@ def interleaved_samples_per_second(
     """Median samples/s of each of ``runs`` over ``interleaved_seconds``' rounds. A batch holds
     ``samples_per_batch`` samples (default: its offsets' length)."""
     samples = len(timed[0]) * (samples_per_batch or timed[0][0][1].numel())
-    times = interleaved_seconds(runs, timed)
-    return {name: samples / statistics.median(seconds) for name, seconds in times.items()}
+    return median_rates(interleaved_seconds(runs, timed), samples)
+
+
+def median_rates(seconds: dict[str, list[float]], samples: int) -> dict[str, float]:
+    """Samples/s of each method's median round of ``interleaved_seconds``, ``samples`` a round."""
+    return {name: samples / statistics.median(taken) for name, taken in seconds.items()}
 
 
 def paired_ratios(seconds: list[float], baseline: list[float]) -> tuple[float, float, float]:
@@ -83,6 +87,12 @@ def paired_ratios(seconds: list[float], baseline: list[float]) -> tuple[float, f
     machine as both methods saw it, so a slow spell between rounds does not move it."""
     ratios = [theirs / ours for ours, theirs in zip(seconds, baseline)]
     return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def ratio_text(ratio: tuple[float, float, float]) -> str:
+    """A ``paired_ratios`` result as "median (lowest-highest)"."""
+    middle, lowest, highest = ratio
+    return f"{middle:.2f} ({lowest:.2f}-{highest:.2f})"
 
 
 def torch_baseline(ids: int, dim: int, optimizer: str):
