@@ -184,21 +184,20 @@ extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ p
 // (scores[slot] += counts[i] x increment, in float as the touch kernel's weights are) and their slots listed
 // in hit_slots; the misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses'
 // counts summed. Returns the number of misses. Here the product is rounded before the sum (no fused
-// multiply-add), as the touch kernel's weights are computed apart.
+// multiply-add), as the touch kernel's weights are computed apart. resolve_keys also pins the hits
+// (pins[slot] += 1, on the lines their scores already bring in) where pins is not null.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, float increment) {
     scores[slot] += (float)count * increment;
 }
 
-extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
-                             i64 mask, const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
-                             const i64* __restrict__ sizes, i64 tables, i64 tier_slots,
-                             const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
-                             float* __restrict__ scores, float increment, i64* __restrict__ slots,
-                             i64* __restrict__ hit_slots, i64* __restrict__ missed,
-                             i64* __restrict__ lookups) {
-    const DirectLayout layout{bases, sizes, tables, tier_slots};
+static i64 resolve_keys(const i64* __restrict__ table_keys, const int* __restrict__ table_values, i64 mask,
+                        const i64* __restrict__ slot_keys, const DirectLayout& layout,
+                        const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                        float* __restrict__ scores, float increment, unsigned char* __restrict__ pins,
+                        i64* __restrict__ slots, i64* __restrict__ hit_slots, i64* __restrict__ missed,
+                        i64* __restrict__ lookups) {
 #pragma omp parallel if (n >= PARALLEL_FROM)
     {
 #pragma omp for schedule(static)
@@ -207,11 +206,17 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
                 prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
             slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
         }
-        // The hits touched on the team too: the keys are distinct, so each score has one writer.
+        // The hits touched (and pinned) on the team too: the keys are distinct, so each score (and
+        // pin) has one writer.
 #pragma omp for schedule(static)
         for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n && slots[i + AHEAD] >= 0) __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
-            if (slots[i] >= 0) add_count(scores, slots[i], counts[i], increment);
+            if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
+                __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
+                if (pins) __builtin_prefetch(&pins[slots[i + AHEAD]], 1);
+            }
+            if (slots[i] < 0) continue;
+            add_count(scores, slots[i], counts[i], increment);
+            if (pins) pins[slots[i]] = (unsigned char)(pins[slots[i]] + 1);
         }
     }
     i64 hits = 0, misses = 0, hit_lookups = 0, missed_lookups = 0;
@@ -228,6 +233,18 @@ extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __re
     lookups[0] = hit_lookups;
     lookups[1] = missed_lookups;
     return misses;
+}
+
+extern "C" i64 cache_resolve(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
+                             i64 mask, const i64* __restrict__ slot_keys, const i64* __restrict__ bases,
+                             const i64* __restrict__ sizes, i64 tables, i64 tier_slots,
+                             const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                             float* __restrict__ scores, float increment, i64* __restrict__ slots,
+                             i64* __restrict__ hit_slots, i64* __restrict__ missed,
+                             i64* __restrict__ lookups) {
+    const DirectLayout layout{bases, sizes, tables, tier_slots};
+    return resolve_keys(table_keys, table_values, mask, slot_keys, layout, keys, counts, n, scores, increment,
+                        nullptr, slots, hit_slots, missed, lookups);
 }
 // scores[slots[i]] += counts[i] x increment for slots[0..n) (distinct), on one thread, rounded as
 // cache_resolve rounds it.

@@ -1173,17 +1173,23 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     const i64 started = steady_ns();
     Room<i64> hit_slots(n), missed(n);
     i64 lookups[2];
-    const i64 misses =
-        cache_resolve(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct_bases,
-                      tier.direct_sizes, tier.direct_tables, tier.direct_slots, keys, counts, n, tier.scores,
-                      increment, slots, hit_slots.data(), missed.data(), lookups);
+    // Where the keys outnumber the free slots, victims may be wanted: the hits are pinned as they are
+    // found (none may be one), and unpinned once the victims are chosen.
+    unsigned char* const hit_pins = n > choice.free_count ? choice.pins : nullptr;
+    const DirectLayout layout{tier.direct_bases, tier.direct_sizes, tier.direct_tables, tier.direct_slots};
+    const i64 misses = resolve_keys(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys,
+                                    layout, keys, counts, n, tier.scores, increment, hit_pins, slots,
+                                    hit_slots.data(), missed.data(), lookups);
     const i64 hits = n - misses;
     out->hit_lookups = lookups[0];
     out->missed_lookups = lookups[1];
     out->misses = misses;
     const i64 found = steady_ns();
     out->find_ns = found - started;
-    if (misses == 0) return;
+    if (misses == 0) {
+        if (hit_pins) cache_pins_add(choice.pins, hit_slots.data(), hits, -1);
+        return;
+    }
 
     Room<i64> claimed(misses), missed_keys(misses), missed_counts(misses);
     for (i64 i = 0; i < misses; ++i) {
@@ -1201,7 +1207,6 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     out->from_free = from_free;
     out->victims = victims;
     if (victims) {
-        cache_pins_add(choice.pins, hit_slots.data(), hits, 1);
         cache_pins_add(choice.pins, protect, protect_count, 1);
         i64* const taken = &claimed[from_free];
         out->pool_taken =
@@ -1220,12 +1225,12 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
             }
         }
         cache_pins_add(choice.pins, protect, protect_count, -1);  // uint8 counts: undone exactly
-        cache_pins_add(choice.pins, hit_slots.data(), hits, -1);
-        if (out->pool_taken < 0 && out->ranked_count < victims) {
-            out->status = 2;
-            out->detail = out->ranked_count;
-            return;
-        }
+    }
+    if (hit_pins) cache_pins_add(choice.pins, hit_slots.data(), hits, -1);
+    if (victims && out->pool_taken < 0 && out->ranked_count < victims) {
+        out->status = 2;
+        out->detail = out->ranked_count;
+        return;
     }
     const i64 chosen = steady_ns();
     out->choose_ns = chosen - found;

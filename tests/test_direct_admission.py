@@ -162,6 +162,28 @@ def test_pinned_rows_and_a_refused_batch_leave_what_the_tiers_own_path_leaves(tm
         table.close()
 
 
+@pytest.mark.parametrize(
+    "batch", ["all hits", "misses into free slots", "misses evicting"], ids=lambda batch: batch
+)
+def test_a_native_lookup_leaves_no_pin_behind(tmp_path, batch):
+    """The one native call pins a batch's hits while it chooses victims (as it finds them, where the
+    batch has more keys than the tier has free slots) and unpins them whatever it then does."""
+    table = TieredEmbeddingBag(None, DIM, path=tmp_path / "s", backend="mmap", host_cache=8)
+    top = table.store.stack.top
+    calls = []
+    lookup_bags_in = table.store.stack.cold.lookup_bags_in
+    table.store.stack.cold.lookup_bags_in = lambda *a: calls.append(1) or lookup_bags_in(*a)
+    first = torch.arange(6) if batch == "misses into free slots" else torch.arange(8)
+    table(first, torch.arange(0, first.numel(), 2)).sum().backward()  # resident, the tier full or not
+    ids = {"all hits": torch.tensor([1, 2, 5, 7]), "misses into free slots": torch.tensor([0, 1, 6, 7])}
+    ids = ids.get(batch, torch.tensor([1, 2, 8, 9]))  # two hits, two victims
+    table(ids, torch.tensor([0, 2])).sum().backward()
+    assert len(calls) == 2, "the native call was not the path taken"
+    assert top.stats.evictions == (2 if batch == "misses evicting" else 0)
+    assert int(top.pins.sum()) == 0
+    table.close()
+
+
 def test_a_damaged_row_refuses_the_admission_and_changes_nothing(tmp_path):
     table = TieredEmbeddingBag(None, DIM, path=tmp_path / "s", backend="mmap", host_cache=8)
     table(torch.arange(8), torch.arange(0, 8, 2)).sum().backward()  # rows 0..7: dirty, cached
