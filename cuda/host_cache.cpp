@@ -185,7 +185,7 @@ extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ p
 // in hit_slots; the misses' positions are listed in missed. lookups[0] / lookups[1]: the hits' / misses'
 // counts summed. Returns the number of misses. Here the product is rounded before the sum (no fused
 // multiply-add), as the touch kernel's weights are computed apart. resolve_keys also pins the hits
-// (pins[slot] += 1, on the lines their scores already bring in) where pins is not null.
+// (pins[slot] += 1, in the pass that adds their counts) where pins is not null.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 static inline void add_count(float* __restrict__ scores, i64 slot, i64 count, float increment) {
