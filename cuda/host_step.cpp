@@ -487,30 +487,53 @@ extern "C" i64 step_rows_moved(const i64* __restrict__ slot_keys, const i64* __r
     return moved;
 }
 
-// A KeyedJaggedTensor batch checked and its features' starts laid out in one pass: lengths[F * batch]
-// (feature by feature), values[count] (feature by feature). Writes feature_starts[F + 1] (feature f's
+// A KeyedJaggedTensor batch checked and its features' starts laid out: lengths[F * batch] (feature
+// by feature), values[count] (feature by feature). Writes feature_starts[F + 1] (feature f's
 // entries from feature_starts[f]) and returns what is wrong first, its detail in *detail: 0 nothing,
 // 1 lengths[*detail] is negative, 2 the lengths sum to *detail, not count (values are not read then;
 // a sum past int64 reads INT64_MAX), 3 entry *detail's id is negative or not below its feature's
-// bounds[f].
+// bounds[f]. Each check is a branch-free pass the compiler vectorizes (an OR of what it tests); only
+// a batch that fails one is searched again, an entry at a time, for the first culprit.
 extern "C" i64 step_check_batch(const i64* __restrict__ values, i64 count, const i64* __restrict__ lengths,
                                 i64 features, i64 batch, const i64* __restrict__ bounds,
                                 i64* __restrict__ feature_starts, i64* __restrict__ detail) {
-    for (i64 i = 0; i < features * batch; ++i) {
-        if (lengths[i] < 0) {
-            *detail = i;
-            return 1;
+    u64 bits = 0;  // every length's bits: the sign bit if one is negative, and how large they get
+    for (i64 f = 0; f < features; ++f) {  // each feature's sum as it comes, wrapping, beside them
+        const i64* __restrict__ feature_lengths = lengths + f * batch;
+        u64 feature_sum = 0;
+        for (i64 b = 0; b < batch; ++b) {
+            bits |= (u64)feature_lengths[b];
+            feature_sum += (u64)feature_lengths[b];
+        }
+        feature_starts[f + 1] = (i64)feature_sum;
+    }
+    if (bits >> 63) {
+        for (i64 i = 0;; ++i) {
+            if (lengths[i] < 0) {
+                *detail = i;
+                return 1;
+            }
         }
     }
+    // Lengths below 2^31, fewer than 2^31 of them: a feature's sum is below 2^62, exact as summed.
+    const bool exact = (bits >> 31) == 0 && batch < (1LL << 31);
     i64 sum = 0;
     feature_starts[0] = 0;
     for (i64 f = 0; f < features; ++f) {
-        const i64* __restrict__ feature_lengths = lengths + f * batch;
-        for (i64 b = 0; b < batch; ++b) {
-            if (__builtin_add_overflow(sum, feature_lengths[b], &sum)) {
-                *detail = INT64_MAX;
-                return 2;
+        i64 feature_sum = feature_starts[f + 1];
+        if (!exact) {
+            const i64* __restrict__ feature_lengths = lengths + f * batch;
+            feature_sum = 0;
+            for (i64 b = 0; b < batch; ++b) {
+                if (__builtin_add_overflow(feature_sum, feature_lengths[b], &feature_sum)) {
+                    *detail = INT64_MAX;
+                    return 2;
+                }
             }
+        }
+        if (__builtin_add_overflow(sum, feature_sum, &sum)) {
+            *detail = INT64_MAX;
+            return 2;
         }
         feature_starts[f + 1] = sum;
     }
@@ -519,7 +542,11 @@ extern "C" i64 step_check_batch(const i64* __restrict__ values, i64 count, const
         return 2;
     }
     for (i64 f = 0; f < features; ++f) {
-        for (i64 e = feature_starts[f]; e < feature_starts[f + 1]; ++e) {
+        const u64 bound = (u64)bounds[f];  // a negative id, as unsigned, is past any bound
+        u64 outside = 0;
+        for (i64 e = feature_starts[f]; e < feature_starts[f + 1]; ++e) outside |= (u64)values[e] >= bound;
+        if (!outside) continue;
+        for (i64 e = feature_starts[f];; ++e) {
             if (values[e] < 0 || values[e] >= bounds[f]) {
                 *detail = e;
                 return 3;
@@ -541,15 +568,15 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
                                 const i64* __restrict__ numbers, const float* __restrict__ weights,
                                 i64* __restrict__ keys, i64* __restrict__ bag_starts,
                                 float* __restrict__ group_weights, i64* __restrict__ cursors) {
-    bool one_id_bags = true;  // every bag of the group holds one id: the layout is a transpose
-    for (i64 j = 0; j < group_count && one_id_bags; ++j) {
+    u64 other_lengths = 0;  // none: every bag of the group holds one id, and the layout is a transpose
+    for (i64 j = 0; j < group_count; ++j) {
         const i64* __restrict__ feature_lengths = lengths + group_features[j] * batch;
-        bool ones = true;
-        for (i64 b = 0; b < batch; ++b) ones &= feature_lengths[b] == 1;
-        one_id_bags = ones;
+        for (i64 b = 0; b < batch; ++b) other_lengths |= (u64)feature_lengths[b] ^ 1;
     }
-    if (one_id_bags) {
+    if (!other_lengths) {
         const i64 block = 64;  // samples at a time: each feature's run of them stays in L1 meanwhile
+                               // Blocks on the team: each writes its own samples' keys.
+#pragma omp parallel for schedule(static) if (batch * group_count >= 8 * PARALLEL_FROM)
         for (i64 first = 0; first < batch; first += block) {
             const i64 last = first + block < batch ? first + block : batch;
             for (i64 j = 0; j < group_count; ++j) {
