@@ -574,8 +574,9 @@ extern "C" void step_group_keys(const i64* __restrict__ values, const i64* __res
         for (i64 b = 0; b < batch; ++b) other_lengths |= (u64)feature_lengths[b] ^ 1;
     }
     if (!other_lengths) {
-        const i64 block = 64;  // samples at a time: each feature's run of them stays in L1 meanwhile
-                               // Blocks on the team: each writes its own samples' keys.
+        // Blocks of samples on the team, each writing its own samples' keys; a block's run of each
+        // feature stays in L1 meanwhile.
+        const i64 block = 64;
 #pragma omp parallel for schedule(static) if (batch * group_count >= 8 * PARALLEL_FROM)
         for (i64 first = 0; first < batch; first += block) {
             const i64 last = first + block < batch ? first + block : batch;
