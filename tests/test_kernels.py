@@ -22,7 +22,7 @@ from tierstore.kernels import cuda as kernels
 from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.tiers.backends import TorchRows
 from tierstore.tiers.hash_index import HashIndex
-from tierstore.tiers.kernel_hash_table import KernelHashTable
+from tierstore.tiers.kernel_hash_table import MAX_LOAD, KernelHashTable
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -213,6 +213,23 @@ def test_long_chains_survive_removals_and_the_table_rebuilds(host):
         resident = torch.cat([resident, incoming])
         assert bool((table.find(resident) >= 0).all()) and bool((table.find(out) == -1).all())
     assert table.tombstones < table.keys.numel()
+
+
+def test_a_growing_kernel_table_doubles_and_stays_at_least_a_quarter_full(host):
+    """A table that grows (the mmap log's index, keys arriving a batch at a time) doubles: each
+    rebuild twice the size before it, the table never past MAX_LOAD and, once grown, never under
+    half of it (at most four positions a key: its memory follows its keys)."""
+    table = KernelHashTable(1024, host, "cpu", value_dtype=torch.int64)
+    sizes, rebuild = [table.keys.numel()], table._rebuild
+    table._rebuild = lambda size: (sizes.append(size), rebuild(size))
+    keys = torch.randint(1 << 40, (20_000,), generator=torch.Generator().manual_seed(0)).unique()
+    for batch in keys.split(300):
+        table.insert(batch, batch * 3)
+        assert len(table) <= MAX_LOAD * table.keys.numel()
+        if len(sizes) > 1:
+            assert len(table) >= MAX_LOAD / 2 * table.keys.numel(), (len(table), table.keys.numel())
+    assert sizes == [sizes[0] << i for i in range(len(sizes))] and len(sizes) > 5, sizes
+    assert torch.equal(table.find(keys), keys * 3)
 
 
 def test_a_full_kernel_table_under_steady_churn_rebuilds_rarely(host):

@@ -109,8 +109,8 @@ class KernelHashTable(BatchedHashTable):
 
     def make_room(self, count: int) -> None:
         """Rebuild or grow the table now if ``count`` more keys would pass its load limits."""
-        if self.live + count > MAX_LOAD * self.keys.numel():
-            self._rebuild(positions_for(2 * (self.live + count)))
+        if self.live + count > MAX_LOAD * self.keys.numel():  # twice the size: half full at most
+            self._rebuild(positions_for(self.live + count))
         elif self.live + self.tombstones + count > MAX_LOAD_WITH_TOMBSTONES * self.keys.numel():
             self._rebuild(self.keys.numel())
 
