@@ -12,7 +12,9 @@ import torch
 from host_kernels import parallel_host_kernels
 
 from tierstore import TieredStore
+from tierstore.tiers import huge_pages
 from tierstore.tiers.cold import LmdbColdStore, lmdb_staging, lmdb_store, open_cold_store
+from tierstore.tiers.kernel_hash_table import KernelHashTable
 
 
 @pytest.fixture(params=["lmdb", "mmap", "mmap-kernel-index"])
@@ -455,4 +457,30 @@ def test_lmdb_stages_a_flushs_own_rows_without_indexing_them(tmp_path, monkeypat
     rows, found = store.get(keys)
     assert bool(found.all()) and rows[:, 0].tolist() == [oracle[key] for key in keys.tolist()]
     assert len(store) == len(oracle)
+    store.close()
+
+
+def test_the_logs_growing_index_stays_off_huge_pages_where_a_tiers_index_asks_for_them(tmp_path, monkeypatch):
+    """The mmap log's index grows as rows are staged, each rebuild touching a new table first: it
+    is never marked for 2 MiB pages (``MADV_HUGEPAGE``), where a table of the same size made as a
+    tier's index is."""
+    marked = []
+    monkeypatch.setattr(
+        huge_pages, "_madvise", lambda: lambda start, length, advice: marked.append((start, length))
+    )
+
+    def touched(tensor):
+        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+        return any(start < at + length and at < end for at, length in marked)
+
+    store = open_store("mmap-kernel-index", tmp_path)
+    keys = torch.arange(300_000)
+    store.put(keys, torch.zeros(keys.numel(), 3))
+    log_index = store._wal_index
+    assert log_index.keys.nbytes >= 4 * huge_pages.HUGE_PAGE and torch.equal(
+        store.get(keys)[1], torch.ones(300_000, dtype=torch.bool)
+    )
+    assert not touched(log_index.keys) and not touched(log_index.values)
+    tiers_index = KernelHashTable(300_000, parallel_host_kernels(), value_dtype=torch.int64)
+    assert touched(tiers_index.keys) and touched(tiers_index.values)
     store.close()

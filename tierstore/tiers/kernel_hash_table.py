@@ -36,7 +36,10 @@ def positions_for(capacity: int) -> int:
 class KernelHashTable(BatchedHashTable):
     """Batched map ``int64 key >= 0 -> value`` (``value_dtype`` int32 or int64) in ``device`` memory;
     keys passed to ``insert`` and ``remove`` must be distinct within the batch (``insert``: and absent).
-    ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed."""
+    ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed.
+    ``huge_pages``: host arrays asked for on 2 MiB pages (``tiers.huge_pages``: fewer TLB misses);
+    False for a table that grows while training runs, each rebuild first touching a new table,
+    where a VM backing 2 MiB pages makes that touch cost more than the TLB misses save."""
 
     def __init__(
         self,
@@ -44,12 +47,16 @@ class KernelHashTable(BatchedHashTable):
         kernels,
         device: torch.device | str = "cpu",
         value_dtype: torch.dtype = torch.int32,
+        huge_pages: bool = True,
     ) -> None:
-        self._setup(kernels, device, value_dtype)
+        self._setup(kernels, device, value_dtype, huge_pages)
         self._allocate(positions_for(capacity))
 
-    def _setup(self, kernels, device: torch.device | str, value_dtype: torch.dtype) -> None:
+    def _setup(
+        self, kernels, device: torch.device | str, value_dtype: torch.dtype, huge_pages: bool = True
+    ) -> None:
         """Everything but the arrays."""
+        self._huge_pages = huge_pages
         if value_dtype not in _KERNEL_PREFIX:
             raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
@@ -62,8 +69,9 @@ class KernelHashTable(BatchedHashTable):
         }
 
     def _allocate(self, size: int) -> None:
-        self.keys = huge_pages.full((size,), EMPTY, torch.int64, self.device)
-        self.values = huge_pages.full((size,), -1, self.value_dtype, self.device)
+        full = huge_pages.full if self._huge_pages else _full
+        self.keys = full((size,), EMPTY, torch.int64, self.device)
+        self.values = full((size,), -1, self.value_dtype, self.device)
         self.live = 0
         self.tombstones = 0
 
@@ -152,6 +160,11 @@ class KernelHashTable(BatchedHashTable):
         self.live -= removed
         self.tombstones += removed
         return former.to(torch.int64)
+
+
+def _full(shape: tuple[int, ...], fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.full`` on the pages the allocator gives (``huge_pages.full``'s arguments)."""
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def _refused(key: int, status: int) -> ValueError:
