@@ -1,6 +1,6 @@
 """Shared test helpers: the dict oracle's view of a row nobody has written, a store's random puts
-and gets against a dict, random hash-table operation sequences, and a script's peak memory under
-a cgroup's limit."""
+and gets against a dict, random hash-table operation sequences, a script's peak memory under
+a cgroup's limit, and tensors compared byte for byte."""
 
 import contextlib
 import os
@@ -23,6 +23,17 @@ KERNEL_OPTIMIZERS = [
     optim.RowWiseAdagrad(lr=0.1),
     optim.Adam(lr=0.05),
 ]
+
+
+def same_bytes(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bytes: a tier's rows compared whole,
+    whose free slots were never written and may hold NaN patterns (never ``torch.equal`` to
+    themselves)."""
+    return (
+        first.shape == second.shape
+        and first.dtype == second.dtype
+        and torch.equal(first.contiguous().view(torch.uint8), second.contiguous().view(torch.uint8))
+    )
 
 
 def initial(id_, dim, seed=0):
