@@ -73,8 +73,8 @@ class MmapOpening:
         self._recover()
 
     def _make_index(self, capacity: int) -> HashIndex | KernelHashTable:
-        """A map ``key -> row number`` (int64) holding ``capacity`` keys before it grows (as rows
-        are staged or added: on 4 KiB pages, which a rebuild touches first faster)."""
+        """A map ``key -> row number`` (int64) holding ``capacity`` keys before it grows as rows are
+        staged or added; on 4 KiB pages, since each rebuild first touches a whole new table."""
         if self._index_kernels is None:
             return HashIndex(capacity)
         return KernelHashTable(capacity, self._index_kernels, value_dtype=torch.int64, huge_pages=False)
