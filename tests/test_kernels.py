@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 import zipfile
 from pathlib import Path
 
@@ -117,12 +118,17 @@ def test_kernel_hash_table_matches_the_torch_index_and_a_dict(host, value_dtype,
 def test_erase_by_shifting_keeps_every_key_reachable_in_a_crowded_table():
     """The tuned host build's erase moves entries back (no tombstones): at the most crowded load the
     table allows, with keys sharing home positions and chains wrapping past the end, every live key
-    is still found and every removed one is gone, against a dict."""
+    is still found and every removed one is gone, against a dict. Its serial insert and the tier's
+    resolve probe such a small table four positions at a time: they agree with the dict too, on
+    chains ending at each of the four and past them."""
     table, generator, oracle = (
         KernelHashTable(64, parallel_host_kernels(), "cpu"),
         np.random.default_rng(0),
         {},
     )
+    passes = cache_passes_of(parallel_host_kernels())
+    tier = types.SimpleNamespace(index=table, slot_keys=torch.empty(0, dtype=torch.int64), direct=None)
+    scores = torch.zeros(8 << 16, dtype=torch.float32)  # past every value the test gives (k * 7 + step)
     positions = table.keys.numel()
     homes_at_the_end = [k for k in range(2000, 1 << 16) if (_mix(k) & (positions - 1)) >= positions - 3][:40]
     pool = np.array(homes_at_the_end + list(range(1000, 1100)))
@@ -138,6 +144,8 @@ def test_erase_by_shifting_keeps_every_key_reachable_in_a_crowded_table():
         former = table.remove(torch.tensor(leaving, dtype=torch.int64))
         assert former.tolist() == [oracle.pop(k, -1) for k in leaving]
         assert table.find(torch.from_numpy(pool)).tolist() == [oracle.get(int(k), -1) for k in pool]
+        slots, *_ = passes.resolve(tier, torch.from_numpy(pool), torch.ones(len(pool)), scores, 1.0)
+        assert slots.tolist() == [oracle.get(int(k), -1) for k in pool]
     assert table.tombstones == 0 and int((table.keys == -2).sum()) == 0 and len(table) == len(oracle)
 
 
