@@ -1241,8 +1241,11 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
             cache_pool_take(choice.pool, choice.pool_scores, choice.pool_keys, choice.pool_length,
                             tier.scores, tier.slot_keys, choice.pins, victims, taken);
         if (out->pool_taken < 0) {
+            // LFU's scan ranks a pool past the victims (LfuWithAgeing.victims: none where the victims
+            // outnumber the pool, which would serve no step like this one).
+            const i64 pool = victims <= choice.pool_size ? choice.pool_size : 0;
             const i64 ranked = cache_lowest_slots(tier.scores, tier.slot_keys, choice.pins, choice.capacity,
-                                                  victims + choice.pool_size, victims, choice.ranked);
+                                                  victims + pool, victims, choice.ranked);
             out->ranked_count = ranked;
             if (ranked >= victims) {
                 std::memcpy(taken, choice.ranked, victims * sizeof(i64));

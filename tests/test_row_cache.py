@@ -159,6 +159,26 @@ def test_lfu_victims_from_its_pool_score_no_more_than_any_row_untouched_since_th
     assert policy.scans < 40  # the pool served many batches without a scan
 
 
+@pytest.mark.parametrize("backend", ["torch", "openmp"])
+def test_a_scan_for_more_victims_than_lfus_pool_holds_ranks_no_pool(backend):
+    """A scan ranks a pool past its victims, for the next batches' victims; where one batch's victims
+    outnumber the pool, such a pool would serve no batch like it, and none is ranked: the victims are
+    the lowest-scored slots all the same, and a smaller batch after it scans anew and leaves a pool."""
+    capacity = 320  # a pool of 10
+    rows = TorchRows() if backend == "torch" else KernelRows(parallel_host_kernels(), "openmp")
+    policy = LfuWithAgeing(capacity, torch.device("cpu"), rows, 1e9)
+    slot_keys, pins = torch.arange(capacity), torch.zeros(capacity, dtype=torch.uint8)
+    counts = torch.randperm(capacity, generator=torch.Generator().manual_seed(0)) + 1  # distinct scores
+    policy.touch(torch.arange(capacity), counts)
+    ranked = torch.argsort(policy.score).tolist()
+    victims = policy.victims(12, slot_keys, pins)
+    assert sorted(victims.tolist()) == sorted(ranked[:12]) and policy._pool.numel() == 0
+    scans = policy.scans
+    victims = policy.victims(4, slot_keys, pins)
+    assert sorted(victims.tolist()) == sorted(ranked[:4]) and policy.scans == scans + 1
+    assert policy._pool.tolist() == ranked[4:14]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=300), st.floats(1e-3, 1e30))
 def test_victims_are_ranked_as_a_stable_sort_ranks_them(levels, scale):

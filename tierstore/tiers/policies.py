@@ -205,12 +205,18 @@ class LfuWithAgeing(EvictionPolicy):
         if taken is not None:
             return taken
         self.scans += 1
-        ranked = self._ranked(count + self._pool_size, slot_keys, pins, count)
+        ranked = self._ranked(count + self._pool_after(count), slot_keys, pins, count)
         if ranked.numel() < count:  # then it holds every evictable slot
             raise too_few_evictable(count, ranked.numel())
         pool = ranked[count:]
         self._pool, self._pool_scores, self._pool_keys = pool, self.score[pool], slot_keys[pool]
         return ranked[:count]
+
+    def _pool_after(self, victims: int) -> int:
+        """Slots a scan for ``victims`` ranks past them, to serve the next steps' victims: the pool's
+        size, or none where the victims outnumber it (such a pool would serve no step like this one,
+        and ranking it costs the scan a selection and a sort)."""
+        return self._pool_size if victims <= self._pool_size else 0
 
     def native_pool(self, room: int) -> tuple[torch.Tensor, ...]:
         """For a native call that takes victims as ``victims`` does (``step_make_resident``), up to
