@@ -2,7 +2,8 @@
 // tierstore/kernels/cache_passes.py; included by host_step.cpp into the tuned host build):
 // - table erase by backward shifting: linear probing keeps no tombstones, so the index of a tier
 //   that evicts every step never fills with them (and is never rebuilt for them); and inserts on
-//   one thread (a batch of a few thousand keys costs less than waking the team);
+//   one thread (a batch of a few thousand keys costs less than waking the team); a small table's
+//   probes compare four keys at once (first_stop);
 // - a batch's keys resolved: slots found, hits touched, misses listed; pins and scores set per slot;
 // - a direct layout's homes: where a tier gives the rows of some tables a slot each (their home),
 //   a key found at its home is found without the index, and misses are placed at their homes;
@@ -16,6 +17,10 @@
 #include <cstring>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 // Ask for the memory of `key`'s home position in a table (keys and values are separate arrays: both
 // at once, one memory wait instead of two, since a key mostly sits at its home). Write: for an insert.
 template <int Write = 0, typename Value>
@@ -25,10 +30,6 @@ static inline void prefetch_home(const i64* __restrict__ table_keys, const Value
     __builtin_prefetch(&table_keys[home], Write);
     __builtin_prefetch(&table_values[home], Write);
 }
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 // Positions of a table whose keys fit in a core's own (L2) cache: see first_stop.
 static i64 cache_resident_positions() {

@@ -93,7 +93,8 @@ class LfuWithAgeing(EvictionPolicy):
     Victims are not found by a scan of every slot per batch: a scan (counted in ``scans``) ranks
     ``pool_share`` of the capacity beyond the victims it needs, in ascending score, and the next
     batches take their victims from the front of that pool, skipping slots accessed, emptied or
-    refilled since; when it runs out, a scan again. Scores only grow, so a victim scores at most
+    refilled since; when it runs out, a scan again (a scan for more victims than the pool holds
+    ranks none: it would serve no batch like that one). Scores only grow, so a victim scores at most
     any slot not accessed or refilled since the scan: exact LFU but for rows that entered the
     tier or were accessed since (with ageing, their new accesses count most, so they usually
     score above the pool). ``pool_share=0`` scans at every batch (exact LFU)."""
