@@ -41,6 +41,10 @@ static i64 cache_resident_positions() {
 }
 static const i64 CACHE_RESIDENT_POSITIONS = cache_resident_positions();
 
+// CACHE_RESIDENT_POSITIONS, for the tier's index sizing (tierstore/tiers/backends.py: a table this
+// small is kept sparser, where its probes and erases run in the core's cache).
+extern "C" i64 cache_window_positions() { return CACHE_RESIDENT_POSITIONS; }
+
 // The first position from `position` on (wrapping round) that holds `key` or is empty, or -1 where
 // the table has neither; tombstones are passed over. With 256-bit vectors, in a table whose keys fit
 // in a core's own cache (a small tier's index, which its tier's work keeps there), the four positions

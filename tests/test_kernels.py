@@ -23,7 +23,7 @@ from tierstore.kernels import cuda as kernels
 from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.tiers.backends import TorchRows
 from tierstore.tiers.hash_index import HashIndex
-from tierstore.tiers.kernel_hash_table import MAX_LOAD, KernelHashTable
+from tierstore.tiers.kernel_hash_table import MAX_LOAD, SPARSE_LOAD, KernelHashTable
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -223,19 +223,20 @@ def test_long_chains_survive_removals_and_the_table_rebuilds(host):
     assert table.tombstones < table.keys.numel()
 
 
-def test_a_growing_kernel_table_doubles_and_stays_at_least_a_quarter_full(host):
+@pytest.mark.parametrize("max_load", [MAX_LOAD, SPARSE_LOAD])
+def test_a_growing_kernel_table_doubles_and_stays_at_least_half_its_load_limit(host, max_load):
     """A table that grows (the mmap log's index, keys arriving a batch at a time) doubles: each
-    rebuild twice the size before it, the table never past MAX_LOAD and, once grown, never under
-    half of it (at most four positions a key: its memory follows its keys)."""
-    table = KernelHashTable(1024, host, "cpu", value_dtype=torch.int64)
+    rebuild twice the size before it, the table never past its load limit and, once grown, never
+    under half of it (its memory follows its keys)."""
+    table = KernelHashTable(1024, host, "cpu", value_dtype=torch.int64, max_load=max_load)
     sizes, rebuild = [table.keys.numel()], table._rebuild
     table._rebuild = lambda size: (sizes.append(size), rebuild(size))
     keys = torch.randint(1 << 40, (20_000,), generator=torch.Generator().manual_seed(0)).unique()
     for batch in keys.split(300):
         table.insert(batch, batch * 3)
-        assert len(table) <= MAX_LOAD * table.keys.numel()
+        assert len(table) <= max_load * table.keys.numel()
         if len(sizes) > 1:
-            assert len(table) >= MAX_LOAD / 2 * table.keys.numel(), (len(table), table.keys.numel())
+            assert len(table) >= max_load / 2 * table.keys.numel(), (len(table), table.keys.numel())
     assert sizes == [sizes[0] << i for i in range(len(sizes))] and len(sizes) > 5, sizes
     assert torch.equal(table.find(keys), keys * 3)
 

@@ -11,6 +11,7 @@ from tierstore.kernels.cache_passes import cache_passes_of
 from tierstore.kernels.host import openmp_runtime
 from tierstore.tiers import RowCache, Rows, policies
 from tierstore.tiers.backends import KernelRows, TorchRows
+from tierstore.tiers.kernel_hash_table import MAX_LOAD, SPARSE_LOAD
 from tierstore.tiers.policies import LfuWithAgeing
 
 
@@ -108,6 +109,28 @@ def test_take_removes_rows_and_frees_slots():
 def test_byte_accounting_is_exact():
     cache = RowCache("host", 1000, 64, torch.float32)
     assert cache.nbytes == RowCache.nbytes_for(1000, 64, torch.float32)
+
+
+def test_a_small_host_tiers_index_is_kept_a_quarter_full_and_a_larger_ones_half():
+    """On the tuned host build a tier whose index fits in a core's cache at a quarter load gets that
+    load (its erases and probes are shorter there); a larger tier's index stays at most half full,
+    and a tier that grows takes its full size's load from the start. Its bytes are counted as made,
+    and the two sizings meet at the boundary."""
+    rows = KernelRows(parallel_host_kernels(), "openmp")
+    window = cache_passes_of(rows.kernels).window_positions
+    small, large = window // 4, window // 4 + 1  # the last sparse tier and the first that is not
+    for capacity, load in ((1000, SPARSE_LOAD), (small, SPARSE_LOAD), (large, MAX_LOAD)):
+        cache = RowCache("host", capacity, 4, torch.float32, backend=rows)
+        assert cache.index.max_load == load
+        assert capacity <= load * cache.index.keys.numel() < 2 * capacity
+        assert cache.nbytes == RowCache.nbytes_for(capacity, 4, torch.float32, rows)
+    assert rows.index_nbytes(small) == rows.index_nbytes(large)
+    growing = RowCache("host", 1000, 4, torch.float32, backend=rows, grows_to=large)
+    assert growing.index.max_load == MAX_LOAD
+    growing.grow(large)
+    assert growing.nbytes == RowCache.nbytes_for(large, 4, torch.float32, rows)
+    gpu_loops = KernelRows(shared_host_kernels(), "the GPU's loops")  # the GPU build's sizing
+    assert RowCache("host", 1000, 4, torch.float32, backend=gpu_loops).index.max_load == MAX_LOAD
 
 
 @pytest.mark.parametrize("backend", ["torch", "openmp"])

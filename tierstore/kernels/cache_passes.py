@@ -43,6 +43,7 @@ _SIGNATURES = {
         None,
         [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _POINTER, _I64] + [_POINTER] * 4,
     ),
+    "cache_window_positions": (_I64, []),
 }
 _ERASE = {torch.int32: "cache_erase_shifting", torch.int64: "index_erase_shifting"}
 _INSERT = {torch.int32: "cache_insert_serial", torch.int64: "index_insert_serial"}
@@ -54,6 +55,9 @@ class CachePasses:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {name: typed(getattr(library, name), *c) for name, c in _SIGNATURES.items()}
+        # Positions of a table whose keys fit in a core's own (L2) cache: the erase, insert and find
+        # here compare four keys at once in such a table.
+        self.window_positions = int(self._functions["cache_window_positions"]())
 
     def erase(
         self, table_keys: torch.Tensor, table_values: torch.Tensor, keys: torch.Tensor

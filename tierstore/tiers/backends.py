@@ -15,7 +15,7 @@ from ..kernels.cache_passes import cache_passes_of
 from ..kernels.launch import HALF_FORMATS, KERNEL_DTYPES
 from ..rounding import rounding_stream
 from .hash_index import HashIndex, index_nbytes
-from .kernel_hash_table import KernelHashTable, positions_for
+from .kernel_hash_table import MAX_LOAD, SPARSE_LOAD, KernelHashTable, positions_for
 
 DEVICE_BACKENDS = ("auto", "cuda", "torch")
 HOST_BACKENDS = ("auto", "openmp", "torch")
@@ -29,7 +29,8 @@ class TorchRows:
     def __init__(self) -> None:
         self._update_buffers: dict[torch.device, torch.Tensor] = {}
 
-    def make_index(self, capacity: int, device: torch.device) -> HashIndex:
+    def make_index(self, capacity: int, device: torch.device, grows_to: int | None = None) -> HashIndex:
+        """The index of a tier of ``capacity`` slots that may grow to ``grows_to``."""
         return HashIndex(capacity, device, value_dtype=torch.int32)
 
     def index_nbytes(self, capacity: int) -> int:
@@ -89,11 +90,24 @@ class KernelRows:
         self.name = name
         self._passes = cache_passes_of(kernels)  # the tuned host build: per-slot updates on one thread
 
-    def make_index(self, capacity: int, device: torch.device) -> KernelHashTable:
-        return KernelHashTable(capacity, self.kernels, device)
+    def make_index(self, capacity: int, device: torch.device, grows_to: int | None = None) -> KernelHashTable:
+        load = self.index_load(max(capacity, grows_to or capacity))
+        return KernelHashTable(capacity, self.kernels, device, max_load=load)
 
     def index_nbytes(self, capacity: int) -> int:
-        return positions_for(capacity) * (8 + 4)
+        return positions_for(capacity, self.index_load(capacity)) * (8 + 4)
+
+    def index_load(self, capacity: int) -> float:
+        """The load limit of the index of a tier of (at most) ``capacity`` slots: ``SPARSE_LOAD`` on
+        the tuned host build where that table's keys still fit in a core's own cache (its probes
+        compare four keys at once there: ``CachePasses.window_positions``), else ``MAX_LOAD``. A
+        small tier turns over much of its index each step (every miss an erase and an insert), and
+        in a sparser table the erase's backward shifts and the probes are shorter; a larger table's
+        work waits on memory instead, where twice the positions would cost bytes and gain nothing.
+        Either way a table at the boundary has the same size."""
+        if self._passes is None or positions_for(capacity, SPARSE_LOAD) > self._passes.window_positions:
+            return MAX_LOAD
+        return SPARSE_LOAD
 
     def gather(
         self, rows: torch.Tensor, slots: torch.Tensor, columns: int, out: torch.Tensor | None

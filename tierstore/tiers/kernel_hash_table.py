@@ -7,7 +7,8 @@ removed keys leave tombstones (except on the tuned host build, whose erase shift
 ``kernels.cache_passes``), which the table clears by rebuilding itself when live keys and
 tombstones together pass ``MAX_LOAD_WITH_TOMBSTONES`` (a full cache tier then removes at least a
 quarter of the table's size in keys between rebuilds, not a few), growing when live keys alone
-pass ``MAX_LOAD``.
+pass its load limit (``MAX_LOAD``, or ``SPARSE_LOAD`` for a small host tier's index: see
+``KernelRows.index_load``).
 ``kernels`` is a ``CudaKernels`` (GPU) or ``HostKernels`` (CPU) build of the same source; both
 expose ``launch(name, n, *args)``.
 """
@@ -22,15 +23,16 @@ from .hash_index import MAX_LOAD_WITH_TOMBSTONES, BatchedHashTable
 
 EMPTY = -1
 MAX_LOAD = 0.5
+SPARSE_LOAD = 0.25  # a sparser table: shorter probes and shorter runs for an erase to shift back
 _STATUS = {1: "already present (or repeated in the batch)", 2: "in a full table"}
 
 
 _KERNEL_PREFIX = {torch.int32: "cache", torch.int64: "index"}
 
 
-def positions_for(capacity: int) -> int:
-    """Table size (a power of two) that keeps ``capacity`` keys at or under ``MAX_LOAD``."""
-    return 1 << max(4, (int(capacity / MAX_LOAD) - 1).bit_length())
+def positions_for(capacity: int, max_load: float = MAX_LOAD) -> int:
+    """Table size (a power of two) that keeps ``capacity`` keys at or under ``max_load``."""
+    return 1 << max(4, (int(capacity / max_load) - 1).bit_length())
 
 
 class KernelHashTable(BatchedHashTable):
@@ -39,7 +41,8 @@ class KernelHashTable(BatchedHashTable):
     ``capacity``: keys the initial table holds; ``insert`` grows the table past it when needed.
     ``huge_pages``: host arrays asked for on 2 MiB pages (``tiers.huge_pages``: fewer TLB misses);
     False for a table that grows while training runs, each rebuild first touching a new table,
-    where a VM backing 2 MiB pages makes that touch cost more than the TLB misses save."""
+    where a VM backing 2 MiB pages makes that touch cost more than the TLB misses save.
+    ``max_load``: the share of positions live keys may fill (the table grows past it)."""
 
     def __init__(
         self,
@@ -48,15 +51,22 @@ class KernelHashTable(BatchedHashTable):
         device: torch.device | str = "cpu",
         value_dtype: torch.dtype = torch.int32,
         huge_pages: bool = True,
+        max_load: float = MAX_LOAD,
     ) -> None:
-        self._setup(kernels, device, value_dtype, huge_pages)
-        self._allocate(positions_for(capacity))
+        self._setup(kernels, device, value_dtype, huge_pages, max_load)
+        self._allocate(positions_for(capacity, max_load))
 
     def _setup(
-        self, kernels, device: torch.device | str, value_dtype: torch.dtype, huge_pages: bool = True
+        self,
+        kernels,
+        device: torch.device | str,
+        value_dtype: torch.dtype,
+        huge_pages: bool = True,
+        max_load: float = MAX_LOAD,
     ) -> None:
         """Everything but the arrays."""
         self._huge_pages = huge_pages
+        self.max_load = max_load
         if value_dtype not in _KERNEL_PREFIX:
             raise ValueError(f"value_dtype must be torch.int32 or torch.int64, got {value_dtype}")
         self.kernels = kernels
@@ -112,13 +122,13 @@ class KernelHashTable(BatchedHashTable):
 
     def reserve(self, capacity: int) -> None:
         """As large as a table made for ``capacity`` keys (rebuilt to that size if smaller)."""
-        if self.keys.numel() < positions_for(capacity):
-            self._rebuild(positions_for(capacity))
+        if self.keys.numel() < positions_for(capacity, self.max_load):
+            self._rebuild(positions_for(capacity, self.max_load))
 
     def make_room(self, count: int) -> None:
         """Rebuild or grow the table now if ``count`` more keys would pass its load limits."""
-        if self.live + count > MAX_LOAD * self.keys.numel():  # twice the size: half full at most
-            self._rebuild(positions_for(self.live + count))
+        if self.live + count > self.max_load * self.keys.numel():  # doubled: as full as that at most
+            self._rebuild(positions_for(self.live + count, self.max_load))
         elif self.live + self.tombstones + count > MAX_LOAD_WITH_TOMBSTONES * self.keys.numel():
             self._rebuild(self.keys.numel())
 

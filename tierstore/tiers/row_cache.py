@@ -67,7 +67,7 @@ class RowCache(NativeSide):
         self.max_capacity = max(capacity, grows_to or capacity)  # grow() takes it this far
         self._pin_memory = pin_memory
         self.device = torch.device(device)
-        self.index = self.backend.make_index(capacity, self.device)
+        self.index = self.backend.make_index(capacity, self.device, self.max_capacity)
         self.rows = self._new_rows(capacity, row_width, dtype)
         self.slot_keys = huge_pages.full((capacity,), -1, torch.int64, self.device)
         self.dirty = huge_pages.full((capacity,), 0, torch.bool, self.device)
