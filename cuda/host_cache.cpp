@@ -399,6 +399,10 @@ static void radix_sort(u64* __restrict__ items, i64 n, u64* __restrict__ scratch
     if (from != items) std::memcpy(items, from, n * sizeof(u64));
 }
 
+// Whether LFU's scan of a tier of `capacity` slots runs on the calling thread alone (a smaller tier's
+// scan costs less than waking a team).
+static inline bool scan_on_one_thread(i64 capacity) { return capacity < 64 * PARALLEL_FROM; }
+
 // The ranked_slot of every evictable slot whose item is at most `bound`, in slot order, into
 // candidates (room for capacity items); returns how many. A large tier's slots are split in runs, one
 // a thread; each run packs its items, without a branch a slot, from the start of its own range of
@@ -407,7 +411,7 @@ static void radix_sort(u64* __restrict__ items, i64 n, u64* __restrict__ scratch
 static i64 evictable_slots(const float* __restrict__ scores, const i64* __restrict__ slot_keys,
                            const unsigned char* __restrict__ pins, i64 capacity, u64 bound,
                            u64* __restrict__ candidates) {
-    const int threads = capacity >= 64 * PARALLEL_FROM ? omp_get_max_threads() : 1;
+    const int threads = scan_on_one_thread(capacity) ? 1 : omp_get_max_threads();
     std::vector<i64> packed(threads, 0);
     int runs = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)

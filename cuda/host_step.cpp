@@ -1188,11 +1188,33 @@ struct Residency {
 // cache_pool_take from the pool, else cache_lowest_slots ranking the pool anew), with the hits and
 // protect[0..protect_count) pinned while they are chosen, and come in from the cold store
 // (step_admit_cold). slots[i]: keys[i]'s slot (where status is 0).
-extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
-                                   const i64* __restrict__ protect, i64 protect_count,
-                                   const HostTier* tier_arrays, const TierChoice* tier_choice,
-                                   const ColdFiles* cold_files, int advise, int log_rows_fd, int log_keys_fd,
-                                   const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
+// LFU's shadow caches' replay of a batch's distinct keys (ageing_replay's arguments; see
+// step_lookup_bags), run once: beside the victims' scan where that runs on one thread, else after.
+struct ShadowReplay {
+    const i64* keys;
+    const i64* counts;
+    i64 n;
+    u64 threshold;
+    AgeingShadow* shadows;
+    i64 shadow_count;
+    double memory;
+    double* hits;
+    bool done;    // no replay to run (no shadows), or it ran
+    i64 sampled;  // out: the lookups it sampled
+
+    void run() {
+        if (done) return;
+        sampled = ageing_replay(keys, counts, n, threshold, shadows, shadow_count, memory, hits);
+        done = true;
+    }
+};
+
+// step_make_resident (below), running `replay` (or null) beside a one-thread scan for victims.
+static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                          const i64* __restrict__ protect, i64 protect_count, const HostTier* tier_arrays,
+                          const TierChoice* tier_choice, const ColdFiles* cold_files, int advise,
+                          int log_rows_fd, int log_keys_fd, const InitialRows* initial,
+                          i64* __restrict__ slots, Residency* out, ShadowReplay* replay) {
     const HostTier& tier = *tier_arrays;
     const TierChoice& choice = *tier_choice;
     const float increment = choice.increment;
@@ -1237,10 +1259,11 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     if (victims) {
         cache_pins_add(choice.pins, protect, protect_count, 1);
         i64* const taken = &claimed[from_free];
-        out->pool_taken =
-            cache_pool_take(choice.pool, choice.pool_scores, choice.pool_keys, choice.pool_length,
-                            tier.scores, tier.slot_keys, choice.pins, victims, taken);
-        if (out->pool_taken < 0) {
+        auto choose = [&]() {
+            out->pool_taken =
+                cache_pool_take(choice.pool, choice.pool_scores, choice.pool_keys, choice.pool_length,
+                                tier.scores, tier.slot_keys, choice.pins, victims, taken);
+            if (out->pool_taken >= 0) return;
             // LFU's scan ranks a pool past the victims (LfuWithAgeing.victims: none where the victims
             // outnumber the pool, which would serve no step like this one).
             const i64 pool = victims <= choice.pool_size ? choice.pool_size : 0;
@@ -1254,6 +1277,16 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
                     choice.ranked_keys[j - victims] = tier.slot_keys[choice.ranked[j]];
                 }
             }
+        };
+        // Where the pool cannot serve the victims (a scan is certain) and the scan runs on one thread,
+        // the shadow caches' replay takes the second (the two touch nothing in common).
+        const bool beside =
+            replay && !replay->done && victims > choice.pool_length && scan_on_one_thread(choice.capacity);
+#pragma omp parallel num_threads(2) if (beside)
+        {
+            const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+            if (thread == 0) choose();
+            if (beside && (thread == 1 || team == 1)) replay->run();
         }
         cache_pins_add(choice.pins, protect, protect_count, -1);  // uint8 counts: undone exactly
     }
@@ -1291,6 +1324,15 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
     out->written_back = admitted[1];
     out->appended = admitted[2];
     out->new_to_log = admitted[3];
+}
+
+extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
+                                   const i64* __restrict__ protect, i64 protect_count,
+                                   const HostTier* tier_arrays, const TierChoice* tier_choice,
+                                   const ColdFiles* cold_files, int advise, int log_rows_fd, int log_keys_fd,
+                                   const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
+    make_resident(keys, counts, n, protect, protect_count, tier_arrays, tier_choice, cold_files, advise,
+                  log_rows_fd, log_keys_fd, initial, slots, out, nullptr);
 }
 
 // A training lookup of bags in one call (tierstore/tiers/cold/mmap_store.py's lookup_bags_in, for
@@ -1345,13 +1387,16 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
         out->detail = count;
         return;
     }
-    if (bags.shadows)
-        bags.sampled = ageing_replay(unique, counts, count, bags.threshold, bags.shadows, bags.shadow_count,
-                                     bags.memory, bags.hits);
+    ShadowReplay replay{
+        unique,    counts,        count, bags.threshold, bags.shadows, bags.shadow_count, bags.memory,
+        bags.hits, !bags.shadows, 0};
     const i64 deduplicated = steady_ns();
-    step_make_resident(unique, counts, count, nullptr, 0, tier, choice, cold, advise, log_rows_fd,
-                       log_keys_fd, initial, slots, out);
-    out->distinct_ns = deduplicated - started;
+    make_resident(unique, counts, count, nullptr, 0, tier, choice, cold, advise, log_rows_fd, log_keys_fd,
+                  initial, slots, out, &replay);
+    const i64 replaying = steady_ns();
+    replay.run();  // where it had no thread beside the victims' scan
+    bags.sampled = replay.sampled;
+    out->distinct_ns = deduplicated - started + steady_ns() - replaying;
     if (out->status != 0) return;
     const i64 resident = steady_ns();
     step_pooled_forward(tier->rows, tier->format, tier->row_width, bags.dim, slots, entry_rows,

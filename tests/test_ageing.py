@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import TieredStore
+from tierstore import TieredEmbeddingBag, TieredStore
 from tierstore.analysis.hit_rates import run_store
 from tierstore.analysis.traces import load_trace
 from tierstore.kernels.host import host_step_library
@@ -128,3 +128,38 @@ def test_small_tiers_get_no_shadows_and_the_budget_counts_them():
         assert top.nbytes == top.nbytes_for(top.capacity, 8, torch.float32, top.backend)
     with TieredStore(None, dim=8, host_cache="2MiB", half_life=1000.0) as store:
         assert store.stack.top.policy.tuner is None  # a half-life given is kept
+
+
+def first_appearances(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids of ``ids`` in order of first appearance, and how often each appears."""
+    unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(ids.numel()), "amin")
+    order = torch.argsort(first)
+    return unique[order], counts[order]
+
+
+def test_a_training_lookup_replays_its_batch_as_observe_does_beside_the_scan_or_after(library, tmp_path):
+    """The native training lookup replays its batch through the shadow caches within its call:
+    beside the victims' scan where one runs on one thread (a batch whose victims outnumber LFU's
+    pool), else once the victims are taken from the pool. Either way the shadows count what
+    ``AgeingTuner.observe`` counts for the batch's distinct ids in their order."""
+    table = TieredEmbeddingBag(20_000, 8, path=tmp_path / "t", mode="sum", host_cache=4096)
+    policy = table.store.stack.top.policy
+    twin = AgeingTuner(table.store.stack.top.capacity, library)
+    policy.tuner._threshold = twin._threshold = 1 << 53  # every id sampled
+    generator = torch.Generator().manual_seed(0)
+    scanned = pooled = 0
+    for step in range(16):
+        size = 3000 if step % 4 < 2 else 40  # victims past the pool (128 slots), or few: a scan leaves
+        # a pool after a batch of few victims, and the next takes its victims from it
+        ids = torch.randint(12_000, (size,), generator=generator)
+        scans = policy.scans
+        table(ids, torch.arange(0, size, 4)).sum().backward()
+        if table.store.stack.top.stats.evictions:
+            scanned += policy.scans > scans
+            pooled += policy.scans == scans
+        twin.observe(*first_appearances(ids))
+        assert np.array_equal(policy.tuner.hits, twin.hits) and policy.tuner.sampled == twin.sampled
+    assert scanned >= 4 and pooled >= 2  # both placements ran
+    table.close()
