@@ -1282,11 +1282,15 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
         // the shadow caches' replay takes the second (the two touch nothing in common).
         const bool beside =
             replay && !replay->done && victims > choice.pool_length && scan_on_one_thread(choice.capacity);
-#pragma omp parallel num_threads(2) if (beside)
-        {
-            const int thread = omp_get_thread_num(), team = omp_get_num_threads();
-            if (thread == 0) choose();
-            if (beside && (thread == 1 || team == 1)) replay->run();
+        if (beside) {
+#pragma omp parallel num_threads(2)
+            {
+                const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+                if (thread == 0) choose();
+                if (thread == 1 || team == 1) replay->run();
+            }
+        } else {
+            choose();  // outside any region: a larger tier's scan has the team to itself
         }
         cache_pins_add(choice.pins, protect, protect_count, -1);  // uint8 counts: undone exactly
     }
