@@ -245,38 +245,51 @@ static i64 resolve_keys(const i64* __restrict__ table_keys, const int* __restric
                         float* __restrict__ scores, float increment, unsigned char* __restrict__ pins,
                         i64* __restrict__ slots, i64* __restrict__ hit_slots, i64* __restrict__ missed,
                         i64* __restrict__ lookups) {
-#pragma omp parallel if (n >= PARALLEL_FROM)
+    // Each thread finds, touches and lists its own share of the keys, the lists at offsets from the
+    // shares before it: they come out in key order whatever the thread count.
+    std::vector<i64> share_misses(omp_get_max_threads() + 1, 0);
+    i64 hit_lookups = 0, missed_lookups = 0;
+#pragma omp parallel if (n >= PARALLEL_FROM) reduction(+ : hit_lookups, missed_lookups)
     {
-#pragma omp for schedule(static)
-        for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n)
+        const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+        const i64 first = n * thread / team, last = n * (thread + 1) / team;
+        for (i64 i = first; i < last; ++i) {
+            if (i + AHEAD < last)
                 prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
             slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
         }
-        // The hits touched (and pinned) on the team too: the keys are distinct, so each score (and
-        // pin) has one writer.
-#pragma omp for schedule(static)
-        for (i64 i = 0; i < n; ++i) {
-            if (i + AHEAD < n && slots[i + AHEAD] >= 0) {
+        // The hits touched (and pinned) by the thread that found them: the keys are distinct, so
+        // each score (and pin) has one writer.
+        i64 own_misses = 0;
+        for (i64 i = first; i < last; ++i) {
+            if (i + AHEAD < last && slots[i + AHEAD] >= 0) {
                 __builtin_prefetch(&scores[slots[i + AHEAD]], 1);
                 if (pins) __builtin_prefetch(&pins[slots[i + AHEAD]], 1);
             }
-            if (slots[i] < 0) continue;
+            if (slots[i] < 0) {
+                ++own_misses;
+                missed_lookups += counts[i];
+                continue;
+            }
+            hit_lookups += counts[i];
             add_count(scores, slots[i], counts[i], increment);
             if (pins) pins[slots[i]] = (unsigned char)(pins[slots[i]] + 1);
         }
-    }
-    i64 hits = 0, misses = 0, hit_lookups = 0, missed_lookups = 0;
-    for (i64 i = 0; i < n; ++i) {  // the lists, in key order
-        const i64 slot = slots[i];
-        if (slot < 0) {
-            missed[misses++] = i;
-            missed_lookups += counts[i];
-        } else {
-            hit_slots[hits++] = slot;
-            hit_lookups += counts[i];
+        share_misses[thread + 1] = own_misses;
+#pragma omp barrier
+        i64 missing = 0;
+        for (int t = 0; t <= thread; ++t) missing += share_misses[t];
+        i64 hitting = first - missing;
+        for (i64 i = first; i < last; ++i) {  // the lists, in key order
+            const i64 slot = slots[i];
+            if (slot < 0)
+                missed[missing++] = i;
+            else
+                hit_slots[hitting++] = slot;
         }
     }
+    i64 misses = 0;
+    for (const i64 share : share_misses) misses += share;
     lookups[0] = hit_lookups;
     lookups[1] = missed_lookups;
     return misses;

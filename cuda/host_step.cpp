@@ -993,16 +993,15 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     // Once the writes are done, both threads take the rewrites in place, a run at a time: each
     // rewrites a record of its own (the victims' keys are distinct), so their order changes nothing.
     struct Staged {
-        unsigned char* target;  // the record rewritten in place; null: appended
+        unsigned char* target;  // the record rewritten in place (unused where appended)
         const unsigned char* row;
         i64 key;
         i64 position;  // the key's position in the log's index (-1: new to the log)
     };
     const i64* victim_slots = slots + (n - victims);
-    Room<i64> victim_keys(victims);
-    std::vector<i64> appended_keys;
-    std::vector<Staged> rewritten, appended_rows;
-    appended_keys.reserve(victims), rewritten.reserve(victims), appended_rows.reserve(victims);
+    Room<i64> victim_keys(victims), appended_keys(victims);
+    Room<Staged> rewritten(victims), appended_rows(victims);
+    i64 rewrites = 0, appended = 0;      // set before the writes are released, read after
     for (i64 j = 0; j < victims; ++j) {  // asking for the memory of item j + AHEAD, as everywhere
         if (j + AHEAD < victims) __builtin_prefetch(&tier.slot_keys[victim_slots[j + AHEAD]]);
         victim_keys[j] = tier.slot_keys[victim_slots[j]];
@@ -1018,7 +1017,6 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     std::atomic<int> written{0};  // the log's writes: 0 under way, 1 done, -1 failed
     std::atomic<i64> next_rewrite{0};
     auto rewrite_runs = [&]() {  // runs of the rewrites in place, until none is left
-        const i64 rewrites = (i64)rewritten.size();
         for (i64 first; (first = next_rewrite.fetch_add(REWRITE_RUN)) < rewrites;) {
             const i64 last = std::min(rewrites, first + REWRITE_RUN);
             for (i64 j = first; j < last; ++j) {
@@ -1044,15 +1042,15 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 if (!tier.dirty[slot]) continue;
                 const i64 position = probe(cold.log_keys, cold.log_mask, key);
                 const i64 record = position < 0 ? -1 : cold.log_values[position];
-                const unsigned char* row = tier.rows + slot * row_bytes;
-                if (record >= cold.committed) {
-                    rewritten.push_back({cold.log_rows + record * cold.stored_bytes, row, key, position});
-                } else {
-                    appended_rows.push_back({nullptr, row, key, position});
-                    appended_keys.push_back(key);
-                }
+                const bool in_place = record >= cold.committed;  // written to both lists, counted in one
+                const Staged staged{cold.log_rows + (in_place ? record : 0) * cold.stored_bytes,
+                                    tier.rows + slot * row_bytes, key, position};
+                rewritten[rewrites] = staged;
+                appended_rows[appended] = staged;
+                appended_keys[appended] = key;
+                rewrites += in_place;
+                appended += !in_place;
             }
-            const i64 appended = (i64)appended_rows.size();
             if (appended) {
                 Room<unsigned char> packed(appended * cold.stored_bytes);
                 for (i64 j = 0; j < appended; ++j) {
@@ -1135,7 +1133,6 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
         add_count(tier.scores, slot, counts[i], increment);
     }
     out[8] = steady_ns() - filling;
-    const i64 appended = (i64)appended_rows.size(), rewrites = (i64)rewritten.size();
     out[0] = held_lookups;
     out[1] = appended + rewrites;
     out[2] = appended;

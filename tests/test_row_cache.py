@@ -241,14 +241,18 @@ def test_the_native_scan_ranks_the_lowest_evictable_slots_as_a_stable_sort(capac
             assert torch.equal(ranked[head:], expected[head:count])
 
 
-def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch():
+@pytest.mark.parametrize("capacity, draws, ids, exponent", [(64, 40, 300, 1.3), (4096, 3000, 20000, 1.05)])
+def test_the_native_resolve_finds_touches_and_counts_as_find_and_touch(capacity, draws, ids, exponent):
     """``resolve`` + ``touch_admitted`` (the tuned host build's one pass) leave the same slots, LFU
-    scores (bit for bit, ageing renormalised on the way) and counters as ``find`` + ``touch``."""
+    scores (bit for bit, ageing renormalised on the way) and counters as ``find`` + ``touch``: on
+    one thread (a few keys) and on the team (each thread listing its share's hits and misses)."""
     rng = np.random.default_rng(3)
     rows = KernelRows(parallel_host_kernels(), "openmp")
-    fast, reference = (RowCache("host", 64, 2, torch.float32, backend=rows, half_life=40.0) for _ in range(2))
+    fast, reference = (
+        RowCache("host", capacity, 2, torch.float32, backend=rows, half_life=40.0) for _ in range(2)
+    )
     for _ in range(60):
-        keys = torch.from_numpy(np.unique(rng.zipf(1.3, 40) % 300)).to(torch.int64)
+        keys = torch.from_numpy(np.unique(rng.zipf(exponent, draws) % ids)).to(torch.int64)
         counts = torch.from_numpy(rng.integers(1, 4, keys.numel()))
         slots = reference.find(keys)
         hit = slots >= 0
