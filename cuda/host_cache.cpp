@@ -225,6 +225,16 @@ extern "C" void cache_direct_claims(i64* __restrict__ stack, int* __restrict__ p
         if (out[i] < 0) out[i] = stack[--top];
 }
 
+// A batch's slots already found entry by entry (entry_slots[e]: entry e's key's slot or -1, as
+// slot_of finds it), its distinct keys' entries grouped by key (key i's first entry is
+// order[starts[i]]): resolve_keys then takes each key's slot from its first entry instead of probing.
+struct FoundSlots {
+    const i64* entry_slots;
+    const i64* order;
+    const i64* starts;
+    i64 of(i64 i) const { return entry_slots[order[starts[i]]]; }
+};
+
 // A batch's distinct keys[0..n) (each looked up counts[i] times) resolved in a tier: slots[i] is the
 // key's slot or -1, found at its home where it is there (the layout of bases/sizes/tables/tier_slots
 // over slot_keys: see slot_of), else through the index. Hits are touched as LFU counts an access
@@ -244,7 +254,7 @@ static i64 resolve_keys(const i64* __restrict__ table_keys, const int* __restric
                         const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,
                         float* __restrict__ scores, float increment, unsigned char* __restrict__ pins,
                         i64* __restrict__ slots, i64* __restrict__ hit_slots, i64* __restrict__ missed,
-                        i64* __restrict__ lookups) {
+                        i64* __restrict__ lookups, const FoundSlots* found = nullptr) {
     // Each thread finds, touches and lists its own share of the keys, the lists at offsets from the
     // shares before it: they come out in key order whatever the thread count.
     std::vector<i64> share_misses(omp_get_max_threads() + 1, 0);
@@ -253,10 +263,14 @@ static i64 resolve_keys(const i64* __restrict__ table_keys, const int* __restric
     {
         const int thread = omp_get_thread_num(), team = omp_get_num_threads();
         const i64 first = n * thread / team, last = n * (thread + 1) / team;
-        for (i64 i = first; i < last; ++i) {
-            if (i + AHEAD < last)
-                prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
-            slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
+        if (found) {
+            for (i64 i = first; i < last; ++i) slots[i] = found->of(i);
+        } else {
+            for (i64 i = first; i < last; ++i) {
+                if (i + AHEAD < last)
+                    prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
+                slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
+            }
         }
         // The hits touched (and pinned) by the thread that found them: the keys are distinct, so
         // each score (and pin) has one writer.

@@ -1211,7 +1211,8 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
                           const i64* __restrict__ protect, i64 protect_count, const HostTier* tier_arrays,
                           const TierChoice* tier_choice, const ColdFiles* cold_files, int advise,
                           int log_rows_fd, int log_keys_fd, const InitialRows* initial,
-                          i64* __restrict__ slots, Residency* out, ShadowReplay* replay) {
+                          i64* __restrict__ slots, Residency* out, ShadowReplay* replay,
+                          const FoundSlots* found_slots) {
     const HostTier& tier = *tier_arrays;
     const TierChoice& choice = *tier_choice;
     const float increment = choice.increment;
@@ -1226,7 +1227,7 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
     const DirectLayout layout{tier.direct_bases, tier.direct_sizes, tier.direct_tables, tier.direct_slots};
     const i64 misses = resolve_keys(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys,
                                     layout, keys, counts, n, tier.scores, increment, hit_pins, slots,
-                                    hit_slots.data(), missed.data(), lookups);
+                                    hit_slots.data(), missed.data(), lookups, found_slots);
     const i64 hits = n - misses;
     out->hit_lookups = lookups[0];
     out->missed_lookups = lookups[1];
@@ -1333,7 +1334,7 @@ extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __re
                                    const ColdFiles* cold_files, int advise, int log_rows_fd, int log_keys_fd,
                                    const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
     make_resident(keys, counts, n, protect, protect_count, tier_arrays, tier_choice, cold_files, advise,
-                  log_rows_fd, log_keys_fd, initial, slots, out, nullptr);
+                  log_rows_fd, log_keys_fd, initial, slots, out, nullptr, nullptr);
 }
 
 // A training lookup of bags in one call (tierstore/tiers/cold/mmap_store.py's lookup_bags_in, for
@@ -1370,6 +1371,20 @@ struct BagLookup {
     i64 sampled;         // out: the lookups the replay sampled
 };
 
+// entry_slots[e]: the slot of ids[e] (a key, repeats and padding included) in `tier`, or -1.
+static void find_entry_slots(const HostTier* tier, const i64* __restrict__ ids, i64 n,
+                             i64* __restrict__ entry_slots) {
+    const DirectLayout layout{tier->direct_bases, tier->direct_sizes, tier->direct_tables,
+                              tier->direct_slots};
+    for (i64 e = 0; e < n; ++e) {
+        if (e + AHEAD < n)
+            prefetch_slot_of(tier->index_keys, tier->index_values, tier->index_mask, tier->slot_keys, layout,
+                             ids[e + AHEAD]);
+        entry_slots[e] =
+            slot_of(tier->index_keys, tier->index_values, tier->index_mask, tier->slot_keys, layout, ids[e]);
+    }
+}
+
 extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const TierChoice* choice,
                                  const ColdFiles* cold, int advise, int log_rows_fd, int log_keys_fd,
                                  const InitialRows* initial, i64* __restrict__ slots, Residency* out) {
@@ -1378,8 +1393,26 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
     const i64 n = bags.entries;
     i64 *const unique = bags.distinct, *const counts = unique + n, *const entry_rows = unique + 2 * n;
     i64 *const order = unique + 3 * n, *const starts = unique + 4 * n;
-    const i64 count = step_distinct(bags.ids, n, bags.padding, bags.has_padding, bags.scratch, unique, counts,
-                                    entry_rows, starts, order);
+    // A batch deduplicated on one thread has the other find each entry's slot in the tier meanwhile
+    // (entries = the keys and their repeats; the tier does not change until make_resident).
+    const bool probe_beside = n >= PARALLEL_FROM && n < DISTINCT_IN_PARTS_FROM;
+    Room<i64> entry_slots(probe_beside ? n : 0);
+    auto deduplicate = [&]() {
+        return step_distinct(bags.ids, n, bags.padding, bags.has_padding, bags.scratch, unique, counts,
+                             entry_rows, starts, order);
+    };
+    i64 count = 0;
+    if (probe_beside) {
+#pragma omp parallel num_threads(2)
+        {
+            const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+            if (thread == 0) count = deduplicate();
+            if (thread == 1 || team == 1) find_entry_slots(tier, bags.ids, n, entry_slots.data());
+        }
+    } else {
+        count = deduplicate();  // outside any region: a large batch's dedupe has the team to itself
+    }
+    const FoundSlots found{entry_slots.data(), order, starts};
     bags.distinct_count = count;
     bags.sampled = 0;
     if (count > bags.max_rows) {
@@ -1393,7 +1426,7 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
         bags.hits, !bags.shadows, 0};
     const i64 deduplicated = steady_ns();
     make_resident(unique, counts, count, nullptr, 0, tier, choice, cold, advise, log_rows_fd, log_keys_fd,
-                  initial, slots, out, &replay);
+                  initial, slots, out, &replay, probe_beside ? &found : nullptr);
     const i64 replaying = steady_ns();
     replay.run();  // where it had no thread beside the victims' scan
     bags.sampled = replay.sampled;

@@ -7,7 +7,8 @@
    holding its lock (a lookahead worker cannot move them meanwhile), ``step_pooled_forward``
    pools every bag straight from the host tier's rows (no gathered copy). Where one host tier over
    the mmap cold store serves the batch at its size (``TieredStore.lookup_bags``), 1 and 2 are one
-   native call (``step_lookup_bags``, LFU's shadow caches replaying the batch in it too); else
+   native call (``step_lookup_bags``, LFU's shadow caches replaying the batch in it too; where the
+   dedupe runs on one thread, the other finds every entry's slot in the tier meanwhile); else
    three (``distinct``, ``TieredStore.read_resident``, ``pooled``), the same rows either way;
 3. in backward, ``step_backward`` sums each row's gradient from its entries and applies the fused
    optimizer to the row in its slot, in one pass, under the store's lock. If a row moved between
