@@ -473,7 +473,9 @@ extern "C" i64 cache_lowest_slots(const float* __restrict__ scores, const i64* _
                                   i64* __restrict__ out) {
     // Scratch not zeroed: the runs write only the items they keep, so pages past those are never
     // touched (a cleared vector of capacity items would write, and fault in, every page of it).
-    const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 64;  // a margin over the share
+    // The sample's share of `count`, a quarter more and 16 samples: a bound that covers fewer slots
+    // than `count` (the sample misled) falls back to ranking every slot.
+    const i64 wanted = count / SAMPLE_EVERY + count / (4 * SAMPLE_EVERY) + 16;
     Room<u64> items(capacity + 1), chosen(std::max(2 * (std::min(count, capacity) + 1), wanted + 2));
     u64* const candidates = items.data();  // ranked slots (ranked_slot)
     i64 n = 0;
