@@ -438,7 +438,7 @@ NATIVE_CALLS = ("its native call", "one native call")
 # them: (label, field, depth below the call); the admission's parts below it, the log's and the
 # index's side by side on two threads.
 NATIVE_PHASES = [
-    ("distinct ids (slots beside; replay unless below)", "distinct_ns", 1),
+    ("distinct ids/slots (replay unless below)", "distinct_ns", 1),
     ("find them, count the hits", "find_ns", 1),
     ("pick victims (LFU; shadow replay beside)", "choose_ns", 1),
     ("misses read in, victims staged", "admit_ns", 1),
