@@ -194,6 +194,17 @@ static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const in
         prefetch_home(table_keys, table_values, mask, key);
 }
 
+// slots[i] = slot_of(keys[i]) for i in [first, last), each key's memory asked for AHEAD keys before.
+static inline void slots_of(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
+                            i64 mask, const i64* __restrict__ slot_keys, const DirectLayout& layout,
+                            const i64* __restrict__ keys, i64 first, i64 last, i64* __restrict__ slots) {
+    for (i64 i = first; i < last; ++i) {
+        if (i + AHEAD < last)
+            prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
+        slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
+    }
+}
+
 // Slots for keys[0..n) (distinct, none in the tier; n <= free_count) from the free-slot stack
 // stack[0..free_count): each key whose home is free takes it (moved to the stack's top, positions[s]
 // following every slot s moved: stack[positions[s]] == s while s is free, which is how a home is
@@ -266,11 +277,7 @@ static i64 resolve_keys(const i64* __restrict__ table_keys, const int* __restric
         if (found) {
             for (i64 i = first; i < last; ++i) slots[i] = found->of(i);
         } else {
-            for (i64 i = first; i < last; ++i) {
-                if (i + AHEAD < last)
-                    prefetch_slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i + AHEAD]);
-                slots[i] = slot_of(table_keys, table_values, mask, slot_keys, layout, keys[i]);
-            }
+            slots_of(table_keys, table_values, mask, slot_keys, layout, keys, first, last, slots);
         }
         // The hits touched (and pinned) by the thread that found them: the keys are distinct, so
         // each score (and pin) has one writer.

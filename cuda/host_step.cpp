@@ -138,6 +138,9 @@ static i64 distinct_serial(const i64* __restrict__ ids, i64 n, i64 padding, int 
 #define DISTINCT_PARTS 8
 #define DISTINCT_PART_BITS 3  // log2(DISTINCT_PARTS): a key's part is the top bits of its hash
 
+// Whether step_distinct deduplicates n ids on the calling thread (distinct_serial).
+static inline bool distinct_on_one_thread(i64 n) { return n < DISTINCT_IN_PARTS_FROM; }
+
 static inline int distinct_part(i64 key) { return (int)(mix((u64)key) >> (64 - DISTINCT_PART_BITS)); }
 
 // Where in step_distinct's int32 scratch for n ids each entry's part (a byte an entry) starts: after
@@ -161,7 +164,7 @@ extern "C" i64 step_distinct(const i64* __restrict__ ids, i64 n, i64 padding, in
                              int* __restrict__ scratch, i64* __restrict__ unique, i64* __restrict__ counts,
                              i64* __restrict__ entry_rows, i64* __restrict__ starts,
                              i64* __restrict__ order) {
-    if (n < DISTINCT_IN_PARTS_FROM) {
+    if (distinct_on_one_thread(n)) {
         i64 positions = 16;
         while (positions < 2 * n) positions *= 2;
         return distinct_serial(ids, n, padding, has_padding, scratch, positions - 1, unique, counts,
@@ -1376,13 +1379,8 @@ static void find_entry_slots(const HostTier* tier, const i64* __restrict__ ids, 
                              i64* __restrict__ entry_slots) {
     const DirectLayout layout{tier->direct_bases, tier->direct_sizes, tier->direct_tables,
                               tier->direct_slots};
-    for (i64 e = 0; e < n; ++e) {
-        if (e + AHEAD < n)
-            prefetch_slot_of(tier->index_keys, tier->index_values, tier->index_mask, tier->slot_keys, layout,
-                             ids[e + AHEAD]);
-        entry_slots[e] =
-            slot_of(tier->index_keys, tier->index_values, tier->index_mask, tier->slot_keys, layout, ids[e]);
-    }
+    slots_of(tier->index_keys, tier->index_values, tier->index_mask, tier->slot_keys, layout, ids, 0, n,
+             entry_slots);
 }
 
 extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const TierChoice* choice,
@@ -1395,7 +1393,7 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
     i64 *const order = unique + 3 * n, *const starts = unique + 4 * n;
     // A batch deduplicated on one thread has the other find each entry's slot in the tier meanwhile
     // (entries = the keys and their repeats; the tier does not change until make_resident).
-    const bool probe_beside = n >= PARALLEL_FROM && n < DISTINCT_IN_PARTS_FROM;
+    const bool probe_beside = n >= PARALLEL_FROM && distinct_on_one_thread(n);
     Room<i64> entry_slots(probe_beside ? n : 0);
     auto deduplicate = [&]() {
         return step_distinct(bags.ids, n, bags.padding, bags.has_padding, bags.scratch, unique, counts,
