@@ -32,6 +32,8 @@
 #define PARALLEL_FROM 1024  // items: fewer run on the calling thread (waking a team costs more)
 #define SECTIONS_FROM 256   // victims: fewer keep an admission's log writes and index changes on one thread
 #define REWRITE_RUN 64      // records: a thread's share of an admission's rewrites in place, at a time
+#define PAGE_RUN 65536      // bytes: a thread's share of the log's pages made ahead of its appends, at a time
+#define PAGES_AHEAD 2       // an admission makes the log's pages for this many times its own appends ahead
 #define SPINS_BEFORE_YIELD 4096  // a thread waiting on another's write spins this long, then yields
 
 // Ask for every cache line of [address, address + bytes) (bytes > 0): rows wider than a line (dim 64
@@ -739,6 +741,8 @@ struct ColdFiles {
     i64 stored_bytes;
     i64 row_bytes;
     i64 check_bytes;
+    i64 log_prepared;   // bytes of the log's rows file whose pages are made (prepare_log_pages from here)
+    i64 log_allocated;  // bytes of the log's rows file whose blocks are on disk (pages made below it)
 };
 
 // sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
@@ -830,7 +834,9 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
                          0,
                          stored_bytes,
                          row_bytes,
-                         check_bytes};
+                         check_bytes,
+                         0,
+                         0};
     const RowChecks checks(row_bytes);
     Room<const unsigned char*> sources(n);
     locate_stored_rows(keys, n, cold, advise, sources.data());
@@ -943,6 +949,15 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
     return 0;
 }
 
+// Zeros over bytes [first, end) of the log's rows file `fd` (whole pages past every record), so that
+// their page cache pages exist before appends reach them: the kernel makes the pages (and, in a virtual
+// machine, the host its memory behind them) on a thread that would wait for the log's writes, not
+// inside its `pwrite`. A hint: a failed write leaves the appends to make the pages, as before.
+static void prepare_log_pages(int fd, i64 first, i64 end) {
+    static const unsigned char zeros[PAGE_RUN] = {};
+    if (end > first) (void)!write_all(fd, zeros, end - first, first);
+}
+
 // A host tier's misses made resident straight from the mmap cold store (step_make_resident's last
 // part): keys[0..n) (distinct, none in the tier, each looked up
 // counts[i] times) go to slots[0..n), of which the last `victims` hold rows the tier evicts.
@@ -953,6 +968,8 @@ static int write_all(int fd, const unsigned char* bytes, i64 size, i64 offset) {
 //    pwrite (log_rows_fd, log_keys_fd; the caller has allocated their blocks and room in the log's
 //    index). A failed write returns -errno, nothing else changed (bytes past log_count count for
 //    nothing). Once the writes are done, the records rewritten in place are shared by both threads.
+//    The pages of PAGES_AHEAD times the appends past them are made (prepare_log_pages), by the second
+//    thread while the writes run and by both after the rewrites; out[9]: where those pages end.
 // 3. Meanwhile (a second thread, from SECTIONS_FROM victims) the victims' keys leave the tier's
 //    index and the keys enter it (put back as they were if a write failed); then slot slots[i]
 //    takes keys[i], its stored row (or its initial row where the store holds none: then dirty and
@@ -1019,6 +1036,24 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     i64 new_to_log = 0;
     std::atomic<int> written{0};  // the log's writes: 0 under way, 1 done, -1 failed
     std::atomic<i64> next_rewrite{0};
+    i64 ahead_first = 0, ahead_end = 0;    // the pages to make (bytes of the log's rows), set with...
+    std::atomic<bool> ahead_known{false};  // ...this, once the log's side knows its appends
+    std::atomic<i64> next_ahead{0};
+    auto pages_ahead = [&](bool while_writing) {  // a run at a time, until none is left (or the writes end)
+        for (i64 first; !(while_writing && written.load(std::memory_order_acquire)) &&
+                        (first = ahead_first + next_ahead.fetch_add(PAGE_RUN)) < ahead_end;)
+            prepare_log_pages(log_rows_fd, first, std::min(ahead_end, first + PAGE_RUN));
+    };
+    // A wait on the other thread: spinning, then giving the core away (a write the kernel holds up
+    // while it throttles dirty pages, a busy machine).
+    auto wait_until = [](auto ready) {
+        for (i64 spins = 0; !ready(); ++spins) {
+            if (spins < SPINS_BEFORE_YIELD)
+                spin_pause();
+            else
+                sched_yield();
+        }
+    };
     auto rewrite_runs = [&]() {  // runs of the rewrites in place, until none is left
         for (i64 first; (first = next_rewrite.fetch_add(REWRITE_RUN)) < rewrites;) {
             const i64 last = std::min(rewrites, first + REWRITE_RUN);
@@ -1054,6 +1089,13 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 rewrites += in_place;
                 appended += !in_place;
             }
+            static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+            const i64 appends_end = (cold.log_count + appended) * cold.stored_bytes;
+            ahead_first = std::max(cold.log_prepared, (appends_end + page - 1) / page * page);
+            ahead_end =
+                std::min(cold.log_allocated, appends_end + PAGES_AHEAD * appended * cold.stored_bytes);
+            ahead_end = std::max(ahead_first, ahead_end / page * page);
+            ahead_known.store(true, std::memory_order_release);
             if (appended) {
                 Room<unsigned char> packed(appended * cold.stored_bytes);
                 for (i64 j = 0; j < appended; ++j) {
@@ -1080,6 +1122,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                     }
                 }
                 rewrite_runs();
+                pages_ahead(false);
             }
             out[6] = steady_ns() - logging;
         }
@@ -1091,14 +1134,13 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             insert_serial(tier.index_keys, tier.index_values, tier.index_mask, keys, slot_values.data(), n,
                           &status);
             out[7] = steady_ns() - indexing;
-            int state;
-            for (i64 spins = 0; (state = written.load(std::memory_order_acquire)) == 0; ++spins) {
-                if (spins < SPINS_BEFORE_YIELD)
-                    spin_pause();
-                else
-                    sched_yield();  // a write held up (the kernel throttling dirty pages): give the core away
+            wait_until([&] { return ahead_known.load(std::memory_order_acquire); });
+            pages_ahead(true);
+            wait_until([&] { return written.load(std::memory_order_acquire) != 0; });
+            if (written.load(std::memory_order_acquire) > 0) {
+                rewrite_runs();
+                pages_ahead(false);
             }
-            if (state > 0) rewrite_runs();
         }
     }
     if (error) {  // the tier's index as it was: the keys out, the victims back at their slots
@@ -1140,6 +1182,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
     out[1] = appended + rewrites;
     out[2] = appended;
     out[3] = new_to_log;
+    out[9] = std::max(cold.log_prepared, ahead_end);
     return 0;
 }
 
@@ -1176,6 +1219,7 @@ struct Residency {
     i64 hit_lookups, missed_lookups, misses;
     i64 from_free, victims, pool_taken, ranked_count;
     i64 held_lookups, written_back, appended, new_to_log, bad;
+    i64 log_prepared;                          // step_admit_cold's out[9] (the cold files' own if none ran)
     i64 find_ns, choose_ns, admit_ns;          // where the call's time went (steady clock)
     i64 distinct_ns, pooled_ns;                // step_lookup_bags' own passes before and after
     i64 read_ns, log_ns, reindex_ns, fill_ns;  // the admission's parts: step_admit_cold's out[5..8]
@@ -1221,6 +1265,7 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
     const float increment = choice.increment;
     *out = Residency{};
     out->pool_taken = -1;
+    out->log_prepared = cold_files->log_prepared;
     const i64 started = steady_ns();
     Room<i64> hit_slots(n), missed(n);
     i64 lookups[2];
@@ -1304,7 +1349,7 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
     const i64 chosen = steady_ns();
     out->choose_ns = chosen - found;
 
-    i64 admitted[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+    i64 admitted[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, cold_files->log_prepared};
     const i64 result =
         step_admit_cold(missed_keys.data(), missed_counts.data(), misses, increment, claimed.data(), victims,
                         tier_arrays, cold_files, advise, log_rows_fd, log_keys_fd, initial, admitted);
@@ -1329,6 +1374,7 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
     out->written_back = admitted[1];
     out->appended = admitted[2];
     out->new_to_log = admitted[3];
+    out->log_prepared = admitted[9];
 }
 
 extern "C" void step_make_resident(const i64* __restrict__ keys, const i64* __restrict__ counts, i64 n,

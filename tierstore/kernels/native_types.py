@@ -50,6 +50,8 @@ class ColdFiles(ctypes.Structure):
         ("stored_bytes", _I64),
         ("row_bytes", _I64),
         ("check_bytes", _I64),
+        ("log_prepared", _I64),  # bytes of the log's rows file whose pages are made ahead of appends
+        ("log_allocated", _I64),  # bytes of log_rows whose blocks are on disk
     ]
 
 
@@ -96,6 +98,7 @@ class Residency(ctypes.Structure):
             "appended",
             "new_to_log",
             "bad",
+            "log_prepared",
             "find_ns",
             "choose_ns",
             "admit_ns",

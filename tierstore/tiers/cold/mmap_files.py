@@ -80,6 +80,7 @@ class GrowableArray:
                 )
             path.touch()
         self._allocated = 0  # items known to have their blocks on disk (checked again when reserved)
+        self.prepared = 0  # bytes whose pages a native admission made ahead of its appends (0: blocks freed)
         self._fd = -1  # a descriptor kept open for writes, opened by the first
         self._map()
 
@@ -133,6 +134,11 @@ class GrowableArray:
             f"{os.strerror(error.errno)}" + (full if error.errno == errno.ENOSPC else ""),
         )
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes from the file's start whose blocks are allocated (``reserve``)."""
+        return self._allocated * self.width * self.dtype.itemsize
+
     def _allocate_to(self, count: int) -> OSError | None:
         """Allocate the blocks of items ``_allocated..count``; the error if the file system refuses."""
         item = self.width * self.dtype.itemsize
@@ -154,7 +160,7 @@ class GrowableArray:
                 ctypes.c_int64(self.path.stat().st_size),
             )
         if result == 0:
-            self._allocated = 0
+            self._allocated = self.prepared = 0
 
     def sync(self) -> None:
         if isinstance(self.array, np.memmap):

@@ -287,6 +287,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             codec.stored_bytes,
             codec.row_bytes,
             codec.check_bytes,
+            self._wal_rows.prepared,
+            self._wal_rows.allocated_bytes,
         )
         advise = self._reads.advise(rows)
         log_files = (self._wal_rows.fileno(), self._wal_keys.fileno())
@@ -306,6 +308,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         self.stats.initialized += done.missed_lookups - done.held_lookups
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
+        self._wal_rows.prepared = done.log_prepared
         self._wal_index.live += done.new_to_log
 
     def structure_problems(self) -> list[str]:
