@@ -682,10 +682,15 @@ extern "C" void step_row_hashes(const i64* __restrict__ keys, const unsigned cha
     for (i64 i = 0; i < n; ++i) hashes[i] = checks.of(raw + i * stride, keys[i]);
 }
 
+// The system's page size (bytes).
+static inline i64 page_bytes() {
+    static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+    return page;
+}
+
 // Ask the kernel to start reading the pages of [address, address + bytes) of a mapped file.
 static inline void will_need(const void* address, i64 bytes) {
-    static const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    const uintptr_t start = (uintptr_t)address & ~(page - 1);
+    const uintptr_t start = (uintptr_t)address & ~((uintptr_t)page_bytes() - 1);
     const uintptr_t end = (uintptr_t)address + (uintptr_t)bytes;
     madvise((void*)start, end - start, MADV_WILLNEED);
 }
@@ -707,7 +712,7 @@ extern "C" void step_will_need_homes(const i64* __restrict__ keys, i64 n, const 
 
 extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, const i64* __restrict__ rows,
                                     i64 n) {
-    static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+    const i64 page = page_bytes();
     i64 run_start = -1, run_end = -1;  // byte offsets of the pages of the run being merged
     for (i64 i = 0; i < n; ++i) {
         const i64 first = rows[i] * row_bytes / page * page, end = rows[i] * row_bytes + row_bytes;
@@ -1089,7 +1094,7 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 rewrites += in_place;
                 appended += !in_place;
             }
-            static const i64 page = (i64)sysconf(_SC_PAGESIZE);
+            const i64 page = page_bytes();
             const i64 appends_end = (cold.log_count + appended) * cold.stored_bytes;
             ahead_first = std::max(cold.log_prepared, (appends_end + page - 1) / page * page);
             ahead_end =
@@ -1349,7 +1354,7 @@ static void make_resident(const i64* __restrict__ keys, const i64* __restrict__ 
     const i64 chosen = steady_ns();
     out->choose_ns = chosen - found;
 
-    i64 admitted[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, cold_files->log_prepared};
+    i64 admitted[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     const i64 result =
         step_admit_cold(missed_keys.data(), missed_counts.data(), misses, increment, claimed.data(), victims,
                         tier_arrays, cold_files, advise, log_rows_fd, log_keys_fd, initial, admitted);

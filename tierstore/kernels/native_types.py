@@ -51,7 +51,7 @@ class ColdFiles(ctypes.Structure):
         ("row_bytes", _I64),
         ("check_bytes", _I64),
         ("log_prepared", _I64),  # bytes of the log's rows file whose pages are made ahead of appends
-        ("log_allocated", _I64),  # bytes of log_rows whose blocks are on disk
+        ("log_allocated", _I64),  # bytes of the log's rows file whose blocks are on disk
     ]
 
 
