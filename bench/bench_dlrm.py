@@ -40,7 +40,9 @@ host tier and its outputs on the GPU, against ``nn.EmbeddingBag(sparse=True)`` t
 lookahead pipeline) are left out, and each timed run waits for the GPU to finish.
 Reports samples/s and ratios, the collection's host hit rate (with the pipeline: of the steps'
 own lookups, the ones that did not wait for a row) and where its step's time goes, on the training
-thread, with and without the pipeline; JSON to ``--json``. ``--scale`` multiplies every synthetic cardinality.
+thread, with and without the pipeline, and what a new page of the page cache costs the machine (the
+log's appends make them; the tables in RAM never grow); JSON to ``--json``. ``--scale`` multiplies
+every synthetic cardinality.
 """
 
 from __future__ import annotations
@@ -316,6 +318,22 @@ def counted(run, store, totals: dict, tier: str = "host"):
 
 def major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def new_page_microseconds(directory: Path, pages: int = 2048) -> float:
+    """What one new 4 KiB page of the page cache costs this machine (us): ``pages`` written in 64 KiB
+    runs to a new file under ``directory`` (as the collection's log appends make them), then removed.
+    Where memory is handed back to a virtual machine's host it costs several times a copy's time, and
+    the tiered tables pay it for their log's appends while the tables in RAM never grow."""
+    run = bytes(range(256)) * 256
+    path = directory / "new_pages.probe"
+    with open(path, "wb", buffering=0) as file:
+        start = time.perf_counter()
+        for _ in range(pages * 4096 // len(run)):
+            file.write(run)
+        seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds * 1e6 / pages
 
 
 def store_bytes(directory: Path) -> int:
@@ -667,6 +685,7 @@ def main() -> None:
             host_horizon.clear()
         if args.dtype:
             host_16.clear()
+        page_us = new_page_microseconds(Path(directory))  # in the memory the timed rounds start from
         seconds = interleaved_seconds(runs, timed)
         rates = median_rates(seconds, args.steps * args.batch_size)
         breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
@@ -750,6 +769,10 @@ def main() -> None:
             + ", ".join(f"{label} {us:.2f}" for label, us in costs["native_us_per_row_parts"].items())
             + " us"
         )
+    print(
+        f"a new page of this machine's page cache (which the log's appends make) costs {page_us:.2f} us "
+        "(pages written to a new file beside the stores just before timing)"
+    )
     step_ms = breakdowns["collection"][0][2]
     shares = ", ".join(
         f"{label} {ms / step_ms:.0%}"
@@ -770,6 +793,7 @@ def main() -> None:
                 "host_cache": caches,
                 "memory_as_built": memory,
                 "step_costs": costs,
+                "new_page_us": page_us,
                 "breakdown_ms_per_step": {
                     name: {label: milliseconds for label, _, milliseconds in rows}
                     for name, rows in breakdowns.items()
