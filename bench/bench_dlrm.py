@@ -52,6 +52,7 @@ import collections
 import dataclasses
 import functools
 import json
+import mmap
 import resource
 import statistics
 import tempfile
@@ -321,7 +322,7 @@ def major_faults() -> int:
 
 
 def new_page_microseconds(directory: Path, pages: int = 2048) -> float:
-    """What one new 4 KiB page of the page cache costs this machine (us): ``pages`` written in 64 KiB
+    """What one new page of the page cache costs this machine (us): ``pages`` written in 64 KiB
     runs to a new file under ``directory`` (as the collection's log appends make them), then removed.
     Where memory is handed back to a virtual machine's host it costs several times a copy's time, and
     the tiered tables pay it for their log's appends while the tables in RAM never grow."""
@@ -329,7 +330,7 @@ def new_page_microseconds(directory: Path, pages: int = 2048) -> float:
     path = directory / "new_pages.probe"
     with open(path, "wb", buffering=0) as file:
         start = time.perf_counter()
-        for _ in range(pages * 4096 // len(run)):
+        for _ in range(pages * mmap.PAGESIZE // len(run)):
             file.write(run)
         seconds = time.perf_counter() - start
     path.unlink()
