@@ -327,14 +327,15 @@ def new_page_microseconds(directory: Path, pages: int = 2048) -> float:
     Where memory is handed back to a virtual machine's host it costs several times a copy's time, and
     the tiered tables pay it for their log's appends while the tables in RAM never grow."""
     run = bytes(range(256)) * 256
+    runs = max(1, pages * mmap.PAGESIZE // len(run))
     path = directory / "new_pages.probe"
     with open(path, "wb", buffering=0) as file:
         start = time.perf_counter()
-        for _ in range(pages * mmap.PAGESIZE // len(run)):
+        for _ in range(runs):
             file.write(run)
         seconds = time.perf_counter() - start
     path.unlink()
-    return seconds * 1e6 / pages
+    return seconds * 1e6 / (runs * len(run) / mmap.PAGESIZE)
 
 
 def store_bytes(directory: Path) -> int:
