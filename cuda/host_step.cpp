@@ -726,11 +726,61 @@ extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, co
     if (run_start >= 0) will_need(base + run_start, run_end - run_start);
 }
 
+// A sealed run of the mmap cold store's log index (tierstore/tiers/cold/log_index.py): `length` keys
+// in ascending order beside their values (a record number, or -2 - number for a removal), in a mapped
+// file, and a filter of one 64-bit word a key (filter_mask + 1 words, a power of two) that rules out
+// most keys the run does not hold before its keys are searched.
+struct LogRun {
+    const i64* keys;
+    const i64* values;
+    i64 length;
+    const u64* filter;
+    i64 filter_mask;
+};
+
+// The log index's sealed runs, oldest first (a newer run's value of a key supersedes an older's).
+struct LogRuns {
+    const LogRun* runs;
+    i64 count;
+};
+
+// The four bits of a run's filter word that stand for a key of hash `hash` (its high bits: the word
+// is chosen by the low ones).
+static inline u64 filter_bits(u64 hash) {
+    return (1ULL << ((hash >> 40) & 63)) | (1ULL << ((hash >> 46) & 63)) | (1ULL << ((hash >> 52) & 63)) |
+           (1ULL << ((hash >> 58) & 63));
+}
+
+// A run's filter: every keys[i]'s bits set (the filter's words zeroed by the caller).
+extern "C" void step_log_filter(const i64* __restrict__ keys, i64 n, u64* __restrict__ filter, i64 mask) {
+    for (i64 i = 0; i < n; ++i) {
+        const u64 hash = mix((u64)keys[i]);
+        filter[hash & (u64)mask] |= filter_bits(hash);
+    }
+}
+
+// key's value in the log's index, -1 where it has none: its table (keys/values/mask < 0: none) first,
+// then the sealed runs, newest first. *position: the key's position in the table, -1 where not there.
+static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict__ values, i64 mask,
+                            const LogRuns* runs, i64 key, i64* position) {
+    *position = mask >= 0 ? probe(keys, mask, key) : -1;
+    if (*position >= 0) return values[*position];
+    if (!runs) return -1;
+    const u64 hash = mix((u64)key), bits = filter_bits(hash);
+    for (i64 r = runs->count - 1; r >= 0; --r) {
+        const LogRun& run = runs->runs[r];
+        if ((run.filter[hash & (u64)run.filter_mask] & bits) != bits) continue;
+        const i64* found = std::lower_bound(run.keys, run.keys + run.length, key);
+        if (found != run.keys + run.length && *found == key) return run.values[found - run.keys];
+    }
+    return -1;
+}
+
 // Where the mmap cold store (tierstore/tiers/cold/mmap_store.py) keeps its rows: the main rows and
 // their index (main_keys/main_values/main_mask; main rows at or past main_count are not committed),
-// and the write-ahead log's (log_keys/log_values/log_mask < 0: no log; log_count records, those from
-// `committed` on staged since the last flush), each stored row stored_bytes apart: the row's
-// row_bytes, then check_bytes of its check.
+// and the write-ahead log's (its index: the table log_keys/log_values/log_mask < 0: no log, and the
+// sealed runs log_runs, null: none; log_count records, those from `committed` on staged since the last
+// flush), each stored row stored_bytes apart: the row's row_bytes, then check_bytes of its check.
 struct ColdFiles {
     const i64* main_keys;
     const i64* main_values;
@@ -748,6 +798,7 @@ struct ColdFiles {
     i64 check_bytes;
     i64 log_prepared;   // bytes of the log's rows file whose pages are made (prepare_log_pages from here)
     i64 log_allocated;  // bytes of the log's rows file whose blocks are on disk (pages made below it)
+    const LogRuns* log_runs;
 };
 
 // sources[i]: where keys[i]'s stored row lies, the log's record if the log holds one, else the main
@@ -773,9 +824,10 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
         const unsigned char* source = nullptr;
         bool removed = false;  // the log's last record of the key is a removal (a negative value)
         if (cold.log_mask >= 0) {
-            const i64 position = probe(cold.log_keys, cold.log_mask, keys[i]);
-            if (position >= 0) {
-                const i64 record = cold.log_values[position];
+            i64 position;
+            const i64 record =
+                log_value(cold.log_keys, cold.log_values, cold.log_mask, cold.log_runs, keys[i], &position);
+            if (record != -1) {
                 removed = record < 0;
                 if (!removed) source = cold.log_rows + record * cold.stored_bytes;
             }
@@ -822,7 +874,7 @@ static inline void store_row(unsigned char* __restrict__ target, const unsigned 
 extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __restrict__ main_keys,
                               const i64* __restrict__ main_values, i64 main_mask, i64 main_count, int advise,
                               const unsigned char* __restrict__ main_rows, const i64* __restrict__ log_keys,
-                              const i64* __restrict__ log_values, i64 log_mask,
+                              const i64* __restrict__ log_values, i64 log_mask, const LogRuns* log_runs,
                               const unsigned char* __restrict__ log_rows, i64 stored_bytes, i64 row_bytes,
                               i64 check_bytes, unsigned char* __restrict__ out,
                               unsigned char* __restrict__ found, i64* __restrict__ first_bad) {
@@ -841,7 +893,8 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
                          row_bytes,
                          check_bytes,
                          0,
-                         0};
+                         0,
+                         log_runs};
     const RowChecks checks(row_bytes);
     Room<const unsigned char*> sources(n);
     locate_stored_rows(keys, n, cold, advise, sources.data());
@@ -864,15 +917,17 @@ extern "C" i64 step_cold_rows(const i64* __restrict__ keys, i64 n, const i64* __
 
 // The mmap cold store's staging of rows in its write-ahead log (tierstore/tiers/cold/mmap_store.py):
 // the stored form of rows[i] (row_bytes, then check_bytes of its check for id keys[i]) goes over
-// keys[i]'s record in log_rows when the log's index (log_keys/log_values/log_mask) has one at or
-// past `committed` (staged since the last flush); else it is packed into out_new, in order, with
-// new_keys[j] its id and superseded[j] whether the log's index has an entry of it (a committed
-// record, or a removal). Returns how many were packed.
+// keys[i]'s record in log_rows when the log's index (its table log_keys/log_values/log_mask and its
+// sealed runs log_runs) has one at or past `committed` (staged since the last flush); else it is packed
+// into out_new, in order, with new_keys[j] its id and superseded[j] whether the index's table has an
+// entry of it (a committed record, or a removal: the caller replaces it; a sealed run's entry is
+// superseded by the table's new one). Returns how many were packed.
 extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsigned char* __restrict__ rows,
                                i64 row_bytes, i64 check_bytes, const i64* __restrict__ log_keys,
-                               const i64* __restrict__ log_values, i64 log_mask, i64 committed,
-                               unsigned char* __restrict__ log_rows, unsigned char* __restrict__ out_new,
-                               i64* __restrict__ new_keys, unsigned char* __restrict__ superseded) {
+                               const i64* __restrict__ log_values, i64 log_mask, const LogRuns* log_runs,
+                               i64 committed, unsigned char* __restrict__ log_rows,
+                               unsigned char* __restrict__ out_new, i64* __restrict__ new_keys,
+                               unsigned char* __restrict__ superseded) {
     const RowChecks checks(row_bytes);
     const i64 stored_bytes = row_bytes + check_bytes;
     // Two passes, as the read's: where each row goes (the log's index, in order: the packing), then
@@ -881,14 +936,14 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
-        const i64 position = probe(log_keys, log_mask, keys[i]);
-        const i64 record = position < 0 ? -1 : log_values[position];
+        i64 position;
+        const i64 record = log_value(log_keys, log_values, log_mask, log_runs, keys[i], &position);
         if (record >= committed) {
             targets[i] = log_rows + record * stored_bytes;
         } else {
             targets[i] = out_new + packed * stored_bytes;
             new_keys[packed] = keys[i];
-            superseded[packed] = position >= 0;  // a committed record, or a removal
+            superseded[packed] = position >= 0;  // in the table: a committed record, or a removal
             ++packed;
         }
     }
@@ -1083,8 +1138,9 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
                 }
                 const i64 slot = victim_slots[j], key = victim_keys[j];
                 if (!tier.dirty[slot]) continue;
-                const i64 position = probe(cold.log_keys, cold.log_mask, key);
-                const i64 record = position < 0 ? -1 : cold.log_values[position];
+                i64 position;
+                const i64 record =
+                    log_value(cold.log_keys, cold.log_values, cold.log_mask, cold.log_runs, key, &position);
                 const bool in_place = record >= cold.committed;  // written to both lists, counted in one
                 const Staged staged{cold.log_rows + (in_place ? record : 0) * cold.stored_bytes,
                                     tier.rows + slot * row_bytes, key, position};

@@ -48,7 +48,8 @@ class ColdPasses:
     ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The mmap cold store's read of ``keys`` (int64 [N]): ``main`` is ``(index keys, index values
         (int64 row numbers), stored rows uint8 [R, stored bytes], committed row count)`` (rows at or
-        past the count are not read), ``log`` the same but for the count (None: no log). Returns
+        past the count are not read), ``log`` the same but for the count and with the index's sealed
+        runs (``LogIndex.native_runs``, None: none) after its values (None: no log). Returns
         ``(row bytes uint8 [N, row_bytes], found bool [N], rows failing their check, the first of
         them)``; rows of keys not found are unspecified. ``advise``: the main index's and rows' pages
         are asked for first, all at once (``MADV_WILLNEED``: for files mostly on disk)."""
@@ -58,7 +59,7 @@ class ColdPasses:
         found = torch.empty(count, dtype=torch.bool)
         first_bad = torch.empty(1, dtype=torch.int64)
         main_keys, main_values, main_rows, main_count = main
-        log_keys, log_values, log_rows = log if log is not None else (None, None, None)
+        log_keys, log_values, log_runs, log_rows = log if log is not None else (None,) * 4
         bad = self._functions["step_cold_rows"](
             keys.data_ptr(),
             count,
@@ -71,6 +72,7 @@ class ColdPasses:
             pointer(log_keys),
             pointer(log_values),
             -1 if log is None else log_keys.numel() - 1,
+            None if log_runs is None else ctypes.byref(log_runs),
             None if log is None else log_rows.ctypes.data,
             main_rows.shape[1],
             row_bytes,
@@ -205,14 +207,15 @@ class ColdPasses:
         self, keys: torch.Tensor, rows: torch.Tensor, log: tuple, committed: int, check_bytes: int
     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """The mmap cold store's staging of ``rows`` (``[N, W]``, any dtype) of ``keys`` (int64 [N],
-        distinct) in its log, ``log`` being ``(index keys, index values (int64 record numbers), stored
-        rows uint8 [R, stored bytes], writable)``: rows whose record is at or past ``committed`` are
+        distinct) in its log, ``log`` being ``(index keys, index values (int64 record numbers), the
+        index's sealed runs (``LogIndex.native_runs``, None: none), stored rows uint8 [R, stored bytes],
+        writable)``: rows whose record is at or past ``committed`` are
         stored over it; returns the others' ``(stored rows uint8 [M, stored bytes], keys [M], whether
         each had an older record bool [M])``, in order."""
         keys = keys.contiguous()
         raw = rows.contiguous().view(torch.uint8)
         count, row_bytes = keys.numel(), raw.shape[1]
-        index_keys, index_values, log_rows = log
+        index_keys, index_values, runs, log_rows = log
         out = np.empty((count, row_bytes + check_bytes), dtype=np.uint8)
         new_keys = torch.empty(count, dtype=torch.int64)
         superseded = torch.empty(count, dtype=torch.bool)
@@ -225,6 +228,7 @@ class ColdPasses:
             index_keys.data_ptr(),
             index_values.data_ptr(),
             index_keys.numel() - 1,
+            None if runs is None else ctypes.byref(runs),
             committed,
             log_rows.ctypes.data if log_rows.size else None,
             out.ctypes.data,
@@ -232,3 +236,8 @@ class ColdPasses:
             superseded.data_ptr(),
         )
         return out[:packed], new_keys[:packed], superseded[:packed]
+
+    def log_filter(self, keys: np.ndarray, words: torch.Tensor) -> None:
+        """Set the bits of ``keys`` (int64 [N], contiguous) in a sealed log run's filter ``words``
+        (int64, a power of two of them), as ``host_step.cpp``'s lookups test them."""
+        self._functions["step_log_filter"](keys.ctypes.data, keys.size, words.data_ptr(), words.numel() - 1)

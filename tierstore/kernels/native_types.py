@@ -52,7 +52,26 @@ class ColdFiles(ctypes.Structure):
         ("check_bytes", _I64),
         ("log_prepared", _I64),  # bytes of the log's rows file whose pages are made ahead of appends
         ("log_allocated", _I64),  # bytes of the log's rows file whose blocks are on disk
+        ("log_runs", _POINTER),  # a LogRuns (the log index's sealed runs), or null
     ]
+
+
+class LogRun(ctypes.Structure):
+    """host_step.cpp's ``LogRun``: one sealed run of the mmap store's log index (``LogIndex``)."""
+
+    _fields_ = [
+        ("keys", _POINTER),
+        ("values", _POINTER),
+        ("length", _I64),
+        ("filter", _POINTER),
+        ("filter_mask", _I64),
+    ]
+
+
+class LogRuns(ctypes.Structure):
+    """host_step.cpp's ``LogRuns``: the log index's sealed runs, oldest first."""
+
+    _fields_ = [("runs", _POINTER), ("count", _I64)]
 
 
 class TierChoice(ctypes.Structure):

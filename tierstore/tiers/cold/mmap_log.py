@@ -13,6 +13,7 @@ from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..kernel_hash_table import KernelHashTable
 from .disk_index import DiskIndex
+from .log_index import LogIndex, StagedLog
 from .mmap_files import ADVISED_CHUNK_ROWS, REMOVED_FILE, STATE_FILE, WAL_COMMIT_FILE, GrowableArray
 from .mmap_opening import removal_records
 
@@ -26,9 +27,10 @@ class MmapLog:
         start = self._wal_count
         self._wal_rows.reserve(start + keys.numel())  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + keys.numel())
-        passes = host_passes() if isinstance(self._wal_index, KernelHashTable) else None
+        passes = host_passes() if isinstance(self._wal_index.table, KernelHashTable) else None
         if passes is not None:  # one native pass: the log's index, the checks, the rewrites
-            log = (self._wal_index.keys, self._wal_index.values, self._wal_rows.array)
+            index = self._wal_index
+            log = (index.keys, index.values, index.native_runs, self._wal_rows.array)
             stored, keys, superseded = passes.cold_stage(
                 keys, rows, log, self._wal_committed, self.codec.check_bytes
             )
@@ -111,21 +113,25 @@ class MmapLog:
             self._appended = False
             self._let_readers_in()
         log = None  # the log's keys, looked up once for the reservation and the apply
-        if self._wal_count > self._wal_committed:
-            self._wal_keys.sync()
-            self._wal_rows.sync()
-            log = self._log_keys()
-            self._reserve_for_log(log)  # before the commit: a full disk fails the flush, changing nothing
-            crcs = self._wal_checksums(self._wal_committed, self._wal_count, self._log_crcs)
-            self._commit_log(self._wal_count, crcs, flushes)  # the flush is durable here
-            self._wal_committed, self._log_crcs = self._wal_count, crcs
-        elif self._wal_committed:  # a log a reader kept from being applied: it records the count
-            self._commit_log(self._wal_committed, self._log_crcs, flushes)
-        elif not appended:  # nothing committed: the count alone
-            self._write_state(self._count, flushes)
-        self.flushes = flushes
-        if self._wal_committed:
-            self._try_apply(log)
+        try:
+            if self._wal_count > self._wal_committed:
+                self._wal_keys.sync()
+                self._wal_rows.sync()
+                log = self._log_keys()  # a full disk fails the flush here or below, changing nothing
+                self._reserve_for_log(log)  # before the commit
+                crcs = self._wal_checksums(self._wal_committed, self._wal_count, self._log_crcs)
+                self._commit_log(self._wal_count, crcs, flushes)  # the flush is durable here
+                self._wal_committed, self._log_crcs = self._wal_count, crcs
+            elif self._wal_committed:  # a log a reader kept from being applied: it records the count
+                self._commit_log(self._wal_committed, self._log_crcs, flushes)
+            elif not appended:  # nothing committed: the count alone
+                self._write_state(self._count, flushes)
+            self.flushes = flushes
+            if self._wal_committed:
+                self._try_apply(log)
+        finally:
+            if log is not None:
+                log.close()
 
     def _commit_log(self, records: int, crcs: tuple[int, int], flushes: int) -> None:
         """Commit the log's first ``records`` (with their CRC32s) and the flush count, atomically."""
@@ -146,19 +152,25 @@ class MmapLog:
             if not self._holding_readers_out:
                 self._readers.release()
 
-    def _log_keys(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new).
-        Where the reads find their pages on disk (``ReadAdvice``), the index pages of each chunk of
-        keys are asked for first, all at once."""
-        keys, records = self._log_latest()
+    def _log_keys(self) -> StagedLog:
+        """Each key in the log once, its last record, and where it lives in ``rows.bin`` (-1: new),
+        found a chunk of the log at a time and kept in a file. Where the reads find their pages on
+        disk (``ReadAdvice``), the index pages of each part of a chunk are asked for first, all at once."""
         passes = self._advising_passes()
-        if passes is None:
-            return keys, records, self._rows_of(keys)
-        rows = []
-        for part in keys.split(ADVISED_CHUNK_ROWS):
-            passes.will_need_homes(part, self._index.keys, self._index.values)
-            rows.append(self._rows_of(part))
-        return keys, records, torch.cat(rows) if rows else keys
+        log = StagedLog(self.directory)
+        try:
+            for start, stop in log.record_chunks(self._wal_count):
+                keys, records = self._log_latest(start, stop)
+                parts = zip(keys.split(ADVISED_CHUNK_ROWS), records.split(ADVISED_CHUNK_ROWS))
+                for part, part_records in parts:
+                    if passes is not None:
+                        passes.will_need_homes(part, self._index.keys, self._index.values)
+                    log.append(part, part_records, self._rows_of(part))
+            log.written()
+        except BaseException:
+            log.close()
+            raise
+        return log
 
     def _advising_passes(self):
         """The native passes where batched reads ask for their pages first (mapped index, pages on
@@ -167,28 +179,51 @@ class MmapLog:
             return None
         return host_passes()
 
-    def _reserve_for_log(self, log: tuple) -> None:
+    def _reserve_for_log(self, log: StagedLog) -> None:
         """Allocate the room in ``rows.bin``/``keys.bin`` that applying ``log`` (``_log_keys``) will take."""
-        new_count = int(((log[2] < 0) & (log[1] >= 0)).sum())  # a removal takes no room
-        self._rows.reserve(self._count + new_count)
-        self._keys.reserve(self._count + new_count)
+        self._rows.reserve(self._count + log.new_rows)
+        self._keys.reserve(self._count + log.new_rows)
 
-    def _apply_wal(self, log: tuple | None = None) -> None:
+    def _apply_wal(self, log: StagedLog | None = None) -> None:
         """Copy the committed log (``log``: its ``_log_keys``, None: looked up) into
-        ``rows.bin``/``keys.bin`` and record the rows of removed ids (idempotent), then drop it."""
-        keys, records, position = self._log_keys() if log is None else log
+        ``rows.bin``/``keys.bin`` and record the rows of removed ids (idempotent), then drop it; a
+        chunk of its keys at a time."""
+        own = log is None
+        log = self._log_keys() if own else log
+        try:
+            self._rows.reserve(self._count + log.new_rows)
+            self._keys.reserve(self._count + log.new_rows)
+            for keys, records, position in log.chunks():
+                self._apply_chunk(keys, records, position)
+            self._rows.sync()
+            self._keys.sync()
+            self._sync_index()
+            self._write_state(self._count)
+            self._commit_index()
+            self._reset_wal()
+        finally:
+            if own:
+                log.close()
+
+    def _apply_chunk(self, keys: torch.Tensor, records: torch.Tensor, position: torch.Tensor) -> None:
+        """Apply one chunk of a ``StagedLog``: rows copied, new ids given rows and indexed, removed ids'
+        rows recorded."""
         removal = records < 0
-        gone_keys, gone_rows = keys[removal & (position >= 0)], position[removal & (position >= 0)]
-        keys, records, position = keys[~removal], records[~removal], position[~removal]
+        gone = removal & (position >= 0)
+        keys, records, position, gone_keys, gone_rows = (
+            keys[~removal],
+            records[~removal],
+            position[~removal],
+            keys[gone],
+            position[gone],
+        )
         new = position < 0
         new_count = int(new.sum())
         position[new] = torch.arange(self._count, self._count + new_count)
-        self._rows.reserve(self._count + new_count)
-        self._keys.reserve(self._count + new_count)
         passes = self._advising_passes()
-        # in the rows' order, a chunk at a time (where reads are advised, each chunk's pages of both
-        # files asked for first), each chunk's pages written out before the next: the copy's dirty
-        # pages stay a chunk's, not the whole log's (a memory limit counts them and cannot reclaim them)
+        # in the rows' order, a part at a time (where reads are advised, each part's pages of both
+        # files asked for first), each part's pages written out before the next: the copy's dirty
+        # pages stay a part's, not the whole log's (a memory limit counts them and cannot reclaim them)
         for part in torch.argsort(position).split(ADVISED_CHUNK_ROWS) if position.numel() else ():
             if passes is not None:
                 passes.will_need_rows(self._rows.array, position[part])
@@ -196,8 +231,6 @@ class MmapLog:
             self._rows.array[position[part].numpy()] = self._wal_rows.array[records[part].numpy()]
             self._rows.sync_items(int(position[part[0]]), int(position[part[-1]]) + 1)
         self._keys.array[position[new].numpy(), 0] = keys[new].numpy()
-        self._rows.sync()
-        self._keys.sync()
         self._keys_crc = self._extend_keys_crc(keys[new].numpy())
         if isinstance(self._index, DiskIndex):
             self._index.begin(self._count + new_count, self._keys_crc)
@@ -205,10 +238,6 @@ class MmapLog:
         self._count += new_count
         if gone_rows.numel():
             self._remove_rows(gone_keys, gone_rows)
-        self._sync_index()
-        self._write_state(self._count)
-        self._commit_index()
-        self._reset_wal()
 
     def _remove_rows(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Record the committed ``rows`` of removed ``keys`` in ``removed.bin`` (past the committed
@@ -246,7 +275,8 @@ class MmapLog:
         # past a file's end is SIGBUS); their blocks are freed.
         self._wal_rows.release()
         self._wal_keys.release()
-        self._wal_index = self._make_index(1024)
+        self._wal_index.close()
+        self._wal_index = LogIndex(self.directory, self._index_kernels)
         self._wal_count = self._wal_committed = 0
         self._log_crcs = (0, 0)
 

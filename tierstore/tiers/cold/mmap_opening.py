@@ -21,6 +21,7 @@ from ...metadata import fsync_directory
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .disk_index import INDEX_FILE, DiskIndex
+from .log_index import LogIndex
 from .mmap_files import (
     KEYS_CHUNK_ROWS,
     KEYS_FILE,
@@ -59,12 +60,12 @@ class MmapOpening:
         self._repair_pending = False
         self._index = self._open_index()
         self._reads = ReadAdvice()
-        self._wal_index = self._make_index(1024)
+        self._wal_index = LogIndex(self.directory, self._index_kernels)
         self._admits_natively = (  # make_resident_in's native call serves a tier with native arrays
             not self.read_only
             and self.dtype in KERNEL_DTYPES
             and isinstance(self._index, KernelHashTable)
-            and isinstance(self._wal_index, KernelHashTable)
+            and isinstance(self._wal_index.table, KernelHashTable)
             and host_passes() is not None
         )
         self._wal_count = self._wal_committed = 0

@@ -14,7 +14,8 @@ Files in the store directory:
   by ``structure_problems``), and the flushes completed. Each row read is checked against its id.
 - ``wal.keys.bin`` / ``wal.rows.bin``: an append-only write-ahead log of rows written since
   ``rows.bin`` was last brought up to date (a key's last record wins; records past the count are
-  stale).
+  stale). Its index (id -> last record, ``log_index.LogIndex``) keeps the newest entries in RAM
+  and seals the rest into unlinked, mapped files, so its RAM stays bounded however long the log.
 - ``wal.commit.json``: ``{"records": n, "keys_crc32": a, "rows_crc32": b, "flushes": f}``, written
   atomically when a flush's log is durable: its first ``n`` records are committed, and never
   change again (while it exists, its flush count is the store's).
@@ -45,6 +46,7 @@ room in the log reserved first (a full disk changes nothing).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import zlib
@@ -126,7 +128,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             main = (self._index.keys, self._index.values, self._rows.array, self._count)
             log = None
             if self._wal_count:
-                log = (self._wal_index.keys, self._wal_index.values, self._wal_rows.array)
+                index = self._wal_index
+                log = (index.keys, index.values, index.native_runs, self._wal_rows.array)
             codec = self.codec
             advise = self._reads.advise(keys.numel())
             raw, found, bad, first = passes.cold_rows(
@@ -214,10 +217,12 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         new = (self._rows_of(keys) < 0) & (records >= 0)
         return keys[new], records[new]
 
-    def _log_latest(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each key in the log once, with its last record's value in the log's index: the number of
-        the record that holds its row, or ``-2 - number`` where that record removes it."""
-        keys, records = log_entries(self._wal_keys.array[: self._wal_count, 0], np.arange(self._wal_count))
+    def _log_latest(self, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each key whose last record in the log is one of records ``start..stop`` (default: all), with
+        that record's value in the log's index: its number where it holds the key's row, ``-2 -
+        number`` where it removes the key."""
+        stop = self._wal_count if stop is None else stop
+        keys, records = log_entries(self._wal_keys.array[start:stop, 0], np.arange(start, stop))
         keys, records = torch.from_numpy(keys), torch.from_numpy(records)
         latest = self._wal_index.find(keys) == records
         return keys[latest], records[latest]
@@ -289,6 +294,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             codec.check_bytes,
             self._wal_rows.prepared,
             self._wal_rows.allocated_bytes,
+            ctypes.addressof(log.native_runs) if log.native_runs is not None else None,
         )
         advise = self._reads.advise(rows)
         log_files = (self._wal_rows.fileno(), self._wal_keys.fileno())
@@ -309,7 +315,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
         self._wal_rows.prepared = done.log_prepared
-        self._wal_index.live += done.new_to_log
+        self._wal_index.table.live += done.new_to_log
 
     def structure_problems(self) -> list[str]:
         """``keys.bin`` against the CRC32 ``state.json`` records, and every committed id found at its
@@ -359,6 +365,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         for array in (self._rows, self._keys, self._wal_rows, self._wal_keys):
             array.close()
         self._index = None
+        if getattr(self, "_wal_index", None) is not None:
+            self._wal_index.close()
         self._holding_readers_out = False
         self._readers.close()
 

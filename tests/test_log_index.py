@@ -1,0 +1,143 @@
+"""The mmap store's log index (``tiers.cold.log_index``): bounded in RAM however long the log grows
+(sealed runs on disk), answering as a dict across seals and merges, through the store's native and
+torch paths, under a full disk and a memory limit."""
+
+import errno
+
+import numpy as np
+import pytest
+import torch
+from helpers import cgroup_problem, peak_in_cgroup
+from host_kernels import shared_host_kernels
+from test_store_oracle import StoreAgainstDict
+
+from tierstore import TieredStore
+from tierstore.tiers.cold import log_index
+from tierstore.tiers.cold.log_index import LogIndex
+
+
+@pytest.mark.parametrize("kernels", ["host", None])
+def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypatch, kernels):
+    """Random batches of keys given new values (a key in the table dropped first, as the store does),
+    some removals (negative values): ``find`` equals a dict after every batch, while the table never
+    holds more than ``seal_at`` keys and the runs stay logarithmic in number."""
+    monkeypatch.setattr(log_index, "MERGE_CHUNK", 5)  # merges run chunk by chunk
+    index = LogIndex(tmp_path, None if kernels is None else shared_host_kernels(), seal_at=16)
+    oracle, generator, record = {}, np.random.default_rng(0), 0
+    for _ in range(120):
+        keys = torch.from_numpy(generator.choice(400, size=int(generator.integers(1, 24)), replace=False))
+        values = torch.arange(record, record + keys.numel())
+        removal = torch.from_numpy(generator.random(keys.numel()) < 0.2)
+        values = torch.where(removal, -2 - values, values)
+        record += keys.numel()
+        index.remove(keys)
+        index.insert(keys, values)
+        oracle.update(zip(keys.tolist(), values.tolist()))
+        probe = torch.arange(420)
+        expected = torch.tensor([oracle.get(key, -1) for key in probe.tolist()])
+        assert torch.equal(index.find(probe), expected)
+        assert index.table.live <= index.seal_at
+        assert len(index.runs) <= 1 + int(np.log2(max(1, record) / index.seal_at) + 1)
+    assert index.runs and (kernels is None) == (index.native_runs is None)
+    assert not list(tmp_path.iterdir())  # the runs' files are unlinked: a kill leaves nothing
+    index.close()
+
+
+def test_ram_stays_bounded_as_the_log_grows(tmp_path):
+    """600K rows staged through a store's log: the index's RAM is its table (a sealed table's worth)
+    and a few bytes a sealed key; the sealed keys live in files."""
+    store = TieredStore(tmp_path / "s", dim=2, backend="mmap", host_cache=64)
+    for start in range(0, 600_000, 50_000):
+        keys = torch.arange(start, start + 50_000) * 7
+        store.put(keys, torch.ones(keys.numel(), 2) * start)
+    index = store.stack.cold._wal_index
+    sealed = sum(run.length for run in index.runs)
+    assert sealed >= 600_000 - index.seal_at and index.file_bytes >= 16 * sealed
+    assert index.nbytes <= index.table.nbytes + 4 * sealed + 1024
+    assert index.table.nbytes <= 16 * 2 * index.seal_at
+    keys = torch.tensor([0, 7 * 49_999, 7 * 50_000, 7 * 599_999, 5])
+    found = store.stack.cold.get(keys[[0, 1, 2, 4]])[1]  # the last puts are still in the cache
+    assert found.tolist() == [True, True, True, False]
+    assert torch.equal(store.get(keys)[:4, 0], torch.tensor([0.0, 0.0, 50_000.0, 550_000.0]))
+    store.close()
+    store = TieredStore(tmp_path / "s")
+    assert torch.equal(store.get(keys)[:4, 0], torch.tensor([0.0, 0.0, 50_000.0, 550_000.0]))
+    store.close()
+
+
+def test_a_full_disk_while_sealing_changes_nothing(tiny_filesystem):
+    """A seal whose run cannot be written (no space) raises ENOSPC and leaves the index as it was; it
+    seals once space is freed."""
+    index = LogIndex(tiny_filesystem, shared_host_kernels(), seal_at=4096)
+    keys = torch.arange(4000)
+    index.insert(keys, keys * 2)
+    filler = tiny_filesystem / "filler"
+    with open(filler, "wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+    with pytest.raises(OSError) as raised:
+        index.make_room(200)
+    assert raised.value.errno == errno.ENOSPC
+    assert not index.runs and index.table.live == 4000
+    assert torch.equal(index.find(keys), keys * 2)
+    filler.unlink()
+    index.make_room(200)
+    assert len(index.runs) == 1 and index.table.live == 0
+    assert torch.equal(index.find(keys), keys * 2)
+    index.close()
+
+
+class SealingLogAgainstDict(StoreAgainstDict):
+    """The mmap store on the native path, its log index sealing every few keys (runs merged a few
+    entries at a time) and its flushes applying the log two keys at a time: reads, staging,
+    write-back, removal, flush, crash and reopening see the runs and the chunks."""
+
+    backend = "mmap"
+    host_cache, device_cache = 4, 0
+
+    def __init__(self):
+        self._saved = log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK
+        log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK = 3, 2, 2
+        super().__init__()
+
+    def teardown(self):
+        try:
+            super().teardown()
+        finally:
+            log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK = self._saved
+
+
+class SealingLogTorchTierAgainstDict(SealingLogAgainstDict):
+    """The same under a torch host tier and device tier (the store's own reads and staging)."""
+
+    host_cache_backend = "torch"
+    host_cache, device_cache = 4, 6
+
+
+TestSealingLogAgainstDict = SealingLogAgainstDict.TestCase
+TestSealingLogTorchTierAgainstDict = SealingLogTorchTierAgainstDict.TestCase
+
+
+STAGE_SCRIPT = """
+import sys, torch
+from tierstore import TieredStore
+path, count = sys.argv[1], int(sys.argv[2])
+store = TieredStore(path, dim=4, backend="mmap", host_cache=1024)
+for start in range(0, count, 100_000):
+    keys = torch.arange(start, start + 100_000) * 3
+    store.put(keys, keys[:, None].float().expand(-1, 4))
+probe = torch.tensor([0, 3 * (count // 2), 3 * (count - 1)])
+assert torch.equal(store.get(probe)[:, 0], probe.float())
+"""
+
+
+@pytest.mark.skipif(cgroup_problem() is not None, reason=str(cgroup_problem()))
+def test_staging_millions_of_rows_runs_under_a_memory_limit(tmp_path):
+    """4M rows staged without a flush, in a cgroup 96 MiB above what importing takes: the log index
+    alone, kept whole in RAM, would take 256 MiB (the process was killed before runs were sealed)."""
+    baseline = peak_in_cgroup(tmp_path, "import torch, tierstore", 1 << 40)
+    limit = baseline + (96 << 20)
+    assert peak_in_cgroup(tmp_path, STAGE_SCRIPT, limit, str(tmp_path / "s"), "4000000") <= limit

@@ -1,0 +1,274 @@
+"""The mmap cold store's log index: each key staged since the last flush -> its last record in the
+write-ahead log (the record's number, or ``-2 - number`` where that record removes the key), in
+memory bounded however long the log grows.
+
+The newest entries live in a hash table (``KernelHashTable`` on the kernels, else ``HashIndex``) of
+at most ``SEAL_AT`` keys. When more would pass that, the table is sealed: its entries, sorted by key,
+are written to an unlinked file beside the store (written in order and synced, so their pages are
+clean and the kernel reclaims them under a memory limit) and mapped, with a filter of one 64-bit word
+a key kept in RAM; the table starts again empty. A lookup asks the table, then the sealed runs newest
+first: where the filter does not rule the key out, a binary search of the run's keys. Runs merge
+pairwise as a binary counter (the newer run's entry of a key wins), so they stay about
+``log2(entries / SEAL_AT)`` and an entry is rewritten about as many times. RAM: the table, plus 2 to
+4 bytes a sealed entry. Runs describe only what this process staged: reopening rebuilds the index
+from the committed log, and a killed process leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...kernels.native_types import LogRun, LogRuns
+from ...kernels.step_passes import host_passes
+from ..hash_index import HashIndex
+from ..kernel_hash_table import KernelHashTable
+
+SEAL_AT = 1 << 18  # keys the table holds before it is sealed into a run
+MERGE_CHUNK = 1 << 16  # entries of each run merged at a time (the merge's memory)
+LOG_CHUNK = 1 << 18  # the log's records a flush looks at, and its keys it applies, at a time
+_KEYS_A_FILTER_WORD = 4  # a run's filter has a word for about this many keys (rounded to a power of two)
+
+
+class LogIndex:
+    """Map ``int64 key >= 0 -> int64 value`` (never -1) for the mmap store's log, with ``HashIndex``'s
+    ``find`` / ``insert`` / ``remove`` / ``make_room``. ``kernels``: the index kernels (None: torch
+    ops, and runs without filters); ``directory``: where run files are made (unlinked; the system's
+    temporary directory where it is read-only)."""
+
+    def __init__(self, directory: Path, kernels, seal_at: int | None = None) -> None:
+        self.directory = Path(directory)
+        self._kernels = kernels
+        self.seal_at = SEAL_AT if seal_at is None else seal_at
+        self._passes = host_passes() if kernels is not None else None  # the runs' filters, if any
+        self.table = self._new_table(min(1024, self.seal_at))
+        self.runs: list[SealedRun] = []
+        self.native_runs: LogRuns | None = None  # the runs as the native lookups take them
+        self._native_array = None
+
+    def _new_table(self, capacity: int) -> HashIndex | KernelHashTable:
+        if self._kernels is None:
+            return HashIndex(capacity)
+        return KernelHashTable(capacity, self._kernels, value_dtype=torch.int64, huge_pages=False)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """The table's keys (for the native passes, with ``values`` and ``native_runs``)."""
+        return self.table.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.table.values
+
+    @property
+    def nbytes(self) -> int:
+        """RAM held: the table and the runs' filters."""
+        return self.table.nbytes + sum(run.filter_bytes for run in self.runs)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the runs' files (page cache while read, reclaimable)."""
+        return sum(run.file_bytes for run in self.runs)
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
+        found = self.table.find(keys)
+        missing = (found == -1).nonzero().squeeze(1)
+        for run in reversed(self.runs):
+            if not missing.numel():
+                break
+            query = keys[missing].numpy()
+            at = np.minimum(np.searchsorted(run.keys, query), run.length - 1)
+            hit = run.keys[at] == query
+            found[missing[torch.from_numpy(hit)]] = torch.from_numpy(run.values[at[hit]])
+            missing = missing[torch.from_numpy(~hit)]
+        return found
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``keys`` (distinct, not in the table) with ``values``, sealing the table as it fills;
+        an entry supersedes the runs' entries of its key."""
+        step = max(1, self.seal_at)
+        for start in range(0, keys.numel(), step):
+            part = slice(start, start + step)
+            self.make_room(keys[part].numel())
+            self.table.insert(keys[part], values[part])
+
+    def remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Drop the table's entries of ``keys`` (distinct; the caller inserts their new values next,
+        which supersede the runs'); returns the dropped values (-1 where the table had none)."""
+        return self.table.remove(keys)
+
+    def make_room(self, count: int) -> None:
+        """Room in the table for ``count`` more keys: sealed first where they would pass ``seal_at``
+        (writing its run may raise ``OSError``, a full disk: the index is then unchanged)."""
+        if self.table.live and self.table.live + count > self.seal_at:
+            self._seal()
+        self.table.make_room(count)
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+        self.runs = []
+        self._set_native_runs()
+
+    def _seal(self) -> None:
+        keys, values = self.table.items()
+        order = torch.argsort(keys)
+        run = self._write_run(len(order), [(keys[order].numpy(), values[order].numpy())])
+        self.runs.append(run)
+        self.table = self._new_table(self.seal_at)
+        while len(self.runs) >= 2 and self.runs[-2].length <= 2 * self.runs[-1].length:
+            older, newer = self.runs[-2], self.runs[-1]
+            merged = self._write_run(older.length + newer.length, _merged(older, newer))
+            self.runs[-2:] = [merged]
+            older.close()
+            newer.close()
+        self._set_native_runs()
+
+    def _write_run(self, capacity: int, parts) -> SealedRun:
+        """A run of up to ``capacity`` entries from ``parts`` (``(keys, values)`` arrays, keys ascending
+        and distinct across parts), written and synced before it is mapped."""
+        file = temporary_file(self.directory)
+        try:
+            descriptor = file.fileno()
+            os.posix_fallocate(descriptor, 0, 16 * capacity)  # a full disk fails here, before any change
+            length = 0
+            for keys, values in parts:
+                write_at(descriptor, keys, 8 * length)
+                write_at(descriptor, values, 8 * (capacity + length))
+                length += len(keys)
+            os.fdatasync(descriptor)
+            return SealedRun(file, length, capacity, self._passes)
+        except BaseException:
+            file.close()
+            raise
+
+    def _set_native_runs(self) -> None:
+        filtered = [run for run in self.runs if run.filter is not None]
+        if not filtered or len(filtered) != len(self.runs):
+            self.native_runs, self._native_array = None, None
+            return
+        self._native_array = (LogRun * len(filtered))(*(run.native() for run in filtered))
+        self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(filtered))
+
+
+class SealedRun:
+    """One run in ``file``: ``length`` keys (ascending) at its start, their values ``capacity`` keys
+    on, mapped read-only; its filter (int64 words, None without the kernels) in RAM."""
+
+    def __init__(self, file, length: int, capacity: int, passes) -> None:
+        self.file, self.length = file, length
+        self.file_bytes = 16 * capacity
+        self._map = mmap.mmap(file.fileno(), self.file_bytes, prot=mmap.PROT_READ)
+        self._map.madvise(mmap.MADV_RANDOM)  # binary searches: no read-ahead
+        self.keys = np.frombuffer(self._map, np.int64, length, 0)
+        self.values = np.frombuffer(self._map, np.int64, length, 8 * capacity)
+        self.filter = None
+        if passes is not None:
+            words = 1 << max(0, (-(-length // _KEYS_A_FILTER_WORD) - 1).bit_length())
+            self.filter = torch.zeros(words, dtype=torch.int64)
+            passes.log_filter(self.keys, self.filter)
+
+    @property
+    def filter_bytes(self) -> int:
+        return 0 if self.filter is None else self.filter.nbytes
+
+    def native(self) -> LogRun:
+        return LogRun(
+            self.keys.ctypes.data,
+            self.values.ctypes.data,
+            self.length,
+            self.filter.data_ptr(),
+            self.filter.numel() - 1,
+        )
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported: the map closes when it goes
+            pass
+        self.file.close()
+
+
+def _merged(older: SealedRun, newer: SealedRun):
+    """``(keys, values)`` parts of the two runs merged in key order, ``MERGE_CHUNK`` of each run at a
+    time, a key in both taking ``newer``'s value."""
+    i = j = 0
+    while i < older.length or j < newer.length:
+        stop_i, stop_j = min(older.length, i + MERGE_CHUNK), min(newer.length, j + MERGE_CHUNK)
+        ends = [run.keys[stop - 1] for run, stop in ((older, stop_i), (newer, stop_j)) if stop < run.length]
+        if ends:  # every entry up to the bound, from both runs: a key in both meets itself here
+            bound = min(ends)
+            stop_i = i + int(np.searchsorted(older.keys[i:stop_i], bound, "right"))
+            stop_j = j + int(np.searchsorted(newer.keys[j:stop_j], bound, "right"))
+        keys = np.concatenate([older.keys[i:stop_i], newer.keys[j:stop_j]])
+        values = np.concatenate([older.values[i:stop_i], newer.values[j:stop_j]])
+        order = np.argsort(keys, kind="stable")  # older first among equal keys
+        keys, values = keys[order], values[order]
+        last = np.append(keys[1:] != keys[:-1], True)
+        yield keys[last], values[last]
+        i, j = stop_i, stop_j
+
+
+def temporary_file(directory: Path):
+    """An unlinked file in ``directory`` (the system's temporary directory where it cannot be made there)."""
+    try:
+        return tempfile.TemporaryFile(dir=directory)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return tempfile.TemporaryFile()
+
+
+def write_at(descriptor: int, array: np.ndarray, offset: int) -> None:
+    """Write ``array``'s bytes to ``descriptor`` at byte ``offset``, all of them."""
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while view.nbytes:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
+
+
+class StagedLog:
+    """What a flush applies: each key of the log once, with its last record's value in the log index
+    and its row in ``rows.bin`` (-1: none), as int64 triples in an unlinked file, appended and read
+    back ``LOG_CHUNK`` at a time, so a flush's memory is a chunk's however long the log."""
+
+    def __init__(self, directory: Path) -> None:
+        self.file = temporary_file(directory)
+        self.length = 0
+        self.new_rows = 0  # keys that take a new row in rows.bin (not in it, and not removed)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        triples = torch.stack([keys, values, rows], 1).numpy()
+        write_at(self.file.fileno(), triples, 24 * self.length)  # a full disk raises here
+        self.length += len(triples)
+        self.new_rows += int(((rows < 0) & (values >= 0)).sum())
+
+    @staticmethod
+    def record_chunks(count: int):
+        """``(start, stop)`` of the log's first ``count`` records, ``LOG_CHUNK`` at a time."""
+        for start in range(0, count, LOG_CHUNK):
+            yield start, min(count, start + LOG_CHUNK)
+
+    def written(self) -> None:
+        """Synced: its pages clean, which a memory limit can reclaim until they are read back."""
+        os.fdatasync(self.file.fileno())
+
+    def chunks(self):
+        """``(keys, values, rows)`` int64 tensors, ``LOG_CHUNK`` keys at a time, in order."""
+        for start in range(0, self.length, LOG_CHUNK):
+            count = min(LOG_CHUNK, self.length - start)
+            raw = os.pread(self.file.fileno(), 24 * count, 24 * start)
+            triples = torch.from_numpy(np.frombuffer(raw, np.int64).reshape(count, 3).copy())
+            yield triples[:, 0].contiguous(), triples[:, 1].contiguous(), triples[:, 2].contiguous()
+
+    def close(self) -> None:
+        self.file.close()
