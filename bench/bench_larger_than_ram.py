@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--bag", type=int, default=20, help="ids per bag")
     parser.add_argument("--alpha", type=float, default=1.05)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per method")
     parser.add_argument("--warm-up", type=int, default=5)
     parser.add_argument(
         "--flush-every",
