@@ -230,6 +230,8 @@ def temporary_file(directory: Path):
 
 def write_at(descriptor: int, array: np.ndarray, offset: int) -> None:
     """Write ``array``'s bytes to ``descriptor`` at byte ``offset``, all of them."""
+    if not array.size:
+        return
     view = memoryview(np.ascontiguousarray(array)).cast("B")
     while view.nbytes:
         written = os.pwrite(descriptor, view, offset)
