@@ -30,6 +30,7 @@ from ...kernels.native_types import LogRun, LogRuns
 from ...kernels.step_passes import host_passes
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
+from .mmap_files import write_at
 
 SEAL_AT = 1 << 18  # keys the table holds before it is sealed into a run
 MERGE_CHUNK = 1 << 16  # entries of each run merged at a time (the merge's memory)
@@ -226,16 +227,6 @@ def temporary_file(directory: Path):
         if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         return tempfile.TemporaryFile()
-
-
-def write_at(descriptor: int, array: np.ndarray, offset: int) -> None:
-    """Write ``array``'s bytes to ``descriptor`` at byte ``offset``, all of them."""
-    if not array.size:
-        return
-    view = memoryview(np.ascontiguousarray(array)).cast("B")
-    while view.nbytes:
-        written = os.pwrite(descriptor, view, offset)
-        view, offset = view[written:], offset + written
 
 
 class StagedLog:

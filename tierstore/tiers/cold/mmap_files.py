@@ -178,13 +178,9 @@ class GrowableArray:
         """Store ``items [n, width]`` at items ``start..start+n`` (reserved) with ``pwrite``: faster
         than storing through the map into pages never touched, and a full disk raises ``OSError``
         here instead of killing the process with SIGBUS on a mapped write."""
-        if items.size == 0:
-            return
-        data = memoryview(np.ascontiguousarray(items, dtype=self.dtype)).cast("B")
-        offset = start * self.width * self.dtype.itemsize
-        while len(data):
-            written = os.pwrite(self.fileno(), data, offset)
-            data, offset = data[written:], offset + written
+        if items.size:
+            offset = start * self.width * self.dtype.itemsize
+            write_at(self.fileno(), items.astype(self.dtype, copy=False), offset)
 
     def fileno(self) -> int:
         """A descriptor of the file open for writing (``pwrite`` at reserved items), kept until ``close``."""
@@ -238,3 +234,13 @@ class ReadAdvice:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - self._faults_before
         self.advising = rows > 0 and faults >= rows * self.FAULTS_PER_ROW
         self._advised = 0
+
+
+def write_at(descriptor: int, array: np.ndarray, offset: int) -> None:
+    """Write ``array``'s bytes to ``descriptor`` at byte ``offset``, all of them (``pwrite``)."""
+    if not array.size:
+        return
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while view.nbytes:
+        written = os.pwrite(descriptor, view, offset)
+        view, offset = view[written:], offset + written
