@@ -152,12 +152,11 @@ class LogIndex:
             raise
 
     def _set_native_runs(self) -> None:
-        filtered = [run for run in self.runs if run.filter is not None]
-        if not filtered or len(filtered) != len(self.runs):
+        if not self.runs or self._passes is None:  # runs have filters where the passes are built
             self.native_runs, self._native_array = None, None
             return
-        self._native_array = (LogRun * len(filtered))(*(run.native() for run in filtered))
-        self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(filtered))
+        self._native_array = (LogRun * len(self.runs))(*(run.native() for run in self.runs))
+        self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(self.runs))
 
 
 class SealedRun:

@@ -191,8 +191,7 @@ class MmapLog:
         own = log is None
         log = self._log_keys() if own else log
         try:
-            self._rows.reserve(self._count + log.new_rows)
-            self._keys.reserve(self._count + log.new_rows)
+            self._reserve_for_log(log)
             for keys, records, position in log.chunks():
                 self._apply_chunk(keys, records, position)
             self._rows.sync()
