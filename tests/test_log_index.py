@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import cgroup_problem, peak_in_cgroup
 from host_kernels import shared_host_kernels
+from hypothesis import settings
 from test_store_oracle import StoreAgainstDict
 
 from tierstore import TieredStore
@@ -139,6 +140,8 @@ class SealingLogTorchTierAgainstDict(SealingLogAgainstDict):
 
 TestSealingLogAgainstDict = SealingLogAgainstDict.TestCase
 TestSealingLogTorchTierAgainstDict = SealingLogTorchTierAgainstDict.TestCase
+for case in (TestSealingLogAgainstDict, TestSealingLogTorchTierAgainstDict):
+    case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)  # no clock
 
 
 STAGE_SCRIPT = """
