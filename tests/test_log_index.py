@@ -1,6 +1,6 @@
-"""The mmap store's log index (``tiers.cold.log_index``): bounded in RAM however long the log grows
-(sealed runs on disk), answering as a dict across seals and merges, through the store's native and
-torch paths, under a full disk and a memory limit."""
+"""The cold stores' log index (``tiers.cold.log_index``): bounded in RAM however long the log grows
+(sealed runs on disk), answering as a dict across seals and merges, through the mmap store's native
+and torch paths and the LMDB store's staging log, under a full disk and a memory limit."""
 
 import errno
 
@@ -13,7 +13,8 @@ from hypothesis import settings
 from test_store_oracle import StoreAgainstDict
 
 from tierstore import TieredStore
-from tierstore.tiers.cold import log_index
+from tierstore.tiers.cold import lmdb_staging, log_index
+from tierstore.tiers.cold.lmdb_staging import StageLog
 from tierstore.tiers.cold.log_index import LogIndex
 
 
@@ -44,18 +45,27 @@ def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypat
     index.close()
 
 
-def test_ram_stays_bounded_as_the_log_grows(tmp_path):
+def staging_index(store: TieredStore) -> LogIndex:
+    """The index of what ``store``'s cold store staged since its last flush."""
+    cold = store.stack.cold
+    return cold._wal_index if hasattr(cold, "_wal_index") else cold._logs[cold._staging].index
+
+
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_ram_stays_bounded_as_the_log_grows(tmp_path, backend):
     """600K rows staged through a store's log: the index's RAM is its table (a sealed table's worth)
-    and a few bytes a sealed key; the sealed keys live in files."""
-    store = TieredStore(tmp_path / "s", dim=2, backend="mmap", host_cache=64)
+    and a few bytes a sealed key (none without the kernels' filters: LMDB's); the sealed keys live in
+    files."""
+    store = TieredStore(tmp_path / "s", dim=2, backend=backend, host_cache=64)
     for start in range(0, 600_000, 50_000):
         keys = torch.arange(start, start + 50_000) * 7
         store.put(keys, torch.ones(keys.numel(), 2) * start)
-    index = store.stack.cold._wal_index
+    index = staging_index(store)
     sealed = sum(run.length for run in index.runs)
     assert sealed >= 600_000 - index.seal_at and index.file_bytes >= 16 * sealed
     assert index.nbytes <= index.table.nbytes + 4 * sealed + 1024
-    assert index.table.nbytes <= 16 * 2 * index.seal_at
+    assert index.table.nbytes <= 48 * 2 * index.seal_at
+    assert store.stats()["cold"]["index_bytes"] >= index.nbytes  # with the main index, the other log
     keys = torch.tensor([0, 7 * 49_999, 7 * 50_000, 7 * 599_999, 5])
     found = store.stack.cold.get(keys[[0, 1, 2, 4]])[1]  # the last puts are still in the cache
     assert found.tolist() == [True, True, True, False]
@@ -63,6 +73,59 @@ def test_ram_stays_bounded_as_the_log_grows(tmp_path):
     store.close()
     store = TieredStore(tmp_path / "s")
     assert torch.equal(store.get(keys)[:4, 0], torch.tensor([0.0, 0.0, 50_000.0, 550_000.0]))
+    store.close()
+
+
+def test_lmdb_rebuilds_its_staging_index_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """The LMDB staging log's index rebuilt by scanning the log (as a store opening on a flush being
+    applied does), a few entries decoded at a time and sealing as it goes, equals the index built as
+    the rows were staged: ids staged again, removed, and staged after a removal."""
+    monkeypatch.setattr(log_index, "SEAL_AT", 5)
+    monkeypatch.setattr(lmdb_staging, "LOAD_ENTRIES", 3)
+    store = TieredStore(tmp_path / "s", dim=2, backend="lmdb", host_cache=4)
+    generator = np.random.default_rng(1)
+    for round in range(12):
+        keys = torch.from_numpy(generator.choice(40, size=int(generator.integers(1, 9)), replace=False))
+        store.put(keys, torch.full((keys.numel(), 2), float(round)))
+        store.remove(torch.from_numpy(generator.choice(40, size=2, replace=False)))
+    cold = store.stack.cold
+    log = cold._logs[cold._staging]
+    rebuilt = StageLog(log.database, cold.codec.stored_bytes, tmp_path)
+    with cold._begin() as txn:
+        rebuilt.load(txn)
+    assert rebuilt.index.runs and rebuilt.indexed
+    assert (rebuilt.entries, rebuilt.next_entry) == (log.entries, log.next_entry)
+    for built, loaded in zip(log.items(), rebuilt.items()):
+        assert torch.equal(built, loaded)
+    probe = torch.arange(45)
+    assert torch.equal(rebuilt.find(probe), log.find(probe))
+    rebuilt.close()
+    store.close()
+
+
+def test_lmdb_makes_its_index_room_before_it_commits(tmp_path, monkeypatch):
+    """A seal that fails (a full disk writing the run) fails the LMDB store's put or removal before
+    its entries are committed: the log, its index and the rows read are as before."""
+    monkeypatch.setattr(log_index, "SEAL_AT", 4)
+    store = TieredStore(tmp_path / "s", dim=2, backend="lmdb", host_cache=2)
+    cold = store.stack.cold
+    keys = torch.arange(4)
+    cold.put(keys, torch.ones(4, 2))
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LogIndex, "_write_run", full_disk)
+    for change in (lambda: cold.put(torch.tensor([1, 9]), torch.zeros(2, 2)), lambda: cold.remove(keys[:2])):
+        with pytest.raises(OSError) as raised:
+            change()
+        assert raised.value.errno == errno.ENOSPC
+        assert cold._pending_count == 4
+        rows, found = cold.get(torch.tensor([0, 1, 9]))
+        assert found.tolist() == [True, True, False] and torch.equal(rows[:2], torch.ones(2, 2))
+    monkeypatch.undo()
+    cold.put(torch.tensor([1, 9]), torch.zeros(2, 2))
+    assert torch.equal(cold.get(torch.tensor([0, 1, 9]))[0], torch.tensor([[1.0, 1], [0, 0], [0, 0]]))
     store.close()
 
 
@@ -138,17 +201,26 @@ class SealingLogTorchTierAgainstDict(SealingLogAgainstDict):
     host_cache, device_cache = 4, 6
 
 
+class SealingLmdbLogAgainstDict(SealingLogAgainstDict):
+    """The LMDB store, its staging log's index sealing every few keys (and a put or removal of more
+    committed a few keys at a time)."""
+
+    backend = "lmdb"
+    host_cache, device_cache = 4, 6
+
+
 TestSealingLogAgainstDict = SealingLogAgainstDict.TestCase
 TestSealingLogTorchTierAgainstDict = SealingLogTorchTierAgainstDict.TestCase
-for case in (TestSealingLogAgainstDict, TestSealingLogTorchTierAgainstDict):
+TestSealingLmdbLogAgainstDict = SealingLmdbLogAgainstDict.TestCase
+for case in (TestSealingLogAgainstDict, TestSealingLogTorchTierAgainstDict, TestSealingLmdbLogAgainstDict):
     case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)  # no clock
 
 
 STAGE_SCRIPT = """
 import sys, torch
 from tierstore import TieredStore
-path, count = sys.argv[1], int(sys.argv[2])
-store = TieredStore(path, dim=4, backend="mmap", host_cache=1024)
+path, count, backend = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+store = TieredStore(path, dim=4, backend=backend, host_cache=1024)
 for start in range(0, count, 100_000):
     keys = torch.arange(start, start + 100_000) * 3
     store.put(keys, keys[:, None].float().expand(-1, 4))
@@ -158,9 +230,11 @@ assert torch.equal(store.get(probe)[:, 0], probe.float())
 
 
 @pytest.mark.skipif(cgroup_problem() is not None, reason=str(cgroup_problem()))
-def test_staging_millions_of_rows_runs_under_a_memory_limit(tmp_path):
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_staging_millions_of_rows_runs_under_a_memory_limit(tmp_path, backend):
     """4M rows staged without a flush, in a cgroup 96 MiB above what importing takes: the log index
-    alone, kept whole in RAM, would take 256 MiB (the process was killed before runs were sealed)."""
+    alone, kept whole in RAM, would take 256 MiB or more (the process was killed before runs were
+    sealed)."""
     baseline = peak_in_cgroup(tmp_path, "import torch, tierstore", 1 << 40)
     limit = baseline + (96 << 20)
-    assert peak_in_cgroup(tmp_path, STAGE_SCRIPT, limit, str(tmp_path / "s"), "4000000") <= limit
+    assert peak_in_cgroup(tmp_path, STAGE_SCRIPT, limit, str(tmp_path / "s"), "4000000", backend) <= limit

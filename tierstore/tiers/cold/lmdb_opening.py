@@ -131,7 +131,7 @@ class LmdbOpening:
         reader) or the newest commit (the writer) records."""
         self.flushes = self._read_flushes()
         self._staging, self._applying = 0, None
-        self._logs = [StageLog(stage, self.codec.stored_bytes) for stage in self._stages]
+        self._logs = [StageLog(stage, self.codec.stored_bytes, self._path) for stage in self._stages]
         try:
             with self._begin() as txn:
                 if self._meta is not None:

@@ -81,6 +81,8 @@ class LmdbReads:
     def _refresh(self) -> None:
         self._snapshot.abort()
         self._snapshot = self._env.begin()
+        for log in self._logs:
+            log.close()
         self._read_state()
 
     def _read(

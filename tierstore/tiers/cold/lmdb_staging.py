@@ -5,7 +5,8 @@ big-endian) then the stored row, so a write transaction appends to the B-tree's 
 dirties a few pages per thousand rows whatever the ids, where entries keyed by id would dirty a
 leaf per row (LMDB holds a transaction's dirty pages in RAM until it commits, and keeps their
 buffers for reuse after: the most any transaction dirtied stays in the process for good). An
-index in RAM (``HashIndex``: id -> sequence number of its newest entry) finds an id's row. A
+index (``LogIndex``: id -> sequence number of its newest entry, in bounded RAM with sealed runs in
+unlinked files beside the data) finds an id's row. A
 flush's own rows are appended without it (``appended``: the caller holds their newest values until
 the flush commits, and the flush copies the log into ``rows`` by scanning it in order), so it need
 not hold a host cache's worth of ids; a read that comes first rebuilds it by scanning the log, as a
@@ -15,23 +16,27 @@ the index gives it ``-2 - its sequence number`` (below -1, where ``find`` says -
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from ..hash_index import HashIndex
 from .codec import decode_keys, encode_keys
+from .log_index import LogIndex, last_of_each
 
 ID_BYTES = 8  # an entry's value starts with its row's id, big-endian
+LOAD_ENTRIES = 1 << 16  # entries a rebuild of the index decodes at a time (its memory)
 
 
 class StageLog:
     """The log in ``database`` (an LMDB sub-database handle) of rows stored in ``stored_bytes``,
-    and its index."""
+    and its index, whose sealed runs go in ``directory``."""
 
-    def __init__(self, database, stored_bytes: int) -> None:
+    def __init__(self, database, stored_bytes: int, directory: Path) -> None:
         self.database = database
         self.entry_bytes = ID_BYTES + stored_bytes  # an entry's value
-        self.index = HashIndex(1024)
+        self.directory = directory
+        self.index = LogIndex(directory, None)
         self.next_entry = 0  # the sequence number the next entry takes
         self.entries = 0  # entries in the database (an id staged twice has two)
         self.indexed = True  # False: some entries are not in the index (``load`` before a read)
@@ -40,6 +45,16 @@ class StageLog:
     def nbytes(self) -> int:
         """RAM the index takes."""
         return self.index.nbytes
+
+    @property
+    def room(self) -> int:
+        """Entries ``record`` takes at once: ``make_room`` first, before committing them."""
+        return self.index.seal_at
+
+    def make_room(self, count: int) -> None:
+        """Room in the index for ``count`` (at most ``room``) more entries, made before they are
+        committed: a full disk raises ``OSError`` here, with nothing changed."""
+        self.index.make_room(count)
 
     def entries_of(self, keys: np.ndarray, stored: np.ndarray) -> tuple[list, np.ndarray]:
         """``(items to append, their sequence numbers)`` for ``keys`` (int64 [N]) and their stored rows
@@ -58,8 +73,8 @@ class StageLog:
         return list(zip(encode_keys(numbers), encode_keys(keys))), numbers
 
     def record(self, keys: torch.Tensor, numbers: np.ndarray, removal: bool = False) -> None:
-        """Index ``keys`` (distinct) at the entries ``numbers`` that were just committed (``removal``:
-        entries removing them)."""
+        """Index ``keys`` (distinct, at most ``room``, with room made) at the entries ``numbers`` that
+        were just committed (``removal``: entries removing them)."""
         self.index.remove(keys)
         self.index.insert(keys, torch.from_numpy(-2 - numbers if removal else numbers))
         self.next_entry += keys.numel()
@@ -94,14 +109,15 @@ class StageLog:
         return self.index.find(keys)
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every staged id and its newest entry's sequence number, by id."""
-        keys, numbers = self.index.items()
-        order = torch.argsort(keys)
-        return keys[order], numbers[order]
+        """Every staged id and its newest entry's sequence number, by id (all in RAM at once)."""
+        return self.index.items()
 
     def load(self, txn) -> None:
-        """Rebuild the index from the database as ``txn`` sees it; entries whose value is not
-        ``entry_bytes`` long raise ``ValueError``."""
+        """Rebuild the index from the database as ``txn`` sees it, ``LOAD_ENTRIES`` at a time;
+        entries whose value is not ``entry_bytes`` long raise ``ValueError`` (the index is then
+        rebuilt again by the next ``load``)."""
+        self.clear()
+        self.indexed = False
         numbers, ids, removals = [], [], []
         for number, value in txn.cursor(self.database).iternext():
             if len(number) != 8 or len(value) not in (self.entry_bytes, ID_BYTES):
@@ -109,24 +125,33 @@ class StageLog:
             numbers.append(bytes(number))
             ids.append(bytes(value[:ID_BYTES]))
             removals.append(len(value) == ID_BYTES)
-        self.index = HashIndex(max(1024, len(ids)))
-        self.entries, self.indexed = len(ids), True
+            if len(ids) == LOAD_ENTRIES:
+                self._index_loaded(numbers, ids, removals)
+                numbers, ids, removals = [], [], []
+        self._index_loaded(numbers, ids, removals)
+        self.indexed = True
+
+    def _index_loaded(self, numbers: list, ids: list, removals: list) -> None:
+        """Index entries read in order (later than any indexed so far): each id's last one wins."""
         if not ids:
-            self.next_entry = 0
             return
-        keys = torch.from_numpy(decode_keys(ids))
-        sequence = torch.from_numpy(decode_keys(numbers))
-        next_entry = int(sequence[-1]) + 1
-        sequence = torch.where(torch.tensor(removals), -2 - sequence, sequence)
-        newest = torch.zeros(keys.numel(), dtype=torch.bool)  # each id's last entry (entries ascend)
-        order = torch.argsort(keys, stable=True)
-        ordered = keys[order]
-        newest[order[torch.cat([ordered[1:] != ordered[:-1], torch.tensor([True])])]] = True
-        self.index.insert(keys[newest], sequence[newest])
-        self.next_entry = next_entry
+        keys, sequence = decode_keys(ids), decode_keys(numbers)
+        self.next_entry = int(sequence[-1]) + 1
+        self.entries += len(ids)
+        sequence = np.where(np.array(removals), -2 - sequence, sequence)
+        order = np.argsort(keys, kind="stable")
+        keys, sequence = last_of_each(keys[order], sequence[order])
+        keys = torch.from_numpy(keys)
+        self.index.remove(keys)
+        self.index.insert(keys, torch.from_numpy(sequence))
 
     def clear(self) -> None:
         """Forget every entry (the database was emptied)."""
-        self.index = HashIndex(1024)
+        self.close()
+        self.index = LogIndex(self.directory, None)
         self.next_entry = self.entries = 0
         self.indexed = True
+
+    def close(self) -> None:
+        """Close the index's run files."""
+        self.index.close()

@@ -65,6 +65,7 @@ from .lmdb_layout import (
 )
 from .lmdb_opening import LmdbOpening
 from .lmdb_reads import LmdbReads
+from .lmdb_staging import StageLog
 
 APPLY_ROWS = 4096  # rows a transaction of a flush's apply moves: its dirty pages stay a few MiB
 
@@ -179,16 +180,24 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
     def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool) -> None:
         log = self._logs[self._staging]
         stored = np.ascontiguousarray(self.codec.encode(keys.numpy(), rows))
-        items, numbers = log.entries_of(keys.numpy(), stored)
+        if before_flush:  # not indexed: the flush copies the log by scanning it
+            self._append(log, log.entries_of(keys.numpy(), stored)[0])
+            log.appended(keys.numel())
+            return
+        for start in range(0, keys.numel(), log.room):  # the index's room made before each commit
+            part = slice(start, start + log.room)
+            log.make_room(keys[part].numel())
+            items, numbers = log.entries_of(keys[part].numpy(), stored[part])
+            self._append(log, items)
+            log.record(keys[part], numbers)
+
+    def _append(self, log: StageLog, items: list) -> None:
+        """Commit ``items`` (``(key, value)``, keys after the log's last) to the end of ``log``."""
 
         def stage(txn: lmdb.Transaction) -> None:
             txn.cursor(log.database).putmulti(items, append=True)
 
         self._write(stage)
-        if before_flush:  # not indexed: the flush copies the log by scanning it
-            log.appended(keys.numel())
-        else:
-            log.record(keys, numbers)
 
     def staged_keys(self) -> torch.Tensor:
         keys, numbers = self._indexed(self._logs[self._staging]).items()
@@ -196,13 +205,12 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
 
     def _remove(self, keys: torch.Tensor) -> None:
         log = self._indexed(self._logs[self._staging])
-        items, numbers = log.removals_of(keys.numpy())
-
-        def stage(txn: lmdb.Transaction) -> None:
-            txn.cursor(log.database).putmulti(items, append=True)
-
-        self._write(stage)
-        log.record(keys, numbers, removal=True)
+        for start in range(0, keys.numel(), log.room):
+            part = keys[start : start + log.room]
+            log.make_room(part.numel())
+            items, numbers = log.removals_of(part.numpy())
+            self._append(log, items)
+            log.record(part, numbers, removal=True)
 
     def flush(self) -> None:
         self._check_writable()
@@ -277,8 +285,8 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
         return (self._path / "data.mdb").stat().st_mtime
 
     def report(self) -> dict:
-        """The base counters; ``index_bytes``: the RAM of the staged rows' indexes (16 to 32 bytes
-        an id staged since the last flush)."""
+        """The base counters; ``index_bytes``: the RAM of the staged rows' indexes (bounded: the
+        newest ids in a table, older ones in sealed runs on disk)."""
         return {**super().report(), "index_bytes": sum(log.nbytes for log in self._logs)}
 
     def structure_problems(self) -> list[str]:
@@ -309,6 +317,8 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
         if self._snapshot is not None:
             self._snapshot.abort()
         self._env.close()
+        for log in self._logs:
+            log.close()
         if not self.read_only:
             self._record_as_left()
         _OPEN_IN_THIS_PROCESS.discard(self._path.resolve())

@@ -1,6 +1,6 @@
-"""The mmap cold store's log index: each key staged since the last flush -> its last record in the
-write-ahead log (the record's number, or ``-2 - number`` where that record removes the key), in
-memory bounded however long the log grows.
+"""The cold stores' log index: each key staged since the last flush -> its last record in the log
+(the mmap store's write-ahead log, the LMDB store's staging log: the record's number, or ``-2 -
+number`` where that record removes the key), in memory bounded however long the log grows.
 
 The newest entries live in a hash table (``KernelHashTable`` on the kernels, else ``HashIndex``) of
 at most ``SEAL_AT`` keys. When more would pass that, the table is sealed: its entries, sorted by key,
@@ -91,6 +91,16 @@ class LogIndex:
             found[missing[torch.from_numpy(hit)]] = torch.from_numpy(run.values[at[hit]])
             missing = missing[torch.from_numpy(~hit)]
         return found
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and its value (int64 [n] each), by key: all of them in RAM at once, so for
+        listing the staged keys, not for a training step."""
+        keys, values = self.table.items()
+        keys = np.concatenate([run.keys for run in self.runs] + [keys.numpy()])  # oldest first
+        values = np.concatenate([run.values for run in self.runs] + [values.numpy()])
+        order = np.argsort(keys, kind="stable")
+        keys, values = last_of_each(keys[order], values[order])
+        return torch.from_numpy(keys), torch.from_numpy(values)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, not in the table) with ``values``, sealing the table as it fills;
@@ -212,10 +222,14 @@ def _merged(older: SealedRun, newer: SealedRun):
         keys = np.concatenate([older.keys[i:stop_i], newer.keys[j:stop_j]])
         values = np.concatenate([older.values[i:stop_i], newer.values[j:stop_j]])
         order = np.argsort(keys, kind="stable")  # older first among equal keys
-        keys, values = keys[order], values[order]
-        last = np.append(keys[1:] != keys[:-1], True)
-        yield keys[last], values[last]
+        yield last_of_each(keys[order], values[order])
         i, j = stop_i, stop_j
+
+
+def last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The last entry of each key of ``keys`` (sorted) and its value."""
+    last = np.append(keys[1:] != keys[:-1], True)[: keys.size]
+    return keys[last], values[last]
 
 
 def temporary_file(directory: Path):
