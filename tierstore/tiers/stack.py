@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import CacheCapacityError
+from ..heap import release_free_heap
 from ..initializer import initial_rows, native_initial_rows
 from ..metadata import StoreMetadata
 from .cold import ColdStore
@@ -251,7 +252,9 @@ class TierStack:
 
     def flush(self) -> None:
         """Stage every dirty cached row in the cold store (``FLUSH_BATCH_ROWS`` at a time) and commit
-        it atomically; only then are the rows clean."""
+        it atomically; only then are the rows clean. The heap's free pages go back to the system
+        first and after (``heap``): under a memory limit they are the flush's page cache."""
+        release_free_heap()
         staged = []
         for cache in self.caches:
             for slots, rows in cache.dirty_rows(FLUSH_BATCH_ROWS):
@@ -260,6 +263,7 @@ class TierStack:
         self.cold.flush()
         for cache, slots in staged:
             cache.mark_clean(slots)
+        release_free_heap()
 
     def unflushed_keys(self) -> torch.Tensor:
         """The ids (int64 CPU, distinct) whose rows the next flush commits: staged in the cold store
