@@ -103,14 +103,23 @@ def test_lmdb_rebuilds_its_staging_index_a_chunk_at_a_time(tmp_path, monkeypatch
     store.close()
 
 
-def test_lmdb_makes_its_index_room_before_it_commits(tmp_path, monkeypatch):
-    """A seal that fails (a full disk writing the run) fails the LMDB store's put or removal before
-    its entries are committed: the log, its index and the rows read are as before."""
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_the_index_makes_its_room_before_the_log_is_written(tmp_path, monkeypatch, backend):
+    """A seal that fails (a full disk writing the run) fails the cold store's put or removal before
+    its records are written or committed: the log, its index and the rows read are as before; a put
+    of more keys than the table holds is staged a table's worth at a time."""
     monkeypatch.setattr(log_index, "SEAL_AT", 4)
-    store = TieredStore(tmp_path / "s", dim=2, backend="lmdb", host_cache=2)
+    store = TieredStore(tmp_path / "s", dim=2, backend=backend, host_cache=2)
     cold = store.stack.cold
     keys = torch.arange(4)
     cold.put(keys, torch.ones(4, 2))
+
+    def writes():  # what the store staged, and its counts of writes and of the index's memory
+        report = cold.report()
+        counts = {name: value for name, value in report.items() if "written" in name or "index" in name}
+        return cold.staged_keys().tolist(), len(cold), counts
+
+    before = writes()
 
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -120,58 +129,22 @@ def test_lmdb_makes_its_index_room_before_it_commits(tmp_path, monkeypatch):
         with pytest.raises(OSError) as raised:
             change()
         assert raised.value.errno == errno.ENOSPC
-        assert cold._pending_count == 4
+        assert writes() == before and not staging_index(store).runs
         rows, found = cold.get(torch.tensor([0, 1, 9]))
         assert found.tolist() == [True, True, False] and torch.equal(rows[:2], torch.ones(2, 2))
     monkeypatch.undo()
+    monkeypatch.setattr(log_index, "SEAL_AT", 4)
     cold.put(torch.tensor([1, 9]), torch.zeros(2, 2))
-    assert torch.equal(cold.get(torch.tensor([0, 1, 9]))[0], torch.tensor([[1.0, 1], [0, 0], [0, 0]]))
+    cold.put(torch.arange(10, 21), torch.full((11, 2), 3.0))  # three parts, sealing between them
+    cold.remove(torch.tensor([0, 10, 11, 12, 13, 14]))  # two parts
+    assert staging_index(store).runs
+    rows, found = cold.get(torch.tensor([0, 1, 9, 10, 15, 20]))
+    assert found.tolist() == [False, True, True, False, True, True]
+    assert torch.equal(rows[[1, 2, 4, 5]], torch.tensor([[0.0, 0], [0, 0], [3, 3], [3, 3]]))
     store.close()
-
-
-def test_a_full_disk_while_sealing_changes_nothing(tiny_filesystem):
-    """A seal whose run cannot be written (no space) raises ENOSPC and leaves the index as it was; it
-    seals once space is freed."""
-    index = LogIndex(tiny_filesystem, shared_host_kernels(), seal_at=4096)
-    keys = torch.arange(4000)
-    index.insert(keys, keys * 2)
-    filler = tiny_filesystem / "filler"
-    with open(filler, "wb", buffering=0) as file:
-        try:
-            while True:
-                file.write(b"\0" * 4096)
-        except OSError as error:
-            assert error.errno == errno.ENOSPC
-    with pytest.raises(OSError) as raised:
-        index.make_room(200)
-    assert raised.value.errno == errno.ENOSPC
-    assert not index.runs and index.table.live == 4000
-    assert torch.equal(index.find(keys), keys * 2)
-    filler.unlink()
-    index.make_room(200)
-    assert len(index.runs) == 1 and index.table.live == 0
-    assert torch.equal(index.find(keys), keys * 2)
-    index.close()
-
-
-def test_a_staged_log_reads_back_what_it_was_given_a_chunk_at_a_time(tmp_path, monkeypatch):
-    """``StagedLog``: parts appended (empty ones too: a chunk of the log whose keys all have later
-    records) come back in order, ``LOG_CHUNK`` keys at a time, with the count of new rows."""
-    monkeypatch.setattr(log_index, "LOG_CHUNK", 3)
-    log = log_index.StagedLog(tmp_path)
-    empty = torch.empty(0, dtype=torch.int64)
-    log.append(empty, empty, empty)
-    log.append(torch.tensor([5, 9]), torch.tensor([0, -3]), torch.tensor([-1, -1]))  # new; removal
-    log.append(empty, empty, empty)
-    log.append(torch.tensor([2, 7, 4]), torch.tensor([2, 3, 4]), torch.tensor([10, -1, 11]))
-    log.written()
-    chunks = list(log.chunks())
-    assert [len(keys) for keys, _, _ in chunks] == [3, 2] and log.new_rows == 2
-    assert torch.cat([keys for keys, _, _ in chunks]).tolist() == [5, 9, 2, 7, 4]
-    assert torch.cat([values for _, values, _ in chunks]).tolist() == [0, -3, 2, 3, 4]
-    assert torch.cat([rows for _, _, rows in chunks]).tolist() == [-1, -1, 10, -1, 11]
-    assert list(log.record_chunks(7)) == [(0, 3), (3, 6), (6, 7)]
-    log.close()
+    with TieredStore(tmp_path / "s", read_only=True) as reader:
+        held = reader.contains(torch.tensor([0, 1, 10, 20]))
+        assert held.tolist() == [False, True, False, True]
 
 
 class SealingLogAgainstDict(StoreAgainstDict):

@@ -23,10 +23,17 @@ class MmapLog:
 
     def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool = False) -> None:
         """Rows staged since the last flush are rewritten in place; the others are appended (in this
-        order: committed records never change). The log's index is kept either way."""
+        order: committed records never change). The log's index is kept either way; its room is made
+        before each part's writes (no more than its table takes at once)."""
+        room = self._wal_index.seal_at
+        for start in range(0, keys.numel(), room):
+            self._put_part(keys[start : start + room], rows[start : start + room])
+
+    def _put_part(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         start = self._wal_count
         self._wal_rows.reserve(start + keys.numel())  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + keys.numel())
+        self._wal_index.make_room(keys.numel())  # likewise: sealing the index's table writes a run
         passes = host_passes() if isinstance(self._wal_index.table, KernelHashTable) else None
         if passes is not None:  # one native pass: the log's index, the checks, the rewrites
             index = self._wal_index
@@ -56,9 +63,15 @@ class MmapLog:
     def _remove(self, keys: torch.Tensor) -> None:
         """Append a removal record of each of ``keys`` (distinct, held) to the log: its key ``-2 - id``
         and a row of zeros; the log's index then gives the id ``-2 - record`` (held no more)."""
+        room = self._wal_index.seal_at
+        for start in range(0, keys.numel(), room):
+            self._remove_part(keys[start : start + room])
+
+    def _remove_part(self, keys: torch.Tensor) -> None:
         start, count = self._wal_count, keys.numel()
         self._wal_rows.reserve(start + count)  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + count)
+        self._wal_index.make_room(count)
         self._wal_rows.write(start, np.zeros((count, self.codec.stored_bytes), dtype=np.uint8))
         self._wal_keys.write(start, removal_records(keys.numpy())[:, None])
         records = torch.arange(start, start + count)
