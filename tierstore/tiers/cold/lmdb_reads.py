@@ -103,8 +103,9 @@ class LmdbReads:
                 if database is self._rows:
                     where, ids, stored = self._read_rows(txn, keys)
                 else:
-                    found[database.find(keys) < -1] = False  # removed by this log
-                    where, ids, stored = self._read_log(txn, keys, database)
+                    numbers = database.find(keys)
+                    found[numbers < -1] = False  # removed by this log
+                    where, ids, stored = self._read_log(txn, keys, database, numbers)
                 if where.numel():
                     rows[where] = self.codec.decode(ids, stored, self._data_file)
                     found[where] = True
@@ -127,11 +128,10 @@ class LmdbReads:
         return torch.from_numpy(order[hit]), sorted_keys[hit], stored
 
     def _read_log(
-        self, txn, keys: torch.Tensor, log: StageLog
+        self, txn, keys: torch.Tensor, log: StageLog, numbers: torch.Tensor
     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """``_read_rows`` of the keys ``log`` stages (their newest entries, read in log order); an
-        entry missing or holding another id is damage."""
-        numbers = log.find(keys)
+        """``_read_rows`` of the keys ``log`` stages (``numbers``: its ``find`` of them; their newest
+        entries, read in log order); an entry missing or holding another id is damage."""
         where = torch.nonzero(numbers >= 0).squeeze(1)
         if where.numel() == 0:
             return where, np.empty(0, dtype=np.int64), np.empty((0, self.codec.stored_bytes), np.uint8)

@@ -81,15 +81,19 @@ class LogIndex:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
         found = self.table.find(keys)
-        missing = (found == -1).nonzero().squeeze(1)
+        if not self.runs:
+            return found
+        missing = (found == -1).nonzero().squeeze(1).numpy()
+        query = keys.numpy()[missing]
+        order = np.argsort(query)  # ascending, so each run's binary searches narrow as they go
+        missing, query = missing[order], query[order]
         for run in reversed(self.runs):
-            if not missing.numel():
+            if not missing.size:
                 break
-            query = keys[missing].numpy()
             at = np.minimum(np.searchsorted(run.keys, query), run.length - 1)
             hit = run.keys[at] == query
-            found[missing[torch.from_numpy(hit)]] = torch.from_numpy(run.values[at[hit]])
-            missing = missing[torch.from_numpy(~hit)]
+            found[torch.from_numpy(missing[hit])] = torch.from_numpy(run.values[at[hit]])
+            missing, query = missing[~hit], query[~hit]
         return found
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
