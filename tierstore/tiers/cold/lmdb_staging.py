@@ -35,7 +35,6 @@ class StageLog:
     def __init__(self, database, stored_bytes: int, directory: Path) -> None:
         self.database = database
         self.entry_bytes = ID_BYTES + stored_bytes  # an entry's value
-        self.directory = directory
         self.index = LogIndex(directory, None)
         self.next_entry = 0  # the sequence number the next entry takes
         self.entries = 0  # entries in the database (an id staged twice has two)
@@ -45,16 +44,6 @@ class StageLog:
     def nbytes(self) -> int:
         """RAM the index takes."""
         return self.index.nbytes
-
-    @property
-    def room(self) -> int:
-        """Entries ``record`` takes at once: ``make_room`` first, before committing them."""
-        return self.index.seal_at
-
-    def make_room(self, count: int) -> None:
-        """Room in the index for ``count`` (at most ``room``) more entries, made before they are
-        committed: a full disk raises ``OSError`` here, with nothing changed."""
-        self.index.make_room(count)
 
     def entries_of(self, keys: np.ndarray, stored: np.ndarray) -> tuple[list, np.ndarray]:
         """``(items to append, their sequence numbers)`` for ``keys`` (int64 [N]) and their stored rows
@@ -73,7 +62,7 @@ class StageLog:
         return list(zip(encode_keys(numbers), encode_keys(keys))), numbers
 
     def record(self, keys: torch.Tensor, numbers: np.ndarray, removal: bool = False) -> None:
-        """Index ``keys`` (distinct, at most ``room``, with room made) at the entries ``numbers`` that
+        """Index ``keys`` (distinct; a part of ``index.parts_with_room``) at the entries ``numbers`` that
         were just committed (``removal``: entries removing them)."""
         self.index.remove(keys)
         self.index.insert(keys, torch.from_numpy(-2 - numbers if removal else numbers))
@@ -147,8 +136,7 @@ class StageLog:
 
     def clear(self) -> None:
         """Forget every entry (the database was emptied)."""
-        self.close()
-        self.index = LogIndex(self.directory, None)
+        self.index.clear()
         self.next_entry = self.entries = 0
         self.indexed = True
 

@@ -184,12 +184,10 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
             self._append(log, log.entries_of(keys.numpy(), stored)[0])
             log.appended(keys.numel())
             return
-        for start in range(0, keys.numel(), log.room):  # the index's room made before each commit
-            part = slice(start, start + log.room)
-            log.make_room(keys[part].numel())
-            items, numbers = log.entries_of(keys[part].numpy(), stored[part])
+        for start, stop in log.index.parts_with_room(keys.numel()):  # its room made before each commit
+            items, numbers = log.entries_of(keys[start:stop].numpy(), stored[start:stop])
             self._append(log, items)
-            log.record(keys[part], numbers)
+            log.record(keys[start:stop], numbers)
 
     def _append(self, log: StageLog, items: list) -> None:
         """Commit ``items`` (``(key, value)``, keys after the log's last) to the end of ``log``."""
@@ -205,9 +203,8 @@ class LmdbColdStore(LmdbOpening, LmdbReads, ColdStore):
 
     def _remove(self, keys: torch.Tensor) -> None:
         log = self._indexed(self._logs[self._staging])
-        for start in range(0, keys.numel(), log.room):
-            part = keys[start : start + log.room]
-            log.make_room(part.numel())
+        for start, stop in log.index.parts_with_room(keys.numel()):
+            part = keys[start:stop]
             items, numbers = log.removals_of(part.numpy())
             self._append(log, items)
             log.record(part, numbers, removal=True)

@@ -49,10 +49,10 @@ class LogIndex:
         self._kernels = kernels
         self.seal_at = SEAL_AT if seal_at is None else seal_at
         self._passes = host_passes() if kernels is not None else None  # the runs' filters, if any
-        self.table = self._new_table(min(1024, self.seal_at))
         self.runs: list[SealedRun] = []
         self.native_runs: LogRuns | None = None  # the runs as the native lookups take them
         self._native_array = None
+        self.clear()
 
     def _new_table(self, capacity: int) -> HashIndex | KernelHashTable:
         if self._kernels is None:
@@ -109,11 +109,18 @@ class LogIndex:
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, not in the table) with ``values``, sealing the table as it fills;
         an entry supersedes the runs' entries of its key."""
+        for start, stop in self.parts_with_room(keys.numel()):
+            self.table.insert(keys[start:stop], values[start:stop])
+
+    def parts_with_room(self, count: int):
+        """``(start, stop)`` of a batch of ``count`` keys, at most ``seal_at`` at a time, the table's
+        room made for each part before it is yielded: a seal failing on a full disk raises here,
+        before the caller writes anything of that part."""
         step = max(1, self.seal_at)
-        for start in range(0, keys.numel(), step):
-            part = slice(start, start + step)
-            self.make_room(keys[part].numel())
-            self.table.insert(keys[part], values[part])
+        for start in range(0, count, step):
+            stop = min(count, start + step)
+            self.make_room(stop - start)
+            yield start, stop
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Drop the table's entries of ``keys`` (distinct; the caller inserts their new values next,
@@ -126,6 +133,11 @@ class LogIndex:
         if self.table.live and self.table.live + count > self.seal_at:
             self._seal()
         self.table.make_room(count)
+
+    def clear(self) -> None:
+        """Forget every entry (the log was emptied): the runs closed, the table empty."""
+        self.close()
+        self.table = self._new_table(min(1024, self.seal_at))
 
     def close(self) -> None:
         for run in self.runs:

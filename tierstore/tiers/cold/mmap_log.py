@@ -13,7 +13,7 @@ from ...kernels.step_passes import host_passes
 from ...metadata import fsync_directory, write_json_atomic
 from ..kernel_hash_table import KernelHashTable
 from .disk_index import DiskIndex
-from .log_index import LogIndex, StagedLog
+from .log_index import StagedLog
 from .mmap_files import ADVISED_CHUNK_ROWS, REMOVED_FILE, STATE_FILE, WAL_COMMIT_FILE, GrowableArray
 from .mmap_opening import removal_records
 
@@ -24,16 +24,14 @@ class MmapLog:
     def _put(self, keys: torch.Tensor, rows: torch.Tensor, before_flush: bool = False) -> None:
         """Rows staged since the last flush are rewritten in place; the others are appended (in this
         order: committed records never change). The log's index is kept either way; its room is made
-        before each part's writes (no more than its table takes at once)."""
-        room = self._wal_index.seal_at
-        for start in range(0, keys.numel(), room):
-            self._put_part(keys[start : start + room], rows[start : start + room])
+        before each part's writes (``LogIndex.parts_with_room``)."""
+        for start, stop in self._wal_index.parts_with_room(keys.numel()):
+            self._put_part(keys[start:stop], rows[start:stop])
 
     def _put_part(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         start = self._wal_count
         self._wal_rows.reserve(start + keys.numel())  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + keys.numel())
-        self._wal_index.make_room(keys.numel())  # likewise: sealing the index's table writes a run
         passes = host_passes() if isinstance(self._wal_index.table, KernelHashTable) else None
         if passes is not None:  # one native pass: the log's index, the checks, the rewrites
             index = self._wal_index
@@ -63,15 +61,13 @@ class MmapLog:
     def _remove(self, keys: torch.Tensor) -> None:
         """Append a removal record of each of ``keys`` (distinct, held) to the log: its key ``-2 - id``
         and a row of zeros; the log's index then gives the id ``-2 - record`` (held no more)."""
-        room = self._wal_index.seal_at
-        for start in range(0, keys.numel(), room):
-            self._remove_part(keys[start : start + room])
+        for start, stop in self._wal_index.parts_with_room(keys.numel()):
+            self._remove_part(keys[start:stop])
 
     def _remove_part(self, keys: torch.Tensor) -> None:
         start, count = self._wal_count, keys.numel()
         self._wal_rows.reserve(start + count)  # before any write: a full disk changes nothing
         self._wal_keys.reserve(start + count)
-        self._wal_index.make_room(count)
         self._wal_rows.write(start, np.zeros((count, self.codec.stored_bytes), dtype=np.uint8))
         self._wal_keys.write(start, removal_records(keys.numpy())[:, None])
         records = torch.arange(start, start + count)
@@ -287,8 +283,7 @@ class MmapLog:
         # past a file's end is SIGBUS); their blocks are freed.
         self._wal_rows.release()
         self._wal_keys.release()
-        self._wal_index.close()
-        self._wal_index = LogIndex(self.directory, self._index_kernels)
+        self._wal_index.clear()
         self._wal_count = self._wal_committed = 0
         self._log_crcs = (0, 0)
 
