@@ -24,8 +24,8 @@
 // Ask for the memory of `key`'s home position in a table (keys and values are separate arrays: both
 // at once, one memory wait instead of two, since a key mostly sits at its home). Write: for an insert.
 template <int Write = 0, typename Value>
-static inline void prefetch_home(const i64* __restrict__ table_keys, const Value* __restrict__ table_values,
-                                 i64 mask, i64 key) {
+PREFETCHING void prefetch_home(const i64* __restrict__ table_keys, const Value* __restrict__ table_values,
+                               i64 mask, i64 key) {
     const u64 home = mix((u64)key) & (u64)mask;
     __builtin_prefetch(&table_keys[home], Write);
     __builtin_prefetch(&table_values[home], Write);
@@ -184,9 +184,9 @@ static inline i64 slot_of(const i64* __restrict__ table_keys, const int* __restr
 }
 
 // Ask for the memory slot_of reads first for `key`: its home's key, else its index home.
-static inline void prefetch_slot_of(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
-                                    i64 mask, const i64* __restrict__ slot_keys, const DirectLayout& layout,
-                                    i64 key) {
+PREFETCHING void prefetch_slot_of(const i64* __restrict__ table_keys, const int* __restrict__ table_values,
+                                  i64 mask, const i64* __restrict__ slot_keys, const DirectLayout& layout,
+                                  i64 key) {
     const i64 home = layout.tables ? home_slot(layout, key) : -1;
     if (home >= 0)
         __builtin_prefetch(&slot_keys[home]);

@@ -35,7 +35,7 @@ static inline i64 horizon_slot(const HorizonTier& tier, i64 key) {
     return slot_of(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct, key);
 }
 
-static inline void prefetch_horizon_slot(const HorizonTier& tier, i64 key) {
+PREFETCHING void prefetch_horizon_slot(const HorizonTier& tier, i64 key) {
     prefetch_slot_of(tier.index_keys, tier.index_values, tier.index_mask, tier.slot_keys, tier.direct, key);
 }
 
@@ -45,7 +45,7 @@ static inline i64 hinted_slot(const HorizonTier& tier, i64 key, int hint) {
     return horizon_slot(tier, key);
 }
 
-static inline void prefetch_hinted_slot(const HorizonTier& tier, i64 key, int hint) {
+PREFETCHING void prefetch_hinted_slot(const HorizonTier& tier, i64 key, int hint) {
     if (hint >= 0 && hint < tier.slots)
         __builtin_prefetch(&tier.slot_keys[hint]);
     else

@@ -39,7 +39,7 @@
 // Ask for every cache line of [address, address + bytes) (bytes > 0): rows wider than a line (dim 64
 // and more), or not starting on one, would otherwise wait on each line after the first.
 template <int Write = 0>
-static inline void prefetch_lines(const void* address, i64 bytes) {
+PREFETCHING void prefetch_lines(const void* address, i64 bytes) {
     const uintptr_t last = (uintptr_t)address + (uintptr_t)bytes - 1;
     for (uintptr_t line = (uintptr_t)address & ~(uintptr_t)63; line <= last; line += 64)
         __builtin_prefetch((const void*)line, Write);
@@ -726,16 +726,19 @@ extern "C" void step_will_need_rows(const unsigned char* base, i64 row_bytes, co
     if (run_start >= 0) will_need(base + run_start, run_end - run_start);
 }
 
-// A sealed run of the mmap cold store's log index (tierstore/tiers/cold/log_index.py): `length` keys
-// in ascending order beside their values (a record number, or -2 - number for a removal), in a mapped
-// file, and a filter of one 64-bit word a key (filter_mask + 1 words, a power of two) that rules out
-// most keys the run does not hold before its keys are searched.
+// A sealed run of the mmap cold store's log index (tierstore/tiers/cold/log_index.py): the mixes of
+// `length` keys (mix, a bijection) in ascending order beside their values (a record number, or
+// -2 - number for a removal), in a mapped file; a filter of 64-bit words (filter_mask + 1 of them, a
+// power of two) that rules out most keys the run does not hold, and a directory: the mixes whose top
+// bits (the mix >> shift) are j lie at starts[j] to starts[j + 1] - 1.
 struct LogRun {
-    const i64* keys;
+    const u64* hashes;
     const i64* values;
     i64 length;
     const u64* filter;
     i64 filter_mask;
+    const i64* starts;
+    i64 shift;
 };
 
 // The log index's sealed runs, oldest first (a newer run's value of a key supersedes an older's).
@@ -751,12 +754,9 @@ static inline u64 filter_bits(u64 hash) {
            (1ULL << ((hash >> 58) & 63));
 }
 
-// A run's filter: every keys[i]'s bits set (the filter's words zeroed by the caller).
-extern "C" void step_log_filter(const i64* __restrict__ keys, i64 n, u64* __restrict__ filter, i64 mask) {
-    for (i64 i = 0; i < n; ++i) {
-        const u64 hash = mix((u64)keys[i]);
-        filter[hash & (u64)mask] |= filter_bits(hash);
-    }
+// A run's filter: the bits of every key of mix hashes[i] set (the filter's words zeroed by the caller).
+extern "C" void step_log_filter(const u64* __restrict__ hashes, i64 n, u64* __restrict__ filter, i64 mask) {
+    for (i64 i = 0; i < n; ++i) filter[hashes[i] & (u64)mask] |= filter_bits(hashes[i]);
 }
 
 // key's value in the log's index, -1 where it has none: its table (keys/values/mask < 0: none) first,
@@ -770,10 +770,39 @@ static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict_
     for (i64 r = runs->count - 1; r >= 0; --r) {
         const LogRun& run = runs->runs[r];
         if ((run.filter[hash & (u64)run.filter_mask] & bits) != bits) continue;
-        const i64* found = std::lower_bound(run.keys, run.keys + run.length, key);
-        if (found != run.keys + run.length && *found == key) return run.values[found - run.keys];
+        const u64 bucket = hash >> run.shift;
+        for (i64 i = run.starts[bucket], end = run.starts[bucket + 1]; i < end && run.hashes[i] <= hash; ++i)
+            if (run.hashes[i] == hash) return run.values[i];
     }
     return -1;
+}
+
+// Asks for what log_value reads of `key` first, all of it known from the key: its home in the table
+// (mask >= 0) and, in each sealed run, its filter word and directory entry.
+PREFETCHING void prefetch_log_value(const i64* __restrict__ keys, const i64* __restrict__ values, i64 mask,
+                                    const LogRuns* runs, i64 key) {
+    if (mask >= 0) prefetch_home(keys, values, mask, key);
+    if (!runs) return;
+    const u64 hash = mix((u64)key);
+    for (i64 r = 0; r < runs->count; ++r) {
+        const LogRun& run = runs->runs[r];
+        __builtin_prefetch(&run.filter[hash & (u64)run.filter_mask]);
+        __builtin_prefetch(&run.starts[hash >> run.shift]);
+    }
+}
+
+// Asks for what log_value reads of `key` next (once prefetch_log_value's lines have come): in each run
+// whose filter does not rule the key out, the first mixes and values of its directory's bucket.
+PREFETCHING void prefetch_log_runs(const LogRuns* runs, i64 key) {
+    if (!runs) return;
+    const u64 hash = mix((u64)key), bits = filter_bits(hash);
+    for (i64 r = 0; r < runs->count; ++r) {
+        const LogRun& run = runs->runs[r];
+        if ((run.filter[hash & (u64)run.filter_mask] & bits) != bits) continue;
+        const i64 first = run.starts[hash >> run.shift];
+        __builtin_prefetch(&run.hashes[first]);
+        __builtin_prefetch(&run.values[first]);
+    }
 }
 
 // Where the mmap cold store (tierstore/tiers/cold/mmap_store.py) keeps its rows: the main rows and
@@ -817,7 +846,9 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {
             if (cold.log_mask >= 0)
-                prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, keys[i + AHEAD]);
+                prefetch_log_value(cold.log_keys, cold.log_values, cold.log_mask, cold.log_runs,
+                                   keys[i + AHEAD]);
+            if (cold.log_mask >= 0) prefetch_log_runs(cold.log_runs, keys[i + AHEAD / 2]);
             if (cold.main_mask >= 0)
                 prefetch_home(cold.main_keys, cold.main_values, cold.main_mask, keys[i + AHEAD]);
         }
@@ -935,7 +966,10 @@ extern "C" i64 step_cold_stage(const i64* __restrict__ keys, i64 n, const unsign
     Room<unsigned char*> targets(n);
     i64 packed = 0;
     for (i64 i = 0; i < n; ++i) {
-        if (i + AHEAD < n) prefetch_home(log_keys, log_values, log_mask, keys[i + AHEAD]);
+        if (i + AHEAD < n) {
+            prefetch_log_value(log_keys, log_values, log_mask, log_runs, keys[i + AHEAD]);
+            prefetch_log_runs(log_runs, keys[i + AHEAD / 2]);
+        }
         i64 position;
         const i64 record = log_value(log_keys, log_values, log_mask, log_runs, keys[i], &position);
         if (record >= committed) {
@@ -1133,7 +1167,9 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             const i64 logging = steady_ns();
             for (i64 j = 0; j < victims; ++j) {
                 if (j + AHEAD < victims) {
-                    prefetch_home(cold.log_keys, cold.log_values, cold.log_mask, victim_keys[j + AHEAD]);
+                    prefetch_log_value(cold.log_keys, cold.log_values, cold.log_mask, cold.log_runs,
+                                       victim_keys[j + AHEAD]);
+                    prefetch_log_runs(cold.log_runs, victim_keys[j + AHEAD / 2]);
                     __builtin_prefetch(&tier.dirty[victim_slots[j + AHEAD]]);
                 }
                 const i64 slot = victim_slots[j], key = victim_keys[j];

@@ -442,3 +442,37 @@ def test_a_checkout_compiles_its_kernels_from_the_top_level_cuda_folder():
         pytest.skip("tierstore is imported from an installed wheel here, not from this checkout")
     assert source_dir().resolve() == root / "cuda"
     assert (source_dir() / kernels.SOURCE).is_file()
+
+
+@pytest.mark.skipif(
+    os.uname().machine != "x86_64" or shutil.which("objdump") is None,
+    reason="counts x86-64 prefetch instructions in the tuned build with objdump",
+)
+def test_the_tuned_build_keeps_the_prefetches_its_helpers_ask_for():
+    """GCC counts a prefetch as no effect and deleted calls to helpers that only prefetch, unless they
+    are inlined (``host_shim.h``'s ``PREFETCHING``): the tuned build's lookups by key ask for each
+    key's memory ahead, counted in their machine code."""
+    from tierstore.kernels.host import build
+
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", str(build(parallel=True))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    counts, function = {}, None
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line.split("<", 1)[1][:-2]
+            counts[function] = 0
+        elif function is not None and "prefetch" in line.split("\t")[-1]:
+            counts[function] += 1
+
+    def prefetches(prefix: str) -> int:
+        return sum(count for name, count in counts.items() if name.startswith(prefix))
+
+    # the slots found beside the dedupe: each key's home slot, else its index home (key and value)
+    assert prefetches("step_lookup_bags") >= 3
+    # the log's table home and each run's filter word and directory entry, then the runs' mixes and
+    # values, the main index's home, the stored row's lines
+    assert prefetches("locate_stored_rows") >= 9

@@ -13,6 +13,7 @@ from hypothesis import settings
 from test_store_oracle import StoreAgainstDict
 
 from tierstore import TieredStore
+from tierstore.hashing import key_mix, key_unmix
 from tierstore.tiers.cold import lmdb_staging, log_index
 from tierstore.tiers.cold.lmdb_staging import StageLog
 from tierstore.tiers.cold.log_index import LogIndex
@@ -45,6 +46,32 @@ def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypat
     index.close()
 
 
+def test_a_keys_mix_is_undone_exactly():
+    """The runs hold their keys' mixes (splitmix64's finaliser, a bijection): unmixed, every key comes
+    back, the extremes included, and known mixes are splitmix64's."""
+    keys = np.concatenate([np.random.default_rng(0).integers(0, 2**63 - 1, 100_000), [0, 1, 2**63 - 1]])
+    assert np.array_equal(key_unmix(key_mix(keys)), keys)
+    assert np.unique(key_mix(keys)).size == keys.size
+    # splitmix64's outputs from seed 0 and 1: the finaliser of 0x9E3779B97F4A7C15 and twice it
+    golden = np.array([0x9E3779B97F4A7C15, 0x3C6EF372FE94F82A], dtype=np.uint64)
+    assert key_mix(golden).tolist() == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+
+
+def test_items_lists_every_key_by_key_across_runs(tmp_path):
+    """``items`` unmixes the runs' entries and orders them by key, the newest value of each."""
+    index = LogIndex(tmp_path, shared_host_kernels(), seal_at=8)
+    keys = torch.arange(40) * 3
+    for value in range(3):
+        for start in range(0, 40, 7):
+            part = keys[start : start + 7]
+            index.remove(part)
+            index.insert(part, torch.full_like(part, value))
+    assert index.runs
+    listed, values = index.items()
+    assert torch.equal(listed, keys) and torch.equal(values, torch.full_like(keys, 2))
+    index.close()
+
+
 def staging_index(store: TieredStore) -> LogIndex:
     """The index of what ``store``'s cold store staged since its last flush."""
     cold = store.stack.cold
@@ -69,6 +96,13 @@ def test_ram_stays_bounded_as_the_log_grows(tmp_path, backend):
     keys = torch.tensor([0, 7 * 49_999, 7 * 50_000, 7 * 599_999, 5])
     found = store.stack.cold.get(keys[[0, 1, 2, 4]])[1]  # the last puts are still in the cache
     assert found.tolist() == [True, True, True, False]
+    # staged keys across every run and the table, and keys never staged (the mmap store's native
+    # lookups through the runs' filters and directories: runs of 262,144 keys and more)
+    sample = torch.from_numpy(np.random.default_rng(0).choice(550_000, 4_000, replace=False))
+    rows, found = store.stack.cold.get(torch.cat([sample * 7, sample * 7 + 3]))
+    assert found.tolist() == [True] * 4_000 + [False] * 4_000
+    assert torch.equal(rows[:4_000, 0], (sample // 50_000 * 50_000).float())
+    assert (index.native_runs is not None) == (backend == "mmap")
     assert torch.equal(store.get(keys)[:4, 0], torch.tensor([0.0, 0.0, 50_000.0, 550_000.0]))
     store.close()
     store = TieredStore(tmp_path / "s")

@@ -237,7 +237,10 @@ class ColdPasses:
         )
         return out[:packed], new_keys[:packed], superseded[:packed]
 
-    def log_filter(self, keys: np.ndarray, words: torch.Tensor) -> None:
-        """Set the bits of ``keys`` (int64 [N], contiguous) in a sealed log run's filter ``words``
-        (int64, a power of two of them), as ``host_step.cpp``'s lookups test them."""
-        self._functions["step_log_filter"](keys.ctypes.data, keys.size, words.data_ptr(), words.numel() - 1)
+    def log_filter(self, hashes: np.ndarray, words: torch.Tensor) -> None:
+        """Set the bits of the keys whose mixes are ``hashes`` (uint64 [N], contiguous: ``key_mix``) in
+        a sealed log run's filter ``words`` (int64, a power of two of them), as ``host_step.cpp``'s
+        lookups test them."""
+        self._functions["step_log_filter"](
+            hashes.ctypes.data, hashes.size, words.data_ptr(), words.numel() - 1
+        )

@@ -60,11 +60,13 @@ class LogRun(ctypes.Structure):
     """host_step.cpp's ``LogRun``: one sealed run of the mmap store's log index (``LogIndex``)."""
 
     _fields_ = [
-        ("keys", _POINTER),
+        ("hashes", _POINTER),
         ("values", _POINTER),
         ("length", _I64),
         ("filter", _POINTER),
         ("filter_mask", _I64),
+        ("starts", _POINTER),
+        ("shift", _I64),
     ]
 
 

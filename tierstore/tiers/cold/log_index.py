@@ -3,15 +3,19 @@
 number`` where that record removes the key), in memory bounded however long the log grows.
 
 The newest entries live in a hash table (``KernelHashTable`` on the kernels, else ``HashIndex``) of
-at most ``SEAL_AT`` keys. When more would pass that, the table is sealed: its entries, sorted by key,
-are written to an unlinked file beside the store (written in order and synced, so their pages are
-clean and the kernel reclaims them under a memory limit) and mapped, with a filter of one 64-bit word
-a key kept in RAM; the table starts again empty. A lookup asks the table, then the sealed runs newest
-first: where the filter does not rule the key out, a binary search of the run's keys. Runs merge
-pairwise as a binary counter (the newer run's entry of a key wins), so they stay about
-``log2(entries / SEAL_AT)`` and an entry is rewritten about as many times. RAM: the table, plus 2 to
-4 bytes a sealed entry. Runs describe only what this process staged: reopening rebuilds the index
-from the committed log, and a killed process leaves no file behind.
+at most ``SEAL_AT`` keys. When more would pass that, the table is sealed: its entries, sorted by their
+keys' mixes (``hashing.key_mix``, a bijection: a run holds mixes, not keys), are written to an
+unlinked file beside the store (written in order and synced, so their pages are clean and the kernel
+reclaims them under a memory limit) and mapped; the table starts again empty. On the kernels a run
+also keeps in RAM a filter (a 64-bit word for about 4 keys) and a directory (where the mixes of each
+value of their top bits start, about 8 keys apart), so the native lookups ask the table, then the
+runs newest first: where the filter does not rule the key out, the directory points at the few mixes
+to compare (a cache line or two, not a binary search's ~20 in a file far larger than the caches).
+Lookups from Python binary-search the mixes. Runs merge pairwise as a binary counter (the newer
+run's entry of a key wins), so they stay about ``log2(entries / SEAL_AT)`` and an entry is rewritten
+about as many times. RAM: the table, plus 3 to 5 bytes a sealed entry. Runs describe only what this
+process staged: reopening rebuilds the index from the committed log, and a killed process leaves no
+file behind.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...hashing import key_mix, key_unmix
 from ...kernels.native_types import LogRun, LogRuns
 from ...kernels.step_passes import host_passes
 from ..hash_index import HashIndex
@@ -36,6 +41,7 @@ SEAL_AT = 1 << 18  # keys the table holds before it is sealed into a run
 MERGE_CHUNK = 1 << 16  # entries of each run merged at a time (the merge's memory)
 LOG_CHUNK = 1 << 18  # the log's records a flush looks at, and its keys it applies, at a time
 _KEYS_A_FILTER_WORD = 4  # a run's filter has a word for about this many keys (rounded to a power of two)
+_KEYS_A_BUCKET = 8  # a run's directory has an entry for about this many keys (rounded likewise)
 
 
 class LogIndex:
@@ -84,14 +90,14 @@ class LogIndex:
         if not self.runs:
             return found
         missing = (found == -1).nonzero().squeeze(1).numpy()
-        query = keys.numpy()[missing]
+        query = key_mix(keys.numpy()[missing])
         order = np.argsort(query)  # ascending, so each run's binary searches narrow as they go
         missing, query = missing[order], query[order]
         for run in reversed(self.runs):
             if not missing.size:
                 break
-            at = np.minimum(np.searchsorted(run.keys, query), run.length - 1)
-            hit = run.keys[at] == query
+            at = np.minimum(np.searchsorted(run.hashes, query), run.length - 1)
+            hit = run.hashes[at] == query
             found[torch.from_numpy(missing[hit])] = torch.from_numpy(run.values[at[hit]])
             missing, query = missing[~hit], query[~hit]
         return found
@@ -100,11 +106,13 @@ class LogIndex:
         """Every key and its value (int64 [n] each), by key: all of them in RAM at once, so for
         listing the staged keys, not for a training step."""
         keys, values = self.table.items()
-        keys = np.concatenate([run.keys for run in self.runs] + [keys.numpy()])  # oldest first
+        hashes = np.concatenate([run.hashes for run in self.runs] + [key_mix(keys.numpy())])  # oldest first
         values = np.concatenate([run.values for run in self.runs] + [values.numpy()])
-        order = np.argsort(keys, kind="stable")
-        keys, values = last_of_each(keys[order], values[order])
-        return torch.from_numpy(keys), torch.from_numpy(values)
+        order = np.argsort(hashes, kind="stable")
+        hashes, values = last_of_each(hashes[order], values[order])
+        keys = key_unmix(hashes)
+        order = np.argsort(keys)
+        return torch.from_numpy(keys[order]), torch.from_numpy(values[order])
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, not in the table) with ``values``, sealing the table as it fills;
@@ -147,8 +155,9 @@ class LogIndex:
 
     def _seal(self) -> None:
         keys, values = self.table.items()
-        order = torch.argsort(keys)
-        run = self._write_run(len(order), [(keys[order].numpy(), values[order].numpy())])
+        hashes = key_mix(keys.numpy())
+        order = np.argsort(hashes)
+        run = self._write_run(len(order), [(hashes[order], values.numpy()[order])])
         self.runs.append(run)
         self.table = self._new_table(self.seal_at)
         while len(self.runs) >= 2 and self.runs[-2].length <= 2 * self.runs[-1].length:
@@ -160,8 +169,8 @@ class LogIndex:
         self._set_native_runs()
 
     def _write_run(self, capacity: int, parts) -> SealedRun:
-        """A run of up to ``capacity`` entries from ``parts`` (``(keys, values)`` arrays, keys ascending
-        and distinct across parts), written and synced before it is mapped."""
+        """A run of up to ``capacity`` entries from ``parts`` (``(hashes, values)`` arrays: the keys'
+        mixes, ascending and distinct across parts), written and synced before it is mapped."""
         file = temporary_file(self.directory)
         try:
             descriptor = file.fileno()
@@ -186,37 +195,44 @@ class LogIndex:
 
 
 class SealedRun:
-    """One run in ``file``: ``length`` keys (ascending) at its start, their values ``capacity`` keys
-    on, mapped read-only; its filter (int64 words, None without the kernels) in RAM."""
+    """One run in ``file``: ``length`` mixes of keys (``key_mix``, ascending uint64) at its start, their
+    values ``capacity`` entries on, mapped read-only; without the kernels nothing else, on them in
+    RAM its filter (int64 words) and directory (``starts``, int64 [2^bits + 1]: the mixes whose top
+    ``bits`` are j lie at ``starts[j]`` to ``starts[j + 1] - 1``)."""
 
     def __init__(self, file, length: int, capacity: int, passes) -> None:
         self.file, self.length = file, length
         self.file_bytes = 16 * capacity
         self._map = mmap.mmap(file.fileno(), self.file_bytes, prot=mmap.PROT_READ)
         self._map.madvise(mmap.MADV_RANDOM)  # binary searches: no read-ahead
-        self.keys = np.frombuffer(self._map, np.int64, length, 0)
+        self.hashes = np.frombuffer(self._map, np.uint64, length, 0)
         self.values = np.frombuffer(self._map, np.int64, length, 8 * capacity)
-        self.filter = None
+        self.filter = self.starts = None
         if passes is not None:
-            words = 1 << max(0, (-(-length // _KEYS_A_FILTER_WORD) - 1).bit_length())
-            self.filter = torch.zeros(words, dtype=torch.int64)
-            passes.log_filter(self.keys, self.filter)
+            self.filter = torch.zeros(_power_of_two(length, _KEYS_A_FILTER_WORD), dtype=torch.int64)
+            passes.log_filter(self.hashes, self.filter)
+            self.bits = max(1, _power_of_two(length, _KEYS_A_BUCKET).bit_length() - 1)
+            firsts = np.arange(1 << self.bits, dtype=np.uint64) << np.uint64(64 - self.bits)
+            self.starts = np.append(np.searchsorted(self.hashes, firsts), length).astype(np.int64)
 
     @property
     def filter_bytes(self) -> int:
-        return 0 if self.filter is None else self.filter.nbytes
+        """RAM it holds: the filter and the directory."""
+        return 0 if self.filter is None else self.filter.nbytes + self.starts.nbytes
 
     def native(self) -> LogRun:
         return LogRun(
-            self.keys.ctypes.data,
+            self.hashes.ctypes.data,
             self.values.ctypes.data,
             self.length,
             self.filter.data_ptr(),
             self.filter.numel() - 1,
+            self.starts.ctypes.data,
+            64 - self.bits,
         )
 
     def close(self) -> None:
-        self.keys = self.values = None
+        self.hashes = self.values = None
         try:
             self._map.close()
         except BufferError:  # a view still exported: the map closes when it goes
@@ -224,26 +240,31 @@ class SealedRun:
         self.file.close()
 
 
+def _power_of_two(length: int, per_item: int) -> int:
+    """The power of two nearest above ``length / per_item`` (at least 1)."""
+    return 1 << max(0, (-(-length // per_item) - 1).bit_length())
+
+
 def _merged(older: SealedRun, newer: SealedRun):
-    """``(keys, values)`` parts of the two runs merged in key order, ``MERGE_CHUNK`` of each run at a
-    time, a key in both taking ``newer``'s value."""
+    """``(hashes, values)`` parts of the two runs merged in the mixes' order, ``MERGE_CHUNK`` of each
+    run at a time, a key in both taking ``newer``'s value."""
     i = j = 0
     while i < older.length or j < newer.length:
         stop_i, stop_j = min(older.length, i + MERGE_CHUNK), min(newer.length, j + MERGE_CHUNK)
-        ends = [run.keys[stop - 1] for run, stop in ((older, stop_i), (newer, stop_j)) if stop < run.length]
+        ends = [run.hashes[stop - 1] for run, stop in ((older, stop_i), (newer, stop_j)) if stop < run.length]
         if ends:  # every entry up to the bound, from both runs: a key in both meets itself here
             bound = min(ends)
-            stop_i = i + int(np.searchsorted(older.keys[i:stop_i], bound, "right"))
-            stop_j = j + int(np.searchsorted(newer.keys[j:stop_j], bound, "right"))
-        keys = np.concatenate([older.keys[i:stop_i], newer.keys[j:stop_j]])
+            stop_i = i + int(np.searchsorted(older.hashes[i:stop_i], bound, "right"))
+            stop_j = j + int(np.searchsorted(newer.hashes[j:stop_j], bound, "right"))
+        hashes = np.concatenate([older.hashes[i:stop_i], newer.hashes[j:stop_j]])
         values = np.concatenate([older.values[i:stop_i], newer.values[j:stop_j]])
-        order = np.argsort(keys, kind="stable")  # older first among equal keys
-        yield last_of_each(keys[order], values[order])
+        order = np.argsort(hashes, kind="stable")  # older first among equal mixes (equal keys)
+        yield last_of_each(hashes[order], values[order])
         i, j = stop_i, stop_j
 
 
 def last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The last entry of each key of ``keys`` (sorted) and its value."""
+    """The last entry of each key of ``keys`` (sorted; keys or their mixes) and its value."""
     last = np.append(keys[1:] != keys[:-1], True)[: keys.size]
     return keys[last], values[last]
 
