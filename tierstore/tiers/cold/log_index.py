@@ -13,9 +13,9 @@ runs newest first: where the filter does not rule the key out, the directory poi
 to compare (a cache line or two, not a binary search's ~20 in a file far larger than the caches).
 Lookups from Python binary-search the mixes. Runs merge pairwise as a binary counter (the newer
 run's entry of a key wins), so they stay about ``log2(entries / SEAL_AT)`` and an entry is rewritten
-about as many times. RAM: the table, plus 3 to 5 bytes a sealed entry. Runs describe only what this
-process staged: reopening rebuilds the index from the committed log, and a killed process leaves no
-file behind.
+about as many times. RAM: the table, plus 3 to 6 bytes a sealed entry (its filter's 2 to 4, its
+directory's 1 to 2). Runs describe only what this process staged: reopening rebuilds the index from
+the committed log, and a killed process leaves no file behind.
 """
 
 from __future__ import annotations
