@@ -156,7 +156,9 @@ class LogIndex:
     def _seal(self) -> None:
         keys, values = self.table.items()
         hashes = key_mix(keys.numpy())
-        order = np.argsort(hashes)
+        # torch's sort (a radix sort, several times numpy's argsort here) of the mixes as int64 with
+        # the top bit flipped: their unsigned order
+        order = torch.sort(torch.from_numpy((hashes ^ np.uint64(1 << 63)).view(np.int64)))[1].numpy()
         run = self._write_run(len(order), [(hashes[order], values.numpy()[order])])
         self.runs.append(run)
         self.table = self._new_table(self.seal_at)
