@@ -759,6 +759,11 @@ extern "C" void step_log_filter(const u64* __restrict__ hashes, i64 n, u64* __re
     for (i64 i = 0; i < n; ++i) filter[hashes[i] & (u64)mask] |= filter_bits(hashes[i]);
 }
 
+// Whether a run's filter leaves in the key whose mix is `hash` (its filter_bits `bits`).
+static inline bool run_may_hold(const LogRun& run, u64 hash, u64 bits) {
+    return (run.filter[hash & (u64)run.filter_mask] & bits) == bits;
+}
+
 // key's value in the log's index, -1 where it has none: its table (keys/values/mask < 0: none) first,
 // then the sealed runs, newest first. *position: the key's position in the table, -1 where not there.
 static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict__ values, i64 mask,
@@ -769,7 +774,7 @@ static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict_
     const u64 hash = mix((u64)key), bits = filter_bits(hash);
     for (i64 r = runs->count - 1; r >= 0; --r) {
         const LogRun& run = runs->runs[r];
-        if ((run.filter[hash & (u64)run.filter_mask] & bits) != bits) continue;
+        if (!run_may_hold(run, hash, bits)) continue;
         const u64 bucket = hash >> run.shift;
         for (i64 i = run.starts[bucket], end = run.starts[bucket + 1]; i < end && run.hashes[i] <= hash; ++i)
             if (run.hashes[i] == hash) return run.values[i];
@@ -798,7 +803,7 @@ PREFETCHING void prefetch_log_runs(const LogRuns* runs, i64 key) {
     const u64 hash = mix((u64)key), bits = filter_bits(hash);
     for (i64 r = 0; r < runs->count; ++r) {
         const LogRun& run = runs->runs[r];
-        if ((run.filter[hash & (u64)run.filter_mask] & bits) != bits) continue;
+        if (!run_may_hold(run, hash, bits)) continue;
         const i64 first = run.starts[hash >> run.shift];
         __builtin_prefetch(&run.hashes[first]);
         __builtin_prefetch(&run.values[first]);
@@ -845,10 +850,11 @@ static void locate_stored_rows(const i64* __restrict__ keys, i64 n, const ColdFi
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_FROM)
     for (i64 i = 0; i < n; ++i) {
         if (i + AHEAD < n) {
-            if (cold.log_mask >= 0)
+            if (cold.log_mask >= 0) {
                 prefetch_log_value(cold.log_keys, cold.log_values, cold.log_mask, cold.log_runs,
                                    keys[i + AHEAD]);
-            if (cold.log_mask >= 0) prefetch_log_runs(cold.log_runs, keys[i + AHEAD / 2]);
+                prefetch_log_runs(cold.log_runs, keys[i + AHEAD / 2]);
+            }
             if (cold.main_mask >= 0)
                 prefetch_home(cold.main_keys, cold.main_values, cold.main_mask, keys[i + AHEAD]);
         }

@@ -91,7 +91,7 @@ class LogIndex:
             return found
         missing = (found == -1).nonzero().squeeze(1).numpy()
         query = key_mix(keys.numpy()[missing])
-        order = np.argsort(query)  # ascending, so each run's binary searches narrow as they go
+        order = _ascending(query)  # so each run's binary searches narrow as they go
         missing, query = missing[order], query[order]
         for run in reversed(self.runs):
             if not missing.size:
@@ -106,13 +106,11 @@ class LogIndex:
         """Every key and its value (int64 [n] each), by key: all of them in RAM at once, so for
         listing the staged keys, not for a training step."""
         keys, values = self.table.items()
-        hashes = np.concatenate([run.hashes for run in self.runs] + [key_mix(keys.numpy())])  # oldest first
+        keys = np.concatenate([key_unmix(run.hashes) for run in self.runs] + [keys.numpy()])  # oldest first
         values = np.concatenate([run.values for run in self.runs] + [values.numpy()])
-        order = np.argsort(hashes, kind="stable")
-        hashes, values = last_of_each(hashes[order], values[order])
-        keys = key_unmix(hashes)
-        order = np.argsort(keys)
-        return torch.from_numpy(keys[order]), torch.from_numpy(values[order])
+        order = np.argsort(keys, kind="stable")
+        keys, values = last_of_each(keys[order], values[order])
+        return torch.from_numpy(keys), torch.from_numpy(values)
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``keys`` (distinct, not in the table) with ``values``, sealing the table as it fills;
@@ -156,9 +154,7 @@ class LogIndex:
     def _seal(self) -> None:
         keys, values = self.table.items()
         hashes = key_mix(keys.numpy())
-        # torch's sort (a radix sort, several times numpy's argsort here) of the mixes as int64 with
-        # the top bit flipped: their unsigned order
-        order = torch.sort(torch.from_numpy((hashes ^ np.uint64(1 << 63)).view(np.int64)))[1].numpy()
+        order = _ascending(hashes)
         run = self._write_run(len(order), [(hashes[order], values.numpy()[order])])
         self.runs.append(run)
         self.table = self._new_table(self.seal_at)
@@ -240,6 +236,13 @@ class SealedRun:
         except BufferError:  # a view still exported: the map closes when it goes
             pass
         self.file.close()
+
+
+def _ascending(hashes: np.ndarray) -> np.ndarray:
+    """The order that sorts ``hashes`` (uint64) ascending: torch's sort (a radix sort, several times
+    numpy's argsort on a table's worth) of them as int64 with the top bit flipped, their unsigned
+    order."""
+    return torch.sort(torch.from_numpy((hashes ^ np.uint64(1 << 63)).view(np.int64)))[1].numpy()
 
 
 def _power_of_two(length: int, per_item: int) -> int:
