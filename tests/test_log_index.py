@@ -3,6 +3,7 @@
 and torch paths and the LMDB store's staging log, under a full disk and a memory limit."""
 
 import errno
+import threading
 
 import numpy as np
 import pytest
@@ -19,13 +20,17 @@ from tierstore.tiers.cold.lmdb_staging import StageLog
 from tierstore.tiers.cold.log_index import LogIndex
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["merges-in-background", "merges-in-seals"])
 @pytest.mark.parametrize("kernels", ["host", None])
-def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypatch, kernels):
+def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypatch, kernels, background):
     """Random batches of keys given new values (a key in the table dropped first, as the store does),
     some removals (negative values): ``find`` equals a dict after every batch, while the table never
-    holds more than ``seal_at`` keys and the runs stay logarithmic in number."""
+    holds more than ``seal_at`` keys and the runs stay logarithmic in number (merges in the background
+    at most ``MERGES_BEHIND`` runs more, as many once settled)."""
     monkeypatch.setattr(log_index, "MERGE_CHUNK", 5)  # merges run chunk by chunk
-    index = LogIndex(tmp_path, None if kernels is None else shared_host_kernels(), seal_at=16)
+    kernels = None if kernels is None else shared_host_kernels()
+    index = LogIndex(tmp_path, kernels, seal_at=16, merge_in_background=background)
+    behind = log_index.MERGES_BEHIND + 1 if background else 0
     oracle, generator, record = {}, np.random.default_rng(0), 0
     for _ in range(120):
         keys = torch.from_numpy(generator.choice(400, size=int(generator.integers(1, 24)), replace=False))
@@ -40,9 +45,119 @@ def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypat
         expected = torch.tensor([oracle.get(key, -1) for key in probe.tolist()])
         assert torch.equal(index.find(probe), expected)
         assert index.table.live <= index.seal_at
-        assert len(index.runs) <= 1 + int(np.log2(max(1, record) / index.seal_at) + 1)
+        assert len(index.runs) <= 1 + int(np.log2(max(1, record) / index.seal_at) + 1) + behind
+    index.settle()
+    assert len(index.runs) <= 1 + int(np.log2(record / index.seal_at) + 1)
+    assert torch.equal(index.find(probe), expected)
     assert index.runs and (kernels is None) == (index.native_runs is None)
     assert not list(tmp_path.iterdir())  # the runs' files are unlinked: a kill leaves nothing
+    index.close()
+
+
+def held_merges(monkeypatch) -> threading.Event:
+    """Background merges wait for the returned event before their first chunk."""
+    release = threading.Event()
+    merged = log_index._merged
+
+    def held(older, newer, merge):
+        assert release.wait(60)
+        yield from merged(older, newer, merge)
+
+    monkeypatch.setattr(log_index, "_merged", held)
+    return release
+
+
+def staged(index: LogIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
+    index.remove(keys)
+    index.insert(keys, values)
+
+
+def test_runs_answer_while_their_merge_runs_and_its_run_takes_their_place(tmp_path, monkeypatch):
+    """A merge under way leaves its two runs serving lookups (Python's and the native filters');
+    the next ``make_room`` after it ends puts its run in their place, the newer value of each key
+    kept. Seals ``MERGES_BEHIND`` runs past it wait for it."""
+    release = held_merges(monkeypatch)
+    index = LogIndex(tmp_path, shared_host_kernels(), seal_at=64)
+    keys = torch.arange(64) * 5
+    staged(index, keys, keys)
+    index.make_room(64)  # sealed: the first run
+    staged(index, keys[:32], keys[:32] + 1)  # the second run's values win over the first's
+    index.make_room(64)  # seals the second run: a merge of the two starts, and waits
+    merge = index.merge
+    assert merge is not None and not merge.done and len(index.runs) == 2
+    expected = torch.cat([keys[:32] + 1, keys[32:]])
+    assert torch.equal(index.find(keys), expected)
+    assert index.native_runs is not None and index.native_runs.count == 2
+    release.set()
+    merge.result()
+    index.make_room(1)
+    assert index.merge is None and len(index.runs) == 1 and index.runs[0].length == 64
+    assert torch.equal(index.find(keys), expected)
+    assert index.native_runs.count == 1
+    # a merge held while seals run ahead of it: the seal past the runs allowed waits for it
+    oracle = dict(zip(keys.tolist(), expected.tolist()))
+    release.clear()
+    for value in range(8):
+        part = keys[value::7]
+        staged(index, part, torch.full_like(part, 1000 + value))
+        oracle.update(dict.fromkeys(part.tolist(), 1000 + value))
+        if len(index.runs) + 1 > index._runs_allowed():  # this seal waits: the merge may go on
+            release.set()
+        index.make_room(64)  # seals
+        assert len(index.runs) <= index._runs_allowed()
+        assert index.find(keys).tolist() == [oracle[key] for key in keys.tolist()]
+    assert release.is_set()
+    index.settle()
+    assert index.merge is None and len(index.runs) <= 3
+    assert index.find(keys).tolist() == [oracle[key] for key in keys.tolist()]
+    index.close()
+
+
+def test_closing_during_a_merge_stops_it_and_leaves_no_file(tmp_path, monkeypatch):
+    """``close`` (the log emptied by a flush, or the store closed) cancels a merge under way: its
+    thread ends, its half-written run is closed, and nothing is left beside the store."""
+    release = held_merges(monkeypatch)
+    index = LogIndex(tmp_path, shared_host_kernels(), seal_at=32)
+    for value in range(2):
+        staged(index, torch.arange(32), torch.full((32,), value))
+        index.make_room(32)
+    merge = index.merge
+    assert merge is not None and not merge.done
+    closing = threading.Thread(target=index.close)
+    closing.start()
+    release.set()
+    closing.join(60)
+    assert not closing.is_alive() and merge.done and isinstance(merge.error, log_index.MergeCancelled)
+    assert index.merge is None and not index.runs
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_merge_that_fails_in_the_background_leaves_its_runs(tmp_path, monkeypatch):
+    """A merge whose run cannot be written (a full disk) changes nothing: its runs keep answering,
+    and the next seal merges them."""
+    index = LogIndex(tmp_path, shared_host_kernels(), seal_at=32)
+    write_run = index._write_run
+    failing = [True]
+
+    def full_disk_for_merges(capacity, parts):
+        if failing[0] and capacity > 32:
+            raise OSError(errno.ENOSPC, "no space left on device")
+        return write_run(capacity, parts)
+
+    monkeypatch.setattr(index, "_write_run", full_disk_for_merges)
+    for value in range(2):
+        staged(index, torch.arange(value, 64, 2), torch.full((32,), value))
+        index.make_room(32)
+    index.settle()
+    assert len(index.runs) == 2 and isinstance(index.merge, type(None))
+    assert torch.equal(index.find(torch.arange(64)), torch.arange(64) % 2)
+    failing[0] = False
+    staged(index, torch.arange(100, 132), torch.full((32,), 7))
+    index.make_room(32)  # seals a third run: the first two merge now, then that run with it
+    index.settle()
+    assert [run.length for run in index.runs] == [96]
+    assert torch.equal(index.find(torch.arange(64)), torch.arange(64) % 2)
+    assert torch.equal(index.find(torch.arange(100, 132)), torch.full((32,), 7))
     index.close()
 
 

@@ -13,9 +13,12 @@ runs newest first: where the filter does not rule the key out, the directory poi
 to compare (a cache line or two, not a binary search's ~20 in a file far larger than the caches).
 Lookups from Python binary-search the mixes. Runs merge pairwise as a binary counter (the newer
 run's entry of a key wins), so they stay about ``log2(entries / SEAL_AT)`` and an entry is rewritten
-about as many times. RAM: the table, plus 3 to 6 bytes a sealed entry (its filter's 2 to 4, its
-directory's 1 to 2). Runs describe only what this process staged: reopening rebuilds the index from
-the committed log, and a killed process leaves no file behind.
+about as many times. A merge runs on a thread of its own at the lowest priority (``RunMerge``; its
+two runs serve lookups until its run takes their place, at a later ``make_room``), so no step waits
+for one unless seals run ``MERGES_BEHIND`` runs past a binary counter's. RAM: the table, plus 3 to 6
+bytes a sealed entry (its filter's 2 to 4, its directory's 1 to 2). Runs describe only what this
+process staged: reopening rebuilds the index from the committed log, and a killed process leaves no
+file behind.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import errno
 import mmap
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +44,7 @@ from .mmap_files import write_at
 SEAL_AT = 1 << 18  # keys the table holds before it is sealed into a run
 MERGE_CHUNK = 1 << 16  # entries of each run merged at a time (the merge's memory)
 LOG_CHUNK = 1 << 18  # the log's records a flush looks at, and its keys it applies, at a time
+MERGES_BEHIND = 3  # runs a binary counter would have merged, sealed while a merge runs, before seals wait
 _KEYS_A_FILTER_WORD = 4  # a run's filter has a word for about this many keys (rounded to a power of two)
 _KEYS_A_BUCKET = 8  # a run's directory has an entry for about this many keys (rounded likewise)
 
@@ -48,14 +53,19 @@ class LogIndex:
     """Map ``int64 key >= 0 -> int64 value`` (never -1) for the mmap store's log, with ``HashIndex``'s
     ``find`` / ``insert`` / ``remove`` / ``make_room``. ``kernels``: the index kernels (None: torch
     ops, and runs without filters); ``directory``: where run files are made (unlinked; the system's
-    temporary directory where it is read-only)."""
+    temporary directory where it is read-only); ``merge_in_background``: merges on a thread of their
+    own (else in the seal that asks for them)."""
 
-    def __init__(self, directory: Path, kernels, seal_at: int | None = None) -> None:
+    def __init__(
+        self, directory: Path, kernels, seal_at: int | None = None, merge_in_background: bool = True
+    ) -> None:
         self.directory = Path(directory)
         self._kernels = kernels
         self.seal_at = SEAL_AT if seal_at is None else seal_at
+        self.merge_in_background = merge_in_background
         self._passes = host_passes() if kernels is not None else None  # the runs' filters, if any
         self.runs: list[SealedRun] = []
+        self.merge: RunMerge | None = None  # the merge under way
         self.native_runs: LogRuns | None = None  # the runs as the native lookups take them
         self._native_array = None
         self.clear()
@@ -135,10 +145,18 @@ class LogIndex:
 
     def make_room(self, count: int) -> None:
         """Room in the table for ``count`` more keys: sealed first where they would pass ``seal_at``
-        (writing its run may raise ``OSError``, a full disk: the index is then unchanged)."""
+        (writing its run may raise ``OSError``, a full disk: the index is then unchanged). A merge
+        finished meanwhile puts its run in place of its two."""
+        if self.merge is not None and self.merge.done:
+            self._merge_runs()
         if self.table.live and self.table.live + count > self.seal_at:
             self._seal()
         self.table.make_room(count)
+
+    def settle(self) -> None:
+        """Wait for merges under way, and those they lead to: the runs as merging in the seals
+        would leave them."""
+        self._merge_runs(wait=True)
 
     def clear(self) -> None:
         """Forget every entry (the log was emptied): the runs closed, the table empty."""
@@ -146,6 +164,9 @@ class LogIndex:
         self.table = self._new_table(min(1024, self.seal_at))
 
     def close(self) -> None:
+        if self.merge is not None:  # its runs are read until it stops
+            self.merge.cancel()
+            self.merge = None
         for run in self.runs:
             run.close()
         self.runs = []
@@ -155,16 +176,48 @@ class LogIndex:
         keys, values = self.table.items()
         hashes = key_mix(keys.numpy())
         order = _ascending(hashes)
-        run = self._write_run(len(order), [(hashes[order], values.numpy()[order])])
-        self.runs.append(run)
+        self.runs.append(self._write_run(len(order), [(hashes[order], values.numpy()[order])]))
         self.table = self._new_table(self.seal_at)
-        while len(self.runs) >= 2 and self.runs[-2].length <= 2 * self.runs[-1].length:
-            older, newer = self.runs[-2], self.runs[-1]
-            merged = self._write_run(older.length + newer.length, _merged(older, newer))
-            self.runs[-2:] = [merged]
-            older.close()
-            newer.close()
-        self._set_native_runs()
+        self._merge_runs()
+
+    def _merge_runs(self, wait: bool = False) -> None:
+        """A finished merge's run in place of its two, then the next merge the binary counter asks for
+        started (in the background, or run here): two neighbouring runs, the older no more than twice
+        the newer's length. Waits for a merge under way where ``wait``, or where the runs pass
+        ``_runs_allowed``. A merge that failed (a full disk) leaves its runs, and the
+        next seal tries again; one run here raises its error."""
+        try:
+            while True:
+                merge = self.merge
+                if merge is not None:
+                    if not (wait or merge.done or len(self.runs) > self._runs_allowed()):
+                        break
+                    self.merge, merged = None, merge.result()
+                    if merged is None:
+                        break
+                    at = self.runs.index(merge.older)
+                    self.runs[at : at + 2] = [merged]
+                    merge.older.close()
+                    merge.newer.close()
+                pair = next(
+                    (
+                        self.runs[at : at + 2]
+                        for at in reversed(range(len(self.runs) - 1))
+                        if self.runs[at].length <= 2 * self.runs[at + 1].length
+                    ),
+                    None,
+                )
+                if pair is None:
+                    break
+                self.merge = RunMerge(self._write_run, *pair, self.merge_in_background)
+        finally:  # the native lookups see the runs as they are, whatever was raised
+            self._set_native_runs()
+
+    def _runs_allowed(self) -> int:
+        """Runs past which a seal waits for the merge under way: as many as a binary counter holds for
+        the entries sealed, and ``MERGES_BEHIND`` more."""
+        sealed = sum(run.length for run in self.runs)
+        return (sealed // max(1, self.seal_at)).bit_length() + 1 + MERGES_BEHIND
 
     def _write_run(self, capacity: int, parts) -> SealedRun:
         """A run of up to ``capacity`` entries from ``parts`` (``(hashes, values)`` arrays: the keys'
@@ -190,6 +243,64 @@ class LogIndex:
             return
         self._native_array = (LogRun * len(self.runs))(*(run.native() for run in self.runs))
         self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(self.runs))
+
+
+class RunMerge:
+    """Two neighbouring runs merged into one (``_merged``: the newer's entry of a key wins) by
+    ``write_run``, on a thread of its own where ``background`` (reading the two runs, which stay as
+    they are until ``result`` is taken or the merge is cancelled), else right here."""
+
+    def __init__(self, write_run, older: SealedRun, newer: SealedRun, background: bool) -> None:
+        self.older, self.newer = older, newer
+        self.cancelled = False
+        self.error: BaseException | None = None  # why a merge in the background failed
+        self._run: SealedRun | None = None
+        self._thread = None
+        if not background:  # its errors raised to the seal
+            self._run = write_run(older.length + newer.length, _merged(older, newer, self))
+            return
+        self._thread = threading.Thread(target=self._merge, args=(write_run,), name="tierstore-log-merge")
+        self._thread.daemon = True  # a process exiting mid-merge loses only an unlinked file
+        self._thread.start()
+
+    def _merge(self, write_run) -> None:
+        _yield_to_every_other_thread()
+        try:
+            length = self.older.length + self.newer.length
+            self._run = write_run(length, _merged(self.older, self.newer, self))
+        except BaseException as error:  # a full disk, or cancelled: the two runs stay
+            self.error = error
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> SealedRun | None:
+        """The merged run, once the merge is done (waiting for it); None where it failed."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._run
+
+    def cancel(self) -> None:
+        """Stop the merge at its next chunk and wait for it, its run (if any) closed."""
+        self.cancelled = True
+        run = self.result()
+        if run is not None:
+            run.close()
+
+
+def _yield_to_every_other_thread() -> None:
+    """The calling thread at the lowest priority (nice 19), so a merge takes the time the training
+    steps leave a core idle; a hint, left out where the system has no per-thread priorities."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # not permitted here: the merge runs at the process's priority
+            pass
+
+
+class MergeCancelled(Exception):
+    """A ``RunMerge`` stopped by ``cancel``."""
 
 
 class SealedRun:
@@ -250,11 +361,14 @@ def _power_of_two(length: int, per_item: int) -> int:
     return 1 << max(0, (-(-length // per_item) - 1).bit_length())
 
 
-def _merged(older: SealedRun, newer: SealedRun):
+def _merged(older: SealedRun, newer: SealedRun, merge: RunMerge):
     """``(hashes, values)`` parts of the two runs merged in the mixes' order, ``MERGE_CHUNK`` of each
-    run at a time, a key in both taking ``newer``'s value."""
+    run at a time, a key in both taking ``newer``'s value; ``MergeCancelled`` once ``merge`` is
+    cancelled."""
     i = j = 0
     while i < older.length or j < newer.length:
+        if merge.cancelled:
+            raise MergeCancelled
         stop_i, stop_j = min(older.length, i + MERGE_CHUNK), min(newer.length, j + MERGE_CHUNK)
         ends = [run.hashes[stop - 1] for run, stop in ((older, stop_i), (newer, stop_j)) if stop < run.length]
         if ends:  # every entry up to the bound, from both runs: a key in both meets itself here
