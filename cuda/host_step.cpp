@@ -741,10 +741,14 @@ struct LogRun {
     i64 shift;
 };
 
-// The log index's sealed runs, oldest first (a newer run's value of a key supersedes an older's).
+// The log index's sealed runs, oldest first (a newer run's value of a key supersedes an older's), and
+// the table being sealed into the next one (frozen_mask < 0: none), newer than every run.
 struct LogRuns {
     const LogRun* runs;
     i64 count;
+    const i64* frozen_keys;
+    const i64* frozen_values;
+    i64 frozen_mask;
 };
 
 // The four bits of a run's filter word that stand for a key of hash `hash` (its high bits: the word
@@ -765,12 +769,17 @@ static inline bool run_may_hold(const LogRun& run, u64 hash, u64 bits) {
 }
 
 // key's value in the log's index, -1 where it has none: its table (keys/values/mask < 0: none) first,
-// then the sealed runs, newest first. *position: the key's position in the table, -1 where not there.
+// then the table being sealed, then the sealed runs, newest first. *position: the key's position in
+// the table, -1 where not there.
 static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict__ values, i64 mask,
                             const LogRuns* runs, i64 key, i64* position) {
     *position = mask >= 0 ? probe(keys, mask, key) : -1;
     if (*position >= 0) return values[*position];
     if (!runs) return -1;
+    if (runs->frozen_mask >= 0) {
+        const i64 frozen = probe(runs->frozen_keys, runs->frozen_mask, key);
+        if (frozen >= 0) return runs->frozen_values[frozen];
+    }
     const u64 hash = mix((u64)key), bits = filter_bits(hash);
     for (i64 r = runs->count - 1; r >= 0; --r) {
         const LogRun& run = runs->runs[r];
@@ -783,11 +792,12 @@ static inline i64 log_value(const i64* __restrict__ keys, const i64* __restrict_
 }
 
 // Asks for what log_value reads of `key` first, all of it known from the key: its home in the table
-// (mask >= 0) and, in each sealed run, its filter word and directory entry.
+// (mask >= 0) and in the table being sealed and, in each sealed run, its filter word and directory entry.
 PREFETCHING void prefetch_log_value(const i64* __restrict__ keys, const i64* __restrict__ values, i64 mask,
                                     const LogRuns* runs, i64 key) {
     if (mask >= 0) prefetch_home(keys, values, mask, key);
     if (!runs) return;
+    if (runs->frozen_mask >= 0) prefetch_home(runs->frozen_keys, runs->frozen_values, runs->frozen_mask, key);
     const u64 hash = mix((u64)key);
     for (i64 r = 0; r < runs->count; ++r) {
         const LogRun& run = runs->runs[r];

@@ -15,21 +15,21 @@ from test_store_oracle import StoreAgainstDict
 
 from tierstore import TieredStore
 from tierstore.hashing import key_mix, key_unmix
-from tierstore.tiers.cold import lmdb_staging, log_index
+from tierstore.tiers.cold import lmdb_staging, log_index, sealed_runs
 from tierstore.tiers.cold.lmdb_staging import StageLog
 from tierstore.tiers.cold.log_index import LogIndex
 
 
-@pytest.mark.parametrize("background", [True, False], ids=["merges-in-background", "merges-in-seals"])
+@pytest.mark.parametrize("background", [True, False], ids=["in-background", "in-make-room"])
 @pytest.mark.parametrize("kernels", ["host", None])
 def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypatch, kernels, background):
     """Random batches of keys given new values (a key in the table dropped first, as the store does),
     some removals (negative values): ``find`` equals a dict after every batch, while the table never
     holds more than ``seal_at`` keys and the runs stay logarithmic in number (merges in the background
     at most ``MERGES_BEHIND`` runs more, as many once settled)."""
-    monkeypatch.setattr(log_index, "MERGE_CHUNK", 5)  # merges run chunk by chunk
+    monkeypatch.setattr(sealed_runs, "MERGE_CHUNK", 5)  # merges run chunk by chunk
     kernels = None if kernels is None else shared_host_kernels()
-    index = LogIndex(tmp_path, kernels, seal_at=16, merge_in_background=background)
+    index = LogIndex(tmp_path, kernels, seal_at=16, in_background=background)
     behind = log_index.MERGES_BEHIND + 1 if background else 0
     oracle, generator, record = {}, np.random.default_rng(0), 0
     for _ in range(120):
@@ -57,19 +57,28 @@ def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypat
 def held_merges(monkeypatch) -> threading.Event:
     """Background merges wait for the returned event before their first chunk."""
     release = threading.Event()
-    merged = log_index._merged
+    merged = sealed_runs.merged
 
     def held(older, newer, merge):
         assert release.wait(60)
         yield from merged(older, newer, merge)
 
-    monkeypatch.setattr(log_index, "_merged", held)
+    monkeypatch.setattr(sealed_runs, "merged", held)
     return release
 
 
 def staged(index: LogIndex, keys: torch.Tensor, values: torch.Tensor) -> None:
     index.remove(keys)
     index.insert(keys, values)
+
+
+def sealed(index: LogIndex, room: int) -> None:
+    """``make_room(room)``, and the seal it starts finished and its run taken (merges it leads to
+    started)."""
+    index.make_room(room)
+    if index.sealing is not None:
+        index.sealing.result()
+    index.make_room(0)
 
 
 def test_runs_answer_while_their_merge_runs_and_its_run_takes_their_place(tmp_path, monkeypatch):
@@ -80,9 +89,9 @@ def test_runs_answer_while_their_merge_runs_and_its_run_takes_their_place(tmp_pa
     index = LogIndex(tmp_path, shared_host_kernels(), seal_at=64)
     keys = torch.arange(64) * 5
     staged(index, keys, keys)
-    index.make_room(64)  # sealed: the first run
+    sealed(index, 64)  # the first run
     staged(index, keys[:32], keys[:32] + 1)  # the second run's values win over the first's
-    index.make_room(64)  # seals the second run: a merge of the two starts, and waits
+    sealed(index, 64)  # the second run: a merge of the two starts, and waits
     merge = index.merge
     assert merge is not None and not merge.done and len(index.runs) == 2
     expected = torch.cat([keys[:32] + 1, keys[32:]])
@@ -103,7 +112,7 @@ def test_runs_answer_while_their_merge_runs_and_its_run_takes_their_place(tmp_pa
         oracle.update(dict.fromkeys(part.tolist(), 1000 + value))
         if len(index.runs) + 1 > index._runs_allowed():  # this seal waits: the merge may go on
             release.set()
-        index.make_room(64)  # seals
+        sealed(index, 64)
         assert len(index.runs) <= index._runs_allowed()
         assert index.find(keys).tolist() == [oracle[key] for key in keys.tolist()]
     assert release.is_set()
@@ -113,6 +122,45 @@ def test_runs_answer_while_their_merge_runs_and_its_run_takes_their_place(tmp_pa
     index.close()
 
 
+@pytest.mark.parametrize("backend", ["mmap", "lmdb"])
+def test_a_table_being_sealed_answers_lookups_until_its_run_takes_its_place(tmp_path, monkeypatch, backend):
+    """While a seal runs in the background, the frozen table serves the store's lookups (the mmap
+    store's native ones included) and a new table takes the puts after it; the run then takes its
+    place with the same answers."""
+    monkeypatch.setattr(log_index, "SEAL_AT", 4096)
+    release = threading.Event()
+    sorted_entries = sealed_runs.sorted_entries
+
+    def held(table, seal):
+        assert release.wait(60)
+        yield from sorted_entries(table, seal)
+
+    monkeypatch.setattr(sealed_runs, "sorted_entries", held)
+    store = TieredStore(tmp_path / "s", dim=2, backend=backend, host_cache=64)
+    keys = torch.arange(6000) * 7
+    store.put(keys[:4000], torch.ones(4000, 2))
+    store.put(keys[3000:], torch.ones(3000, 2) * 2)  # the table seals: 1,000 keys superseded after it
+    index = staging_index(store)
+    assert index.sealing is not None and not index.sealing.done and not index.runs
+    expected = torch.cat([torch.ones(3000), torch.full((3000,), 2.0)])
+    staged_keys = 6000 - 64  # the last puts are still in the host cache
+    probe = torch.cat([keys[:staged_keys], keys + 3])  # staged, and never staged
+
+    def answers_from_the_cold_store() -> None:
+        rows, found = store.stack.cold.get(probe)
+        assert found.tolist() == [True] * staged_keys + [False] * 6000
+        assert torch.equal(rows[:staged_keys, 0], expected[:staged_keys])
+        assert torch.equal(store.get(keys)[:, 0], expected)
+
+    answers_from_the_cold_store()
+    assert (index.native_runs is not None) == (backend == "mmap")
+    release.set()
+    index.settle()
+    assert index.sealing is None and len(index.runs) == 1
+    answers_from_the_cold_store()
+    store.close()
+
+
 def test_closing_during_a_merge_stops_it_and_leaves_no_file(tmp_path, monkeypatch):
     """``close`` (the log emptied by a flush, or the store closed) cancels a merge under way: its
     thread ends, its half-written run is closed, and nothing is left beside the store."""
@@ -120,14 +168,14 @@ def test_closing_during_a_merge_stops_it_and_leaves_no_file(tmp_path, monkeypatc
     index = LogIndex(tmp_path, shared_host_kernels(), seal_at=32)
     for value in range(2):
         staged(index, torch.arange(32), torch.full((32,), value))
-        index.make_room(32)
+        sealed(index, 32)
     merge = index.merge
     assert merge is not None and not merge.done
     closing = threading.Thread(target=index.close)
     closing.start()
     release.set()
     closing.join(60)
-    assert not closing.is_alive() and merge.done and isinstance(merge.error, log_index.MergeCancelled)
+    assert not closing.is_alive() and merge.done and isinstance(merge.error, sealed_runs.BuildCancelled)
     assert index.merge is None and not index.runs
     assert not list(tmp_path.iterdir())
 
@@ -136,18 +184,18 @@ def test_a_merge_that_fails_in_the_background_leaves_its_runs(tmp_path, monkeypa
     """A merge whose run cannot be written (a full disk) changes nothing: its runs keep answering,
     and the next seal merges them."""
     index = LogIndex(tmp_path, shared_host_kernels(), seal_at=32)
-    write_run = index._write_run
+    run_file = index._run_file
     failing = [True]
 
-    def full_disk_for_merges(capacity, parts):
+    def full_disk_for_merges(capacity):
         if failing[0] and capacity > 32:
             raise OSError(errno.ENOSPC, "no space left on device")
-        return write_run(capacity, parts)
+        return run_file(capacity)
 
-    monkeypatch.setattr(index, "_write_run", full_disk_for_merges)
+    monkeypatch.setattr(index, "_run_file", full_disk_for_merges)
     for value in range(2):
         staged(index, torch.arange(value, 64, 2), torch.full((32,), value))
-        index.make_room(32)
+        sealed(index, 32)
     index.settle()
     assert len(index.runs) == 2 and isinstance(index.merge, type(None))
     assert torch.equal(index.find(torch.arange(64)), torch.arange(64) % 2)
@@ -158,6 +206,37 @@ def test_a_merge_that_fails_in_the_background_leaves_its_runs(tmp_path, monkeypa
     assert [run.length for run in index.runs] == [96]
     assert torch.equal(index.find(torch.arange(64)), torch.arange(64) % 2)
     assert torch.equal(index.find(torch.arange(100, 132)), torch.full((32,), 7))
+    index.close()
+
+
+def test_a_seal_that_fails_in_the_background_is_sealed_again_by_the_next(tmp_path, monkeypatch):
+    """A seal whose run cannot be written after its file was allocated (an I/O error) leaves its
+    frozen table answering; the next seal (or ``settle``) seals it again here, raising the error
+    while it persists (the index unchanged), and sealing once it is gone."""
+    index = LogIndex(tmp_path, shared_host_kernels(), seal_at=32)
+    write_run = index._write_run
+    failing = [True]
+
+    def failed_write(file, capacity, parts):
+        if failing[0]:
+            file.close()
+            raise OSError(errno.EIO, "input/output error")
+        return write_run(file, capacity, parts)
+
+    monkeypatch.setattr(index, "_write_run", failed_write)
+    keys = torch.arange(32) * 3
+    staged(index, keys, keys + 1)
+    index.make_room(32)  # a seal starts, and fails
+    index.sealing.result()
+    assert index.sealing.error is not None and not index.runs
+    assert torch.equal(index.find(keys), keys + 1)
+    with pytest.raises(OSError) as raised:
+        index.settle()
+    assert raised.value.errno == errno.EIO
+    assert index.sealing is not None and not index.runs and torch.equal(index.find(keys), keys + 1)
+    failing[0] = False
+    index.settle()
+    assert index.sealing is None and len(index.runs) == 1 and torch.equal(index.find(keys), keys + 1)
     index.close()
 
 
@@ -203,6 +282,7 @@ def test_ram_stays_bounded_as_the_log_grows(tmp_path, backend):
         keys = torch.arange(start, start + 50_000) * 7
         store.put(keys, torch.ones(keys.numel(), 2) * start)
     index = staging_index(store)
+    index.settle()
     sealed = sum(run.length for run in index.runs)
     assert sealed >= 600_000 - index.seal_at and index.file_bytes >= 16 * sealed
     assert index.nbytes <= index.table.nbytes + 6 * sealed + 1024 * len(index.runs)  # filters, directories
@@ -254,9 +334,9 @@ def test_lmdb_rebuilds_its_staging_index_a_chunk_at_a_time(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("backend", ["mmap", "lmdb"])
 def test_the_index_makes_its_room_before_the_log_is_written(tmp_path, monkeypatch, backend):
-    """A seal that fails (a full disk writing the run) fails the cold store's put or removal before
-    its records are written or committed: the log, its index and the rows read are as before; a put
-    of more keys than the table holds is staged a table's worth at a time."""
+    """A seal that fails (a full disk allocating the run's file) fails the cold store's put or removal
+    before its records are written or committed: the log, its index and the rows read are as before;
+    a put of more keys than the table holds is staged a table's worth at a time."""
     monkeypatch.setattr(log_index, "SEAL_AT", 4)
     store = TieredStore(tmp_path / "s", dim=2, backend=backend, host_cache=2)
     cold = store.stack.cold
@@ -273,7 +353,7 @@ def test_the_index_makes_its_room_before_the_log_is_written(tmp_path, monkeypatc
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(LogIndex, "_write_run", full_disk)
+    monkeypatch.setattr(LogIndex, "_run_file", full_disk)
     for change in (lambda: cold.put(torch.tensor([1, 9]), torch.zeros(2, 2)), lambda: cold.remove(keys[:2])):
         with pytest.raises(OSError) as raised:
             change()
@@ -316,6 +396,7 @@ def test_a_full_disk_while_sealing_changes_nothing(tiny_filesystem):
     assert torch.equal(index.find(keys), keys * 2)
     filler.unlink()
     index.make_room(200)
+    index.settle()
     assert len(index.runs) == 1 and index.table.live == 0
     assert torch.equal(index.find(keys), keys * 2)
     index.close()
@@ -350,15 +431,15 @@ class SealingLogAgainstDict(StoreAgainstDict):
     host_cache, device_cache = 4, 0
 
     def __init__(self):
-        self._saved = log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK
-        log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK = 3, 2, 2
+        self._saved = log_index.SEAL_AT, sealed_runs.MERGE_CHUNK, log_index.LOG_CHUNK
+        log_index.SEAL_AT, sealed_runs.MERGE_CHUNK, log_index.LOG_CHUNK = 3, 2, 2
         super().__init__()
 
     def teardown(self):
         try:
             super().teardown()
         finally:
-            log_index.SEAL_AT, log_index.MERGE_CHUNK, log_index.LOG_CHUNK = self._saved
+            log_index.SEAL_AT, sealed_runs.MERGE_CHUNK, log_index.LOG_CHUNK = self._saved
 
 
 class SealingLogTorchTierAgainstDict(SealingLogAgainstDict):

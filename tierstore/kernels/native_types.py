@@ -71,9 +71,16 @@ class LogRun(ctypes.Structure):
 
 
 class LogRuns(ctypes.Structure):
-    """host_step.cpp's ``LogRuns``: the log index's sealed runs, oldest first."""
+    """host_step.cpp's ``LogRuns``: the log index's sealed runs, oldest first, and the table being
+    sealed (``frozen_mask`` -1: none)."""
 
-    _fields_ = [("runs", _POINTER), ("count", _I64)]
+    _fields_ = [
+        ("runs", _POINTER),
+        ("count", _I64),
+        ("frozen_keys", _POINTER),
+        ("frozen_values", _POINTER),
+        ("frozen_mask", _I64),
+    ]
 
 
 class TierChoice(ctypes.Structure):

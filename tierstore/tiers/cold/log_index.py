@@ -13,9 +13,11 @@ runs newest first: where the filter does not rule the key out, the directory poi
 to compare (a cache line or two, not a binary search's ~20 in a file far larger than the caches).
 Lookups from Python binary-search the mixes. Runs merge pairwise as a binary counter (the newer
 run's entry of a key wins), so they stay about ``log2(entries / SEAL_AT)`` and an entry is rewritten
-about as many times. A merge runs on a thread of its own at the lowest priority (``RunMerge``; its
-two runs serve lookups until its run takes their place, at a later ``make_room``), so no step waits
-for one unless seals run ``MERGES_BEHIND`` runs past a binary counter's. RAM: the table, plus 3 to 6
+about as many times. Seals and merges run on a thread of their own at the lowest priority
+(``RunSeal``, ``RunMerge``): the table being sealed, or the two runs being merged, serve lookups
+until the run takes their place (at a later ``make_room``), so no step waits for them, unless seals
+come faster than the thread keeps up with (a seal waits for the one before; seals wait for merges
+``MERGES_BEHIND`` runs past a binary counter's). RAM: the table, plus 3 to 6
 bytes a sealed entry (its filter's 2 to 4, its directory's 1 to 2). Runs describe only what this
 process staged: reopening rebuilds the index from the committed log, and a killed process leaves no
 file behind.
@@ -24,11 +26,7 @@ file behind.
 from __future__ import annotations
 
 import ctypes
-import errno
-import mmap
 import os
-import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -40,31 +38,30 @@ from ...kernels.step_passes import host_passes
 from ..hash_index import HashIndex
 from ..kernel_hash_table import KernelHashTable
 from .mmap_files import write_at
+from .sealed_runs import RunMerge, RunSeal, SealedRun, ascending, last_of_each, temporary_file
 
 SEAL_AT = 1 << 18  # keys the table holds before it is sealed into a run
-MERGE_CHUNK = 1 << 16  # entries of each run merged at a time (the merge's memory)
 LOG_CHUNK = 1 << 18  # the log's records a flush looks at, and its keys it applies, at a time
 MERGES_BEHIND = 3  # runs a binary counter would have merged, sealed while a merge runs, before seals wait
-_KEYS_A_FILTER_WORD = 4  # a run's filter has a word for about this many keys (rounded to a power of two)
-_KEYS_A_BUCKET = 8  # a run's directory has an entry for about this many keys (rounded likewise)
 
 
 class LogIndex:
     """Map ``int64 key >= 0 -> int64 value`` (never -1) for the mmap store's log, with ``HashIndex``'s
     ``find`` / ``insert`` / ``remove`` / ``make_room``. ``kernels``: the index kernels (None: torch
     ops, and runs without filters); ``directory``: where run files are made (unlinked; the system's
-    temporary directory where it is read-only); ``merge_in_background``: merges on a thread of their
-    own (else in the seal that asks for them)."""
+    temporary directory where it is read-only); ``in_background``: seals and merges on a thread of
+    their own (else in the ``make_room`` that asks for them)."""
 
     def __init__(
-        self, directory: Path, kernels, seal_at: int | None = None, merge_in_background: bool = True
+        self, directory: Path, kernels, seal_at: int | None = None, in_background: bool = True
     ) -> None:
         self.directory = Path(directory)
         self._kernels = kernels
         self.seal_at = SEAL_AT if seal_at is None else seal_at
-        self.merge_in_background = merge_in_background
+        self.in_background = in_background
         self._passes = host_passes() if kernels is not None else None  # the runs' filters, if any
         self.runs: list[SealedRun] = []
+        self.sealing: RunSeal | None = None  # the table being sealed, newer than every run
         self.merge: RunMerge | None = None  # the merge under way
         self.native_runs: LogRuns | None = None  # the runs as the native lookups take them
         self._native_array = None
@@ -86,8 +83,9 @@ class LogIndex:
 
     @property
     def nbytes(self) -> int:
-        """RAM held: the table and the runs' filters."""
-        return self.table.nbytes + sum(run.filter_bytes for run in self.runs)
+        """RAM held: the table (and the one being sealed) and the runs' filters."""
+        frozen = 0 if self.sealing is None else self.sealing.table.nbytes
+        return self.table.nbytes + frozen + sum(run.filter_bytes for run in self.runs)
 
     @property
     def file_bytes(self) -> int:
@@ -97,11 +95,14 @@ class LogIndex:
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key (int64 [N]), -1 where absent; repeated keys are fine."""
         found = self.table.find(keys)
+        if self.sealing is not None:
+            missing = found == -1
+            found[missing] = self.sealing.table.find(keys[missing])
         if not self.runs:
             return found
         missing = (found == -1).nonzero().squeeze(1).numpy()
         query = key_mix(keys.numpy()[missing])
-        order = _ascending(query)  # so each run's binary searches narrow as they go
+        order = ascending(query)  # so each run's binary searches narrow as they go
         missing, query = missing[order], query[order]
         for run in reversed(self.runs):
             if not missing.size:
@@ -115,9 +116,10 @@ class LogIndex:
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key and its value (int64 [n] each), by key: all of them in RAM at once, so for
         listing the staged keys, not for a training step."""
-        keys, values = self.table.items()
-        keys = np.concatenate([key_unmix(run.hashes) for run in self.runs] + [keys.numpy()])  # oldest first
-        values = np.concatenate([run.values for run in self.runs] + [values.numpy()])
+        tables = [self.table] if self.sealing is None else [self.sealing.table, self.table]
+        listed = [table.items() for table in tables]
+        keys = np.concatenate([key_unmix(run.hashes) for run in self.runs] + [k.numpy() for k, _ in listed])
+        values = np.concatenate([run.values for run in self.runs] + [v.numpy() for _, v in listed])
         order = np.argsort(keys, kind="stable")
         keys, values = last_of_each(keys[order], values[order])
         return torch.from_numpy(keys), torch.from_numpy(values)
@@ -145,18 +147,18 @@ class LogIndex:
 
     def make_room(self, count: int) -> None:
         """Room in the table for ``count`` more keys: sealed first where they would pass ``seal_at``
-        (writing its run may raise ``OSError``, a full disk: the index is then unchanged). A merge
-        finished meanwhile puts its run in place of its two."""
-        if self.merge is not None and self.merge.done:
-            self._merge_runs()
+        (its run's file allocated first: a full disk raises ``OSError`` with the index unchanged).
+        A seal or merge finished meanwhile puts its run in place."""
+        if any(build is not None and build.done for build in (self.sealing, self.merge)):
+            self._settle_runs()
         if self.table.live and self.table.live + count > self.seal_at:
             self._seal()
         self.table.make_room(count)
 
     def settle(self) -> None:
-        """Wait for merges under way, and those they lead to: the runs as merging in the seals
-        would leave them."""
-        self._merge_runs(wait=True)
+        """Wait for the seal and the merges under way, and those they lead to: the runs as sealing
+        and merging in ``make_room`` would leave them."""
+        self._settle_runs(wait=True)
 
     def clear(self) -> None:
         """Forget every entry (the log was emptied): the runs closed, the table empty."""
@@ -164,29 +166,42 @@ class LogIndex:
         self.table = self._new_table(min(1024, self.seal_at))
 
     def close(self) -> None:
-        if self.merge is not None:  # its runs are read until it stops
-            self.merge.cancel()
-            self.merge = None
+        for build in (self.merge, self.sealing):  # what they read is read until they stop
+            if build is not None:
+                build.cancel()
+        self.merge = self.sealing = None
         for run in self.runs:
             run.close()
         self.runs = []
         self._set_native_runs()
 
     def _seal(self) -> None:
-        keys, values = self.table.items()
-        hashes = key_mix(keys.numpy())
-        order = _ascending(hashes)
-        self.runs.append(self._write_run(len(order), [(hashes[order], values.numpy()[order])]))
-        self.table = self._new_table(self.seal_at)
-        self._merge_runs()
+        """The table frozen and sealed into a run (``RunSeal``), a new one taking its place; a seal
+        under way is finished first. Its file is allocated here: a full disk raises before any change."""
+        if self.sealing is not None:
+            self._settle_runs(seal=True)
+        file = self._run_file(self.table.live)
+        seal = RunSeal(self._write_run, self.table, file, self.in_background)  # here: raises, or done
+        self.table, self.sealing = self._new_table(self.seal_at), seal
+        self._settle_runs()
 
-    def _merge_runs(self, wait: bool = False) -> None:
-        """A finished merge's run in place of its two, then the next merge the binary counter asks for
-        started (in the background, or run here): two neighbouring runs, the older no more than twice
-        the newer's length. Waits for a merge under way where ``wait``, or where the runs pass
-        ``_runs_allowed``. A merge that failed (a full disk) leaves its runs, and the
-        next seal tries again; one run here raises its error."""
+    def _settle_runs(self, wait: bool = False, seal: bool = False) -> None:
+        """A finished seal's run added (waiting for it where ``wait`` or ``seal``; sealed again here
+        where it failed in the background, raising its error where it fails again, the index
+        unchanged), then merges: a finished merge's run in place of its two, and the next merge the
+        binary counter asks for started (in the background, or run here): two neighbouring runs, the
+        older no more than twice the newer's length. Waits for a merge under way where ``wait``, or
+        where the runs pass ``_runs_allowed``. A merge that failed (a full disk) leaves its runs, and
+        the next seal tries again; one run here raises its error."""
         try:
+            sealing = self.sealing
+            if sealing is not None and (wait or seal or sealing.done):
+                run = sealing.result()
+                if run is None:  # failed in the background: sealed again here
+                    table = sealing.table
+                    run = RunSeal(self._write_run, table, self._run_file(table.live), False).result()
+                self.runs.append(run)
+                self.sealing = None
             while True:
                 merge = self.merge
                 if merge is not None:
@@ -209,7 +224,7 @@ class LogIndex:
                 )
                 if pair is None:
                     break
-                self.merge = RunMerge(self._write_run, *pair, self.merge_in_background)
+                self.merge = RunMerge(self._run_file, self._write_run, *pair, self.in_background)
         finally:  # the native lookups see the runs as they are, whatever was raised
             self._set_native_runs()
 
@@ -219,13 +234,22 @@ class LogIndex:
         sealed = sum(run.length for run in self.runs)
         return (sealed // max(1, self.seal_at)).bit_length() + 1 + MERGES_BEHIND
 
-    def _write_run(self, capacity: int, parts) -> SealedRun:
-        """A run of up to ``capacity`` entries from ``parts`` (``(hashes, values)`` arrays: the keys'
-        mixes, ascending and distinct across parts), written and synced before it is mapped."""
+    def _run_file(self, capacity: int):
+        """A run's file for up to ``capacity`` entries, its blocks allocated (a full disk raises here)."""
         file = temporary_file(self.directory)
         try:
+            os.posix_fallocate(file.fileno(), 0, 16 * max(1, capacity))
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+    def _write_run(self, file, capacity: int, parts) -> SealedRun:
+        """A run of up to ``capacity`` entries in ``file`` (``_run_file``'s) from ``parts``
+        (``(hashes, values)`` arrays: the keys' mixes, ascending and distinct across parts), written
+        and synced before it is mapped; the file closed where this raises."""
+        try:
             descriptor = file.fileno()
-            os.posix_fallocate(descriptor, 0, 16 * capacity)  # a full disk fails here, before any change
             length = 0
             for keys, values in parts:
                 write_at(descriptor, keys, 8 * length)
@@ -238,164 +262,15 @@ class LogIndex:
             raise
 
     def _set_native_runs(self) -> None:
-        if not self.runs or self._passes is None:  # runs have filters where the passes are built
+        frozen = None if self.sealing is None else self.sealing.table
+        if self._passes is None or (not self.runs and frozen is None):  # filters where passes are built
             self.native_runs, self._native_array = None, None
             return
         self._native_array = (LogRun * len(self.runs))(*(run.native() for run in self.runs))
-        self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(self.runs))
-
-
-class RunMerge:
-    """Two neighbouring runs merged into one (``_merged``: the newer's entry of a key wins) by
-    ``write_run``, on a thread of its own where ``background`` (reading the two runs, which stay as
-    they are until ``result`` is taken or the merge is cancelled), else right here."""
-
-    def __init__(self, write_run, older: SealedRun, newer: SealedRun, background: bool) -> None:
-        self.older, self.newer = older, newer
-        self.cancelled = False
-        self.error: BaseException | None = None  # why a merge in the background failed
-        self._run: SealedRun | None = None
-        self._thread = None
-        if not background:  # its errors raised to the seal
-            self._run = write_run(older.length + newer.length, _merged(older, newer, self))
-            return
-        self._thread = threading.Thread(target=self._merge, args=(write_run,), name="tierstore-log-merge")
-        self._thread.daemon = True  # a process exiting mid-merge loses only an unlinked file
-        self._thread.start()
-
-    def _merge(self, write_run) -> None:
-        _yield_to_every_other_thread()
-        try:
-            length = self.older.length + self.newer.length
-            self._run = write_run(length, _merged(self.older, self.newer, self))
-        except BaseException as error:  # a full disk, or cancelled: the two runs stay
-            self.error = error
-
-    @property
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
-
-    def result(self) -> SealedRun | None:
-        """The merged run, once the merge is done (waiting for it); None where it failed."""
-        if self._thread is not None:
-            self._thread.join()
-        return self._run
-
-    def cancel(self) -> None:
-        """Stop the merge at its next chunk and wait for it, its run (if any) closed."""
-        self.cancelled = True
-        run = self.result()
-        if run is not None:
-            run.close()
-
-
-def _yield_to_every_other_thread() -> None:
-    """The calling thread at the lowest priority (nice 19), so a merge takes the time the training
-    steps leave a core idle; a hint, left out where the system has no per-thread priorities."""
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not permitted here: the merge runs at the process's priority
-            pass
-
-
-class MergeCancelled(Exception):
-    """A ``RunMerge`` stopped by ``cancel``."""
-
-
-class SealedRun:
-    """One run in ``file``: ``length`` mixes of keys (``key_mix``, ascending uint64) at its start, their
-    values ``capacity`` entries on, mapped read-only; without the kernels nothing else, on them in
-    RAM its filter (int64 words) and directory (``starts``, int64 [2^bits + 1]: the mixes whose top
-    ``bits`` are j lie at ``starts[j]`` to ``starts[j + 1] - 1``)."""
-
-    def __init__(self, file, length: int, capacity: int, passes) -> None:
-        self.file, self.length = file, length
-        self.file_bytes = 16 * capacity
-        self._map = mmap.mmap(file.fileno(), self.file_bytes, prot=mmap.PROT_READ)
-        self._map.madvise(mmap.MADV_RANDOM)  # binary searches: no read-ahead
-        self.hashes = np.frombuffer(self._map, np.uint64, length, 0)
-        self.values = np.frombuffer(self._map, np.int64, length, 8 * capacity)
-        self.filter = self.starts = None
-        if passes is not None:
-            self.filter = torch.zeros(_power_of_two(length, _KEYS_A_FILTER_WORD), dtype=torch.int64)
-            passes.log_filter(self.hashes, self.filter)
-            self.bits = max(1, _power_of_two(length, _KEYS_A_BUCKET).bit_length() - 1)
-            firsts = np.arange(1 << self.bits, dtype=np.uint64) << np.uint64(64 - self.bits)
-            self.starts = np.append(np.searchsorted(self.hashes, firsts), length).astype(np.int64)
-
-    @property
-    def filter_bytes(self) -> int:
-        """RAM it holds: the filter and the directory."""
-        return 0 if self.filter is None else self.filter.nbytes + self.starts.nbytes
-
-    def native(self) -> LogRun:
-        return LogRun(
-            self.hashes.ctypes.data,
-            self.values.ctypes.data,
-            self.length,
-            self.filter.data_ptr(),
-            self.filter.numel() - 1,
-            self.starts.ctypes.data,
-            64 - self.bits,
-        )
-
-    def close(self) -> None:
-        self.hashes = self.values = None
-        try:
-            self._map.close()
-        except BufferError:  # a view still exported: the map closes when it goes
-            pass
-        self.file.close()
-
-
-def _ascending(hashes: np.ndarray) -> np.ndarray:
-    """The order that sorts ``hashes`` (uint64) ascending: torch's sort (a radix sort, several times
-    numpy's argsort on a table's worth) of them as int64 with the top bit flipped, their unsigned
-    order."""
-    return torch.sort(torch.from_numpy((hashes ^ np.uint64(1 << 63)).view(np.int64)))[1].numpy()
-
-
-def _power_of_two(length: int, per_item: int) -> int:
-    """The power of two nearest above ``length / per_item`` (at least 1)."""
-    return 1 << max(0, (-(-length // per_item) - 1).bit_length())
-
-
-def _merged(older: SealedRun, newer: SealedRun, merge: RunMerge):
-    """``(hashes, values)`` parts of the two runs merged in the mixes' order, ``MERGE_CHUNK`` of each
-    run at a time, a key in both taking ``newer``'s value; ``MergeCancelled`` once ``merge`` is
-    cancelled."""
-    i = j = 0
-    while i < older.length or j < newer.length:
-        if merge.cancelled:
-            raise MergeCancelled
-        stop_i, stop_j = min(older.length, i + MERGE_CHUNK), min(newer.length, j + MERGE_CHUNK)
-        ends = [run.hashes[stop - 1] for run, stop in ((older, stop_i), (newer, stop_j)) if stop < run.length]
-        if ends:  # every entry up to the bound, from both runs: a key in both meets itself here
-            bound = min(ends)
-            stop_i = i + int(np.searchsorted(older.hashes[i:stop_i], bound, "right"))
-            stop_j = j + int(np.searchsorted(newer.hashes[j:stop_j], bound, "right"))
-        hashes = np.concatenate([older.hashes[i:stop_i], newer.hashes[j:stop_j]])
-        values = np.concatenate([older.values[i:stop_i], newer.values[j:stop_j]])
-        order = np.argsort(hashes, kind="stable")  # older first among equal mixes (equal keys)
-        yield last_of_each(hashes[order], values[order])
-        i, j = stop_i, stop_j
-
-
-def last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The last entry of each key of ``keys`` (sorted; keys or their mixes) and its value."""
-    last = np.append(keys[1:] != keys[:-1], True)[: keys.size]
-    return keys[last], values[last]
-
-
-def temporary_file(directory: Path):
-    """An unlinked file in ``directory`` (the system's temporary directory where it cannot be made there)."""
-    try:
-        return tempfile.TemporaryFile(dir=directory)
-    except OSError as error:
-        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        return tempfile.TemporaryFile()
+        table = (0, 0, -1)  # the table being sealed: its keys, values and mask (-1: none)
+        if frozen is not None:
+            table = (frozen.keys.data_ptr(), frozen.values.data_ptr(), frozen.keys.numel() - 1)
+        self.native_runs = LogRuns(ctypes.cast(self._native_array, ctypes.c_void_p), len(self.runs), *table)
 
 
 class StagedLog:
