@@ -37,8 +37,8 @@ class RunBuild:
         if not background:
             self._run = build(self)
             return
+        # not a daemon: a process ending waits for it (one stopped inside torch or the kernels aborts)
         self._thread = threading.Thread(target=self._build, args=(build,), name="tierstore-log-run")
-        self._thread.daemon = True  # a process exiting mid-build loses only an unlinked file
         self._thread.start()
 
     def _build(self, build) -> None:
