@@ -17,8 +17,8 @@ about as many times. Seals and merges run on a thread of their own at the lowest
 (``RunSeal``, ``RunMerge``): the table being sealed, or the two runs being merged, serve lookups
 until the run takes their place (at a later ``make_room``), so no step waits for them, unless seals
 come faster than the thread keeps up with (a seal waits for the one before; seals wait for merges
-``MERGES_BEHIND`` runs past a binary counter's). RAM: the table, plus 3 to 6
-bytes a sealed entry (its filter's 2 to 4, its directory's 1 to 2). Runs describe only what this
+``MERGES_BEHIND`` runs past a binary counter's). RAM: the table (two while a seal runs), plus 3 to
+6 bytes a sealed entry (its filter's 2 to 4, its directory's 1 to 2). Runs describe only what this
 process staged: reopening rebuilds the index from the committed log, and a killed process leaves no
 file behind.
 """

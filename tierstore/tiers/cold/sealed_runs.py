@@ -95,7 +95,7 @@ def _yield_to_every_other_thread() -> None:
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not permitted here: the merge runs at the process's priority
+        except OSError:  # not permitted here: the build runs at the process's priority
             pass
 
 
