@@ -13,7 +13,7 @@ runs newest first: where the filter does not rule the key out, the directory poi
 to compare (a cache line or two, not a binary search's ~20 in a file far larger than the caches).
 Lookups from Python binary-search the mixes. Runs merge pairwise as a binary counter (the newer
 run's entry of a key wins), so they stay about ``log2(entries / SEAL_AT)`` and an entry is rewritten
-about as many times. Seals and merges run on a thread of their own at the lowest priority
+about as many times. Seals and merges run on a thread of their own
 (``RunSeal``, ``RunMerge``): the table being sealed, or the two runs being merged, serve lookups
 until the run takes their place (at a later ``make_room``), so no step waits for them, unless seals
 come faster than the thread keeps up with (a seal waits for the one before; seals wait for merges

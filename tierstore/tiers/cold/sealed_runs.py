@@ -1,5 +1,5 @@
 """The log index's sealed runs (``log_index.LogIndex``): a run of keys' mixes and their values in an
-unlinked file (``SealedRun``), and its making, on a thread of its own at the lowest priority or
+unlinked file (``SealedRun``), and its making, on a thread of its own or
 right where it is asked for (``RunBuild``): a table's entries sealed (``RunSeal``), or two runs
 merged (``RunMerge``), what they read left as it is until the run takes its place.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import mmap
-import os
 import tempfile
 import threading
 from pathlib import Path
@@ -25,7 +24,8 @@ _KEYS_A_BUCKET = 8  # a run's directory has an entry for about this many keys (r
 
 
 class RunBuild:
-    """A run made by ``build(self)``, on a thread of its own at the lowest priority where
+    """A run made by ``build(self)``, on a thread of its own (at the process's priority: a step that
+    waits for it must not wait on a starved thread) where
     ``background`` (what it reads stays as it is until ``result`` is taken or it is cancelled), else
     right here (its errors raised)."""
 
@@ -42,7 +42,6 @@ class RunBuild:
         self._thread.start()
 
     def _build(self, build) -> None:
-        _yield_to_every_other_thread()
         try:
             self._run = build(self)
         except BaseException as error:  # a full disk, or cancelled: what it read stays
@@ -87,16 +86,6 @@ class RunSeal(RunBuild):
     def __init__(self, write_run, table, file, background: bool) -> None:
         self.table = table
         super().__init__(lambda seal: write_run(file, table.live, sorted_entries(table, seal)), background)
-
-
-def _yield_to_every_other_thread() -> None:
-    """The calling thread at the lowest priority (nice 19), so a seal or merge takes the time the training
-    steps leave a core idle; a hint, left out where the system has no per-thread priorities."""
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not permitted here: the build runs at the process's priority
-            pass
 
 
 class BuildCancelled(Exception):
