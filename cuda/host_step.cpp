@@ -1068,6 +1068,12 @@ static void prepare_log_pages(int fd, i64 first, i64 end) {
     if (end > first) (void)!write_all(fd, zeros, end - first, first);
 }
 
+// prepare_log_pages over bytes [first, end) of `fd`, a run at a time: the log's pages made ahead of
+// its appends on a thread of their own, between steps (tierstore/tiers/cold/pages_ahead.py).
+extern "C" void step_prepare_pages(int fd, i64 first, i64 end) {
+    for (i64 at = first; at < end; at += PAGE_RUN) prepare_log_pages(fd, at, std::min(end, at + PAGE_RUN));
+}
+
 // A host tier's misses made resident straight from the mmap cold store (step_make_resident's last
 // part): keys[0..n) (distinct, none in the tier, each looked up
 // counts[i] times) go to slots[0..n), of which the last `victims` hold rows the tier evicts.

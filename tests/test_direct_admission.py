@@ -397,6 +397,7 @@ def test_an_admission_makes_the_logs_pages_ahead_of_the_next_appends(tmp_path, m
         None, DIM, path=tmp_path / "t", backend="mmap", optimizer=optim.SGD(lr=0.1), host_cache=1024
     )
     log = table.store.stack.cold._wal_rows
+    log.pages_ahead = None  # the admissions' own pages ahead only (the thread's: test_pages_ahead.py)
     item = log.width * log.dtype.itemsize
     generator = torch.Generator().manual_seed(3)
     checked = 0

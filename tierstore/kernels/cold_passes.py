@@ -244,3 +244,9 @@ class ColdPasses:
         self._functions["step_log_filter"](
             hashes.ctypes.data, hashes.size, words.data_ptr(), words.numel() - 1
         )
+
+    def prepare_pages(self, descriptor: int, first: int, end: int) -> None:
+        """Zeros over bytes ``[first, end)`` of the file open as ``descriptor`` (past everything written
+        to it), so that its page cache pages exist before writes reach them; a failed write is left
+        (a hint). The GIL is released meanwhile."""
+        self._functions["step_prepare_pages"](descriptor, first, end)

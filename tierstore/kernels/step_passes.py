@@ -57,6 +57,7 @@ _SIGNATURES = {
         [_POINTER, _I64, _POINTER, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64] + [_POINTER] * 4,
     ),
     "step_log_filter": (None, [_POINTER, _I64, _POINTER, _I64]),
+    "step_prepare_pages": (None, [_INT, _I64, _I64]),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
     "step_will_need_homes": (None, [_POINTER, _I64, _POINTER, _POINTER, _I64]),
     "step_will_need_rows": (None, [_POINTER, _I64, _POINTER, _I64]),

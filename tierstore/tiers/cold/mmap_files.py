@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import StoreFormatError
+from .pages_ahead import PagesAhead, page_ceil, page_floor
 
 ROWS_FILE, KEYS_FILE, STATE_FILE = "rows.bin", "keys.bin", "state.json"
 WAL_ROWS_FILE, WAL_KEYS_FILE, WAL_COMMIT_FILE = "wal.rows.bin", "wal.keys.bin", "wal.commit.json"
@@ -59,7 +60,9 @@ class GrowableArray:
 
     ``random``: items are read in no order (rows found through an index), so the map asks the kernel
     for no read-ahead (``MADV_RANDOM``): a missed row then costs one page from the disk, not the
-    cluster of its neighbours the default read-ahead fetches (and that page cache holds for nothing)."""
+    cluster of its neighbours the default read-ahead fetches (and that page cache holds for nothing).
+    ``pages_ahead`` (a ``PagesAhead``, set by its owner, or None): the file's pages made past its
+    writes on a thread (``make_pages_ahead``), which every write waits out where it would meet them."""
 
     def __init__(
         self,
@@ -80,7 +83,8 @@ class GrowableArray:
                 )
             path.touch()
         self._allocated = 0  # items known to have their blocks on disk (checked again when reserved)
-        self.prepared = 0  # bytes whose pages a native admission made ahead of its appends (0: blocks freed)
+        self.prepared = 0  # bytes whose pages were made ahead of the appends (0: blocks freed)
+        self.pages_ahead: PagesAhead | None = None
         self._fd = -1  # a descriptor kept open for writes, opened by the first
         self._map()
 
@@ -113,6 +117,7 @@ class GrowableArray:
         a few past) are allocated on disk, so a write through the map never needs a block the disk
         cannot give (which would be SIGBUS). A full disk raises ``OSError(ENOSPC)`` here, before any write."""
         item = self.width * self.dtype.itemsize
+        self._pages_made_below(count * item)
         if count > self.capacity:
             self.array = None  # no msync: written pages stay in the page cache; flush() makes them durable
             os.truncate(self.path, (1 << max(10, (count - 1).bit_length())) * item)
@@ -134,6 +139,39 @@ class GrowableArray:
             f"{os.strerror(error.errno)}" + (full if error.errno == errno.ENOSPC else ""),
         )
 
+    def _pages_made_below(self, end: int) -> None:
+        """Before writes below byte ``end``: the pages being made ahead there made first."""
+        if self.pages_ahead is not None:
+            self.pages_ahead.clear_below(end)
+            if not self.pages_ahead.running:
+                self.prepared = max(self.prepared, self.pages_ahead.end)
+
+    @property
+    def made_through(self) -> int:
+        """Bytes from the start whose pages are made or being made (a native admission makes more
+        only past them)."""
+        if self.pages_ahead is not None and self.pages_ahead.running:
+            return max(self.prepared, self.pages_ahead.end)
+        return self.prepared
+
+    def make_pages_ahead(self, written: int, ahead: int) -> None:
+        """Have ``pages_ahead`` make the pages of bytes past ``written`` (the end of every write so
+        far) up to ``written + ahead`` (within the file, their blocks allocated first: where the disk
+        has no room, only up to the blocks allocated), unless half of them are made or being made."""
+        if self.pages_ahead is None or self.pages_ahead.running:
+            return
+        self._pages_made_below(written)
+        if self.prepared >= written + ahead // 2:
+            return
+        item = self.width * self.dtype.itemsize
+        first = max(self.prepared, page_ceil(written))
+        end = min(self.capacity * item, written + ahead)
+        if end > self.allocated_bytes and self._allocate_to(end // item) is None:
+            self._allocated = end // item
+        end = page_floor(min(end, self.allocated_bytes))
+        if end > first:
+            self.pages_ahead.start(self.fileno(), first, end)
+
     @property
     def allocated_bytes(self) -> int:
         """Bytes from the file's start whose blocks are allocated (``reserve``)."""
@@ -152,6 +190,8 @@ class GrowableArray:
     def release(self) -> None:
         """Free the blocks of every item (the file keeps its size: a reader may have it mapped;
         its pages then read as zeros). Where the file system cannot punch holes, they stay."""
+        if self.pages_ahead is not None:
+            self.pages_ahead.forget()
         with open(self.path, "r+b", buffering=0) as file:
             result = _LIBC.fallocate(
                 file.fileno(),
@@ -190,6 +230,8 @@ class GrowableArray:
 
     def close(self) -> None:
         """Drop the map and the descriptor."""
+        if self.pages_ahead is not None:
+            self.pages_ahead.wait()
         self.array = self.address = None
         if self._fd >= 0:
             os.close(self._fd)

@@ -67,6 +67,7 @@ from .disk_index import INDEX_FILE, DiskIndex
 from .mmap_files import KEYS_FILE, ROWS_FILE, STATE_FILE, WAL_ROWS_FILE
 from .mmap_log import MmapLog
 from .mmap_opening import MmapOpening, live_rows, log_entries
+from .pages_ahead import ahead_bytes
 
 
 class MmapColdStore(MmapOpening, MmapLog, ColdStore):
@@ -292,7 +293,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
             codec.stored_bytes,
             codec.row_bytes,
             codec.check_bytes,
-            self._wal_rows.prepared,
+            self._wal_rows.made_through,
             self._wal_rows.allocated_bytes,
             ctypes.addressof(log.native_runs) if log.native_runs is not None else None,
         )
@@ -315,6 +316,10 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
         self._wal_rows.prepared = done.log_prepared
+        stored_bytes = self.codec.stored_bytes
+        self._wal_rows.make_pages_ahead(
+            self._wal_count * stored_bytes, ahead_bytes(done.appended * stored_bytes)
+        )
         self._wal_index.table.live += done.new_to_log
 
     def structure_problems(self) -> list[str]:

@@ -1,0 +1,132 @@
+"""The mmap cold store's log pages made ahead of its appends on a thread (``PagesAhead``): training
+with them is bit for bit training without them (their zeros never meet a record), they are in the
+page cache and read as zeros once made, a write reaching the range being made waits for it, a flush
+starts them again from the log's start, and a process ending while they are made exits cleanly."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_direct_admission import _resident_pages
+
+from tierstore import TieredEmbeddingBag, TieredStore, optim
+from tierstore.kernels.step_passes import host_passes
+from tierstore.tiers.cold import pages_ahead
+from tierstore.tiers.cold.mmap_files import GrowableArray
+from tierstore.tiers.cold.pages_ahead import PagesAhead
+
+pytestmark = pytest.mark.skipif(host_passes() is None, reason="the tuned host build cannot be built here")
+
+DIM = 64  # rows of 256 bytes and more: a step's dirty victims fill many pages
+
+
+def _train(path, made_ahead: bool, jobs: list) -> tuple[list, torch.Tensor]:
+    """30 steps over 60,000 ids with a host cache of 1,024 rows (hundreds of dirty victims a step),
+    a flush after the 10th and the 20th; ``jobs``: each range made ahead, with the end of the log's
+    records when it started. Returns the outputs and every row with its state, read back after a
+    reopen."""
+    table = TieredEmbeddingBag(
+        None, DIM, path=path, backend="mmap", optimizer=optim.Adagrad(lr=0.1), host_cache=1024
+    )
+    cold = table.store.stack.cold
+    log = cold._wal_rows
+    item = log.width * log.dtype.itemsize
+    if made_ahead:
+        start, make = log.pages_ahead.start, log.pages_ahead._make
+        log.pages_ahead.start = lambda fd, first, end: (
+            jobs.append((first, end, cold._wal_count * item)) or start(fd, first, end)
+        )
+        # slow enough that the next steps' appends reach the range while it is made (they wait)
+        log.pages_ahead._make = lambda *range_: (time.sleep(0.02), make(*range_))
+    else:
+        log.pages_ahead = None
+    generator = torch.Generator().manual_seed(4)
+    outputs = []
+    for step in range(30):
+        ids = torch.randint(0, 60_000, (1024,), generator=generator)
+        out = table(ids, torch.arange(0, 1024, 4))
+        (out * torch.randn(out.shape, generator=generator)).sum().backward()
+        outputs.append(out.detach())
+        if step in (9, 19):
+            table.store.flush()
+            assert log.prepared == 0 and log.made_through == 0  # the log's blocks freed: from its start
+    if made_ahead:  # the last range made: in the page cache, zeros, past every record
+        log.pages_ahead.wait()
+        first, end, written = jobs[-1]
+        assert written <= first and all(_resident_pages(log.address, first, end))
+        assert not log.array[first // item : end // item].any()
+    table.close()
+    store = TieredStore(path)
+    rows = store.get(torch.arange(60_000), with_state=True)
+    store.close()
+    return outputs, rows
+
+
+def test_training_with_the_logs_pages_made_ahead_is_training_without(tmp_path, monkeypatch):
+    monkeypatch.setattr(pages_ahead, "MIN_AHEAD", 1 << 16)  # ranges within a small log's blocks
+    jobs: list = []
+    with_pages, without = _train(tmp_path / "ahead", True, jobs), _train(tmp_path / "plain", False, [])
+    assert len(jobs) >= 5 and all(written <= first < end for first, end, written in jobs)
+    assert all(torch.equal(a, b) for a, b in zip(with_pages[0], without[0]))
+    assert torch.equal(with_pages[1], without[1])
+
+
+def test_a_write_reaching_the_pages_being_made_waits_for_them(tmp_path):
+    array = GrowableArray(tmp_path / "log.bin", 64, np.uint8, read_only=False)
+    array.reserve(1024)  # 64 KiB of blocks
+    go, made = threading.Event(), []
+
+    def make(descriptor, first, end):
+        go.wait()
+        os.pwrite(descriptor, bytes(end - first), first)
+        made.append((first, end))
+
+    array.pages_ahead = PagesAhead(make)
+    array.make_pages_ahead(8192, 32768)  # bytes 8,192 to 40,960
+    assert array.pages_ahead.running and array.made_through == 40960 and array.prepared == 0
+    array.make_pages_ahead(8192, 32768)  # one range at a time
+    array.reserve(100)  # items below byte 8,192: no wait
+    assert not made
+    writer = threading.Thread(target=array.reserve, args=(200,))  # up to byte 12,800: waits
+    writer.start()
+    try:
+        writer.join(0.2)
+        assert writer.is_alive() and not made
+    finally:
+        go.set()
+        writer.join()
+    assert made == [(8192, 40960)] and array.prepared == 40960
+    array.make_pages_ahead(12800, 32768)  # half of it made past byte 12,800: nothing more
+    assert not array.pages_ahead.running
+    array.release()
+    assert array.prepared == 0 and array.made_through == 0
+    array.close()
+
+
+def test_a_process_ending_while_pages_are_made_exits_cleanly(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import time, torch
+        from tierstore import TieredEmbeddingBag, optim
+        from tierstore.tiers.cold import pages_ahead
+        pages_ahead.MIN_AHEAD = 1 << 16
+        table = TieredEmbeddingBag(None, {DIM}, path={str(tmp_path / "t")!r}, backend="mmap",
+                                   optimizer=optim.SGD(lr=0.1), host_cache=1024)
+        log = table.store.stack.cold._wal_rows
+        make = log.pages_ahead._make
+        log.pages_ahead._make = lambda *a: (time.sleep(0.5), make(*a))
+        for _ in range(20):
+            table(torch.randint(0, 60_000, (1024,)), torch.arange(0, 1024, 4)).sum().backward()
+        assert log.pages_ahead.running
+        print("ending", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "ending" in done.stdout
