@@ -763,6 +763,34 @@ extern "C" void step_log_filter(const u64* __restrict__ hashes, i64 n, u64* __re
     for (i64 i = 0; i < n; ++i) filter[hashes[i] & (u64)mask] |= filter_bits(hashes[i]);
 }
 
+// Two sealed runs' entries merged (tierstore/tiers/cold/sealed_runs.py's `merged`): older's and
+// newer's mixes (each ascending, distinct) with their values, into out_hashes/out_values in ascending
+// order, a mix in both taking newer's value. Returns the entries written (at most older_n + newer_n).
+extern "C" i64 step_merge_runs(const u64* __restrict__ older_hashes, const i64* __restrict__ older_values,
+                               i64 older_n, const u64* __restrict__ newer_hashes,
+                               const i64* __restrict__ newer_values, i64 newer_n,
+                               u64* __restrict__ out_hashes, i64* __restrict__ out_values) {
+    i64 i = 0, j = 0, k = 0;
+    while (i < older_n && j < newer_n) {
+        const u64 a = older_hashes[i], b = newer_hashes[j];
+        const bool from_older = a < b;
+        out_hashes[k] = from_older ? a : b;
+        out_values[k] = from_older ? older_values[i] : newer_values[j];
+        i += a <= b;  // a mix in both: older's entry dropped
+        j += b <= a;
+        ++k;
+    }
+    for (; i < older_n; ++i, ++k) {
+        out_hashes[k] = older_hashes[i];
+        out_values[k] = older_values[i];
+    }
+    for (; j < newer_n; ++j, ++k) {
+        out_hashes[k] = newer_hashes[j];
+        out_values[k] = newer_values[j];
+    }
+    return k;
+}
+
 // Whether a run's filter leaves in the key whose mix is `hash` (its filter_bits `bits`).
 static inline bool run_may_hold(const LogRun& run, u64 hash, u64 bits) {
     return (run.filter[hash & (u64)run.filter_mask] & bits) == bits;

@@ -17,6 +17,7 @@ from test_store_oracle import StoreAgainstDict
 
 from tierstore import TieredStore
 from tierstore.hashing import key_mix, key_unmix
+from tierstore.kernels.step_passes import host_passes
 from tierstore.tiers.cold import lmdb_staging, log_index, sealed_runs
 from tierstore.tiers.cold.lmdb_staging import StageLog
 from tierstore.tiers.cold.log_index import LogIndex
@@ -56,14 +57,36 @@ def test_the_index_answers_as_a_dict_across_seals_and_merges(tmp_path, monkeypat
     index.close()
 
 
+@pytest.mark.parametrize("sizes", [(0, 0), (0, 7), (9, 0), (1, 1), (300, 200), (2000, 3000)])
+def test_the_native_merge_of_two_runs_is_the_sorted_merge(sizes):
+    """``ColdPasses.merge_runs`` (one linear pass) against the stable sort it replaces: the mixes
+    ascending and distinct, a mix in both runs taking the newer run's value."""
+    passes = host_passes()
+    if passes is None:
+        pytest.skip("the tuned host build cannot be built here")
+    generator = np.random.default_rng(sum(sizes))
+    parts = []
+    for size in sizes:  # keys from a small range: many in both runs
+        hashes = np.unique(key_mix(generator.integers(0, 4 * max(sizes) + 1, size)))
+        parts.append((hashes, generator.integers(-(1 << 40), 1 << 40, hashes.size)))
+    native, sorted_merge = passes.merge_runs(*parts), sealed_runs._sorted_merge(*parts)
+    assert np.array_equal(native[0], sorted_merge[0]) and np.array_equal(native[1], sorted_merge[1])
+    assert np.all(native[0][1:] > native[0][:-1])
+    both = np.intersect1d(parts[0][0], parts[1][0])
+    newer = dict(zip(parts[1][0].tolist(), parts[1][1].tolist()))
+    kept = dict(zip(native[0].tolist(), native[1].tolist()))
+    assert all(kept[mix] == newer[mix] for mix in both.tolist())
+    assert native[0].size == parts[0][0].size + parts[1][0].size - both.size
+
+
 def held_merges(monkeypatch) -> threading.Event:
     """Background merges wait for the returned event before their first chunk."""
     release = threading.Event()
     merged = sealed_runs.merged
 
-    def held(older, newer, merge):
+    def held(older, newer, merge, passes=None):
         assert release.wait(60)
-        yield from merged(older, newer, merge)
+        yield from merged(older, newer, merge, passes)
 
     monkeypatch.setattr(sealed_runs, "merged", held)
     return release

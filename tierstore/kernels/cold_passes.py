@@ -250,3 +250,22 @@ class ColdPasses:
         to it), so that its page cache pages exist before writes reach them; a failed write is left
         (a hint). The GIL is released meanwhile."""
         self._functions["step_prepare_pages"](descriptor, first, end)
+
+    def merge_runs(
+        self, older: tuple[np.ndarray, np.ndarray], newer: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Two sealed runs' ``(mixes uint64, values int64)`` parts (each ascending, distinct, contiguous)
+        merged in ascending order, a mix in both taking ``newer``'s value (the GIL released meanwhile)."""
+        room = older[0].size + newer[0].size
+        hashes, values = np.empty(room, np.uint64), np.empty(room, np.int64)
+        count = self._functions["step_merge_runs"](
+            older[0].ctypes.data,
+            older[1].ctypes.data,
+            older[0].size,
+            newer[0].ctypes.data,
+            newer[1].ctypes.data,
+            newer[0].size,
+            hashes.ctypes.data,
+            values.ctypes.data,
+        )
+        return hashes[:count], values[:count]

@@ -58,6 +58,7 @@ _SIGNATURES = {
     ),
     "step_log_filter": (None, [_POINTER, _I64, _POINTER, _I64]),
     "step_prepare_pages": (None, [_INT, _I64, _I64]),
+    "step_merge_runs": (_I64, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64, _POINTER, _POINTER]),
     "step_group_keys": (None, [_POINTER, _POINTER, _I64, _POINTER, _POINTER, _I64] + [_POINTER] * 6),
     "step_will_need_homes": (None, [_POINTER, _I64, _POINTER, _POINTER, _I64]),
     "step_will_need_rows": (None, [_POINTER, _I64, _POINTER, _I64]),

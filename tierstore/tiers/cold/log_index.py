@@ -224,7 +224,9 @@ class LogIndex:
                 )
                 if pair is None:
                     break
-                self.merge = RunMerge(self._run_file, self._write_run, *pair, self.in_background)
+                self.merge = RunMerge(
+                    self._run_file, self._write_run, *pair, self.in_background, self._passes
+                )
         finally:  # the native lookups see the runs as they are, whatever was raised
             self._set_native_runs()
 

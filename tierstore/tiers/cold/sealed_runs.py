@@ -66,15 +66,17 @@ class RunBuild:
 
 
 class RunMerge(RunBuild):
-    """Two neighbouring runs merged into one (``merged``: the newer's entry of a key wins), in a
-    file from ``run_file`` written by ``write_run``."""
+    """Two neighbouring runs merged into one (``merged``, by ``passes`` where given: the newer's
+    entry of a key wins), in a file from ``run_file`` written by ``write_run``."""
 
-    def __init__(self, run_file, write_run, older: SealedRun, newer: SealedRun, background: bool) -> None:
+    def __init__(
+        self, run_file, write_run, older: SealedRun, newer: SealedRun, background: bool, passes=None
+    ) -> None:
         self.older, self.newer = older, newer
         length = older.length + newer.length
 
         def build(merge: RunBuild) -> SealedRun:
-            return write_run(run_file(length), length, merged(older, newer, merge))
+            return write_run(run_file(length), length, merged(older, newer, merge, passes))
 
         super().__init__(build, background)
 
@@ -160,9 +162,10 @@ def sorted_entries(table, seal: RunBuild):
     yield hashes[order], values.numpy()[order]
 
 
-def merged(older: SealedRun, newer: SealedRun, merge: RunBuild):
+def merged(older: SealedRun, newer: SealedRun, merge: RunBuild, passes=None):
     """``(hashes, values)`` parts of the two runs merged in the mixes' order, ``MERGE_CHUNK`` of each
-    run at a time, a key in both taking ``newer``'s value; ``BuildCancelled`` once ``merge`` is
+    run at a time, a key in both taking ``newer``'s value (by the native pass of ``passes`` where
+    given, one linear pass a chunk, else by a stable sort); ``BuildCancelled`` once ``merge`` is
     cancelled."""
     i = j = 0
     while i < older.length or j < newer.length:
@@ -174,11 +177,20 @@ def merged(older: SealedRun, newer: SealedRun, merge: RunBuild):
             bound = min(ends)
             stop_i = i + int(np.searchsorted(older.hashes[i:stop_i], bound, "right"))
             stop_j = j + int(np.searchsorted(newer.hashes[j:stop_j], bound, "right"))
-        hashes = np.concatenate([older.hashes[i:stop_i], newer.hashes[j:stop_j]])
-        values = np.concatenate([older.values[i:stop_i], newer.values[j:stop_j]])
-        order = np.argsort(hashes, kind="stable")  # older first among equal mixes (equal keys)
-        yield last_of_each(hashes[order], values[order])
+        parts = (
+            (older.hashes[i:stop_i], older.values[i:stop_i]),
+            (newer.hashes[j:stop_j], newer.values[j:stop_j]),
+        )
+        yield passes.merge_runs(*parts) if passes is not None else _sorted_merge(*parts)
         i, j = stop_i, stop_j
+
+
+def _sorted_merge(older: tuple, newer: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """``ColdPasses.merge_runs`` by a stable sort: older first among equal mixes (equal keys), the
+    last of them kept."""
+    hashes, values = np.concatenate([older[0], newer[0]]), np.concatenate([older[1], newer[1]])
+    order = np.argsort(hashes, kind="stable")
+    return last_of_each(hashes[order], values[order])
 
 
 def last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
