@@ -71,6 +71,7 @@ class MmapOpening:
         )
         if self._admits_natively:  # the log's pages made ahead of the native admissions' appends
             self._wal_rows.pages_ahead = PagesAhead(host_passes().prepare_pages)
+            self._wal_keys.pages_ahead = PagesAhead(host_passes().prepare_pages)
         self._wal_count = self._wal_committed = 0
         self._log_crcs = (0, 0)  # CRC32s of the committed log's keys and rows
         self.deferred_applies = 0  # flushes whose log stayed unapplied because a reader was open

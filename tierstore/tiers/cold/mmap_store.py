@@ -316,10 +316,8 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         self.stats.rows_written += done.written_back
         self._wal_count += done.appended
         self._wal_rows.prepared = done.log_prepared
-        stored_bytes = self.codec.stored_bytes
-        self._wal_rows.make_pages_ahead(
-            self._wal_count * stored_bytes, ahead_bytes(done.appended * stored_bytes)
-        )
+        for log, item in ((self._wal_rows, self.codec.stored_bytes), (self._wal_keys, 8)):
+            log.make_pages_ahead(self._wal_count * item, ahead_bytes(done.appended * item))
         self._wal_index.table.live += done.new_to_log
 
     def structure_problems(self) -> list[str]:
