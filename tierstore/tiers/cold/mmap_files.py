@@ -128,7 +128,6 @@ class GrowableArray:
         for target in dict.fromkeys((ahead, count)):  # ahead while the disk has room, else exactly
             error = self._allocate_to(target)
             if error is None:
-                self._allocated = target
                 return
             if error.errno != errno.ENOSPC:
                 break
@@ -166,8 +165,8 @@ class GrowableArray:
         item = self.width * self.dtype.itemsize
         first = max(self.prepared, page_ceil(written))
         end = min(self.capacity * item, written + ahead)
-        if end > self.allocated_bytes and self._allocate_to(end // item) is None:
-            self._allocated = end // item
+        if end > self.allocated_bytes:
+            self._allocate_to(end // item)  # refused: the range stops at the blocks allocated
         end = page_floor(min(end, self.allocated_bytes))
         if end > first:
             self.pages_ahead.start(self.fileno(), first, end)
@@ -178,13 +177,14 @@ class GrowableArray:
         return self._allocated * self.width * self.dtype.itemsize
 
     def _allocate_to(self, count: int) -> OSError | None:
-        """Allocate the blocks of items ``_allocated..count``; the error if the file system refuses."""
+        """Allocate the blocks of items ``_allocated..count`` (then counted as allocated); the error
+        if the file system refuses."""
         item = self.width * self.dtype.itemsize
         try:
-            with open(self.path, "r+b", buffering=0) as file:
-                os.posix_fallocate(file.fileno(), self._allocated * item, (count - self._allocated) * item)
+            os.posix_fallocate(self.fileno(), self._allocated * item, (count - self._allocated) * item)
         except OSError as error:
             return error
+        self._allocated = count
         return None
 
     def release(self) -> None:
