@@ -183,7 +183,10 @@ class LogIndex:
         file = self._run_file(self.table.live)
         seal = RunSeal(self._write_run, self.table, file, self.in_background)  # here: raises, or done
         self.table, self.sealing = self._new_table(self.seal_at), seal
-        self._settle_runs()
+        if self.in_background:  # its run in place at a later make_room; the frozen table answers now
+            self._set_native_runs()
+        else:
+            self._settle_runs()
 
     def _settle_runs(self, wait: bool = False, seal: bool = False) -> None:
         """A finished seal's run added (waiting for it where ``wait`` or ``seal``; sealed again here
