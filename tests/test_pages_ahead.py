@@ -124,7 +124,7 @@ def test_a_process_ending_while_pages_are_made_exits_cleanly(tmp_path):
                                    optimizer=optim.SGD(lr=0.1), host_cache=1024)
         log = table.store.stack.cold._wal_rows
         make = log.pages_ahead._make
-        log.pages_ahead._make = lambda *a: (time.sleep(0.5), make(*a))
+        log.pages_ahead._make = lambda *a: (time.sleep(0.5), make(*a), print("made", flush=True))
         for _ in range(20):
             table(torch.randint(0, 60_000, (1024,)), torch.arange(0, 1024, 4)).sum().backward()
         assert log.pages_ahead.running
@@ -133,4 +133,51 @@ def test_a_process_ending_while_pages_are_made_exits_cleanly(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "ending" in done.stdout
+    assert done.stdout.split()[-2:] == ["ending", "made"]  # the exit waited for the range
+
+
+def test_every_range_is_made_on_one_kept_thread_and_a_forked_child_gets_its_own(tmp_path):
+    threads, go = [], threading.Event()
+
+    def make(descriptor, first, end):
+        go.wait()
+        os.pwrite(descriptor, bytes(end - first), first)
+        threads.append(threading.current_thread())
+
+    arrays = [GrowableArray(tmp_path / f"log{i}.bin", 64, np.uint8, read_only=False) for i in range(2)]
+    for array in arrays:
+        array.reserve(4096)
+        array.pages_ahead = PagesAhead(make)
+    go.set()
+    for written in (0, 65536, 131072):
+        for array in arrays:
+            array.make_pages_ahead(written, 32768)
+            array.pages_ahead.wait()
+    assert len(threads) == 6 and all(thread is threads[0] for thread in threads)
+    assert threads[0] is not threading.current_thread()
+    go.clear()
+    arrays[0].make_pages_ahead(196608, 32768)  # held: still being made when the process forks
+    child = os.fork()
+    if child == 0:  # the parent's range has no thread here: not waited for; a new range is made
+        code = 1
+        try:
+            arrays[0].reserve(4096)
+            go.set()
+            arrays[1].make_pages_ahead(196608, 32768)
+            arrays[1].pages_ahead.wait()
+            own_worker = threads[-1] not in (threads[0], threading.current_thread())
+            code = 0 if len(threads) == 7 and own_worker else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    go.set()
+    arrays[0].pages_ahead.wait()
+    assert ended[0] == child and os.waitstatus_to_exitcode(ended[1]) == 0
+    assert len(threads) == 7  # the parent's held range, made here
+    for array in arrays:
+        array.close()
