@@ -1,6 +1,7 @@
 """A tier's host arrays are asked for on 2 MiB pages (``tiers.huge_pages``): the same values as
 torch's, and the kernel told so (``THPeligible`` of their mapping in /proc/self/smaps)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,47 @@ def test_a_tiers_rows_and_index_are_on_huge_page_mappings():
     rows, index, scores, control = result.stdout.split()
     assert (rows, index, scores) == ("True", "True", "True")
     assert control == ("True" if _mode() == "always" else "False")  # the tier's own asking made them so
+
+
+RECYCLED = """
+import struct
+import torch
+from tierstore import TieredEmbeddingBag
+
+
+def huge_share(tensor):  # of the tensor's whole 2 MiB pages in memory, the share on huge pages
+    first = -(-tensor.data_ptr() // (2 << 20)) * (2 << 20) // 4096
+    pages = (tensor.data_ptr() + tensor.nbytes) // (2 << 20) * (2 << 20) // 4096 - first
+    with open("/proc/self/pagemap", "rb") as pagemap, open("/proc/kpageflags", "rb") as flags:
+        pagemap.seek(first * 8)
+        entries = struct.unpack(f"{pages}Q", pagemap.read(pages * 8))
+        present = [entry & ((1 << 55) - 1) for entry in entries if entry >> 63]
+        huge = 0
+        for frame in present:
+            flags.seek(frame * 8)
+            huge += struct.unpack("Q", flags.read(8))[0] >> 22 & 1
+    return huge / len(present)
+
+
+# the allocator's mapping threshold raised past the tier's arrays, and its heap touched on 4 KiB pages
+for size in (30 << 20, 28 << 20):
+    block = torch.ones(size, dtype=torch.uint8)
+    del block
+table = TieredEmbeddingBag(1_100_000, 16, host_cache=1_100_000)
+table(torch.randint(0, 1_100_000, (200_000,)), torch.arange(0, 200_000, 20))  # rows in memory
+top = table.store.stack.top
+print(huge_share(top.rows), huge_share(top.index.keys), huge_share(top.index.values))
+"""
+
+
+def test_a_tier_built_where_the_allocator_recycles_touched_memory_is_on_huge_pages():
+    """The pages themselves (``/proc/kpageflags``' THP bit, root only): arrays the allocator would
+    carve from memory it touched before would get 4 KiB pages, marked or not."""
+    if _mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {_mode() or 'unknown here'}: nothing to ask for")
+    if not os.access("/proc/kpageflags", os.R_OK):
+        pytest.skip("/proc/kpageflags is not readable here (it takes root): the pages cannot be seen")
+    result = subprocess.run([sys.executable, "-c", RECYCLED], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    shares = [float(share) for share in result.stdout.split()]
+    assert all(share >= 0.9 for share in shares), shares  # a few may fall back where memory is short

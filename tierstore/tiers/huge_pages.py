@@ -4,14 +4,19 @@ A tier's rows, its index and its per-slot arrays are read and written at random,
 at a time, so on 4 KiB pages nearly every access also misses the TLB (a page walk). With
 transparent huge pages in "madvise" mode, the usual default, only memory marked
 ``MADV_HUGEPAGE`` gets 2 MiB pages; it is marked here before anything touches it, so its first
-touch faults in huge pages. Where the kernel has no such pages (or mode "never"), or the memory is
-not the CPU's, the arrays are plain ones.
+touch faults in huge pages. Each array is a mapping of its own, fresh from the kernel: memory the
+allocator hands out again (arrays under its mapping threshold, which grows up to 32 MiB as large
+blocks are freed) was touched before, on 4 KiB pages, and a mark would come too late for it. Where
+the kernel has no such pages (or mode "never"), or the memory is not the CPU's, the arrays are
+plain ones.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import sys
 
 import torch
@@ -33,22 +38,21 @@ def _madvise():
     return function
 
 
-def _mark(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (untouched), its whole 2 MiB pages marked for huge pages."""
-    madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu" or tensor.nbytes < HUGE_PAGE:
-        return tensor
-    address = tensor.data_ptr()
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end > start:
-        madvise(start, end - start, _MADV_HUGEPAGE)  # refused (EINVAL: no huge pages here): plain pages
-    return tensor
-
-
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty`` on huge pages where it is the CPU's and at least one huge page."""
-    return _mark(torch.empty(shape, dtype=dtype, device=device))
+    """``torch.empty`` on huge pages where it is the CPU's and at least one huge page: a private
+    anonymous mapping of its own (freed with the tensor), a huge page longer than the array so that
+    the array starts on a huge page's boundary (the slack is never touched: address space only),
+    its whole 2 MiB pages marked before anything touches them."""
+    madvise = _madvise()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if madvise is None or device.type != "cpu" or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=start).view(shape)
+    madvise(tensor.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # refused: plain pages
+    return tensor
 
 
 def full(shape: tuple[int, ...], fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
