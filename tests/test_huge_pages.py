@@ -31,6 +31,15 @@ def test_the_arrays_hold_what_torch_would():
     assert huge_pages.empty((4, 6), torch.float32, torch.device("cpu")).shape == (4, 6)
 
 
+def test_an_array_the_kernel_will_not_map_comes_from_torchs_allocator(monkeypatch):
+    def refused(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refused)
+    array = huge_pages.full((3 << 20,), 5, torch.int32, torch.device("cpu"))
+    assert array.shape == (3 << 20,) and bool((array == 5).all())
+
+
 ELIGIBILITY = """
 import sys
 from pathlib import Path

@@ -48,7 +48,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = numel * dtype.itemsize
     if madvise is None or device.type != "cpu" or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype, device=device)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    except OSError:  # no mapping to be had (a strict overcommit policy): the allocator's, as torch's
+        return torch.empty(shape, dtype=dtype, device=device)
     start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=start).view(shape)
     madvise(tensor.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)  # refused: plain pages
