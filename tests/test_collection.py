@@ -12,6 +12,7 @@ from tierstore import (
     initial_weights,
     optim,
 )
+from tierstore.nn import collection_forward
 from tierstore.nn.collection_layout import ID_BITS
 
 TABLES = [  # two dims (two fused groups); "shared" serves two features
@@ -62,6 +63,27 @@ def reference_outputs(bags, kjt):
         out[key] = bags[owner[key]](ids, offsets, weights)
         start += count
     return out
+
+
+def test_each_tables_lookups_are_counted_over_batches_and_feature_orders(monkeypatch):
+    monkeypatch.setattr(collection_forward, "SUM_EVERY", 3)  # batches summed as they come, and when read
+    collection = TieredEmbeddingBagCollection(TABLES, host_cache=200)
+    owner = {feature: config.name for config in TABLES for feature in config.feature_names}
+    expected = dict.fromkeys(ROWS, 0)
+    orders = [("user_id", "item_a", "item_b", "query", "ad_id"), ("ad_id", "item_b", "user_id")]
+    rng = np.random.default_rng(5)
+    for step in range(11):
+        keys = orders[step % 2]
+        kjt = random_batch(rng, keys=keys)
+        collection(kjt)
+        for key, count in zip(keys, kjt.lengths().view(len(keys), -1).sum(dim=1).tolist()):
+            expected[owner[key]] += count
+        # what is kept between reads stays bounded
+        assert all(len(plan._starts_pending) < 3 for plan in collection._plans.values())
+        if step in (1, 4, 10):
+            counted = collection.stats()["tables"]
+            assert {name: table["lookups"] for name, table in counted.items()} == expected
+    assert expected["shared"] > 0 and expected["wide"] > 0
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -219,7 +219,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._sharding.refuse(error)  # the others raise too
         lengths = batch.lengths
         plan = self._plan(batch)
-        plan.starts_seen += batch.feature_starts  # folded into lookups when read
+        plan.count(batch.feature_starts)
         blocks = []  # each group's [batch, features x dim]
         for group_name, group in self.groups.items():
             positions, group_tables, means = plan.groups[group_name]
@@ -242,9 +242,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     def lookups(self) -> dict[str, int]:
         """Ids looked up, per table."""
         for plan in self._plans.values():
-            for name, count in zip(plan.names, plan.starts_seen.diff().tolist()):
+            for name, count in zip(plan.names, plan.take_lookups()):
                 self._lookups[name] += count
-            plan.starts_seen.zero_()
         return self._lookups
 
     def store_keys(self, features: Any) -> list[tuple[TieredStore, torch.Tensor]]:

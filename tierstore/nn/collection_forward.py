@@ -8,19 +8,21 @@ import torch
 
 from .collection_layout import in_group
 
+SUM_EVERY = 256  # batches' feature starts a plan keeps before summing them
+
 
 class FeaturePlan:
     """What a collection's forward does with one order of features (``tables``: each one's table),
     made once: each group's ``(positions of its features, their tables, bool [features] of those
     pooled by mean or None)``, the features' ``dims``, the output's column order where groups
-    interleave (``columns``, else None), and the features' starts (``JaggedBatch.feature_starts``) of
-    the batches since last counted, summed (``starts_seen``: its differences are the ids looked up
-    per feature)."""
+    interleave (``columns``, else None); and the ids each feature looked up (``count``,
+    ``take_lookups``)."""
 
     def __init__(self, tables: list[dict], group_names: list[str]) -> None:
         self.names = [table["name"] for table in tables]
         self.dims = [table["embedding_dim"] for table in tables]
-        self.starts_seen = torch.zeros(len(tables) + 1, dtype=torch.int64)
+        self._starts_summed = torch.zeros(len(tables) + 1, dtype=torch.int64)
+        self._starts_pending: list[torch.Tensor] = []  # batches' feature starts not yet summed
         self.groups, order = {}, []
         for group_name in group_names:
             positions = in_group(group_name, tables)
@@ -38,6 +40,26 @@ class FeaturePlan:
                 [torch.arange(starts[index], starts[index] + self.dims[index]) for index in order]
             )
             self.columns = torch.argsort(columns)
+
+    def count(self, feature_starts: torch.Tensor) -> None:
+        """Count a batch's ids per feature (its ``JaggedBatch.feature_starts``, int64 [F + 1], not
+        changed after): kept as it is, summed with the others every ``SUM_EVERY`` batches or when
+        read (an add a step would cost the step a torch call)."""
+        self._starts_pending.append(feature_starts)
+        if len(self._starts_pending) >= SUM_EVERY:
+            self._sum_pending()
+
+    def take_lookups(self) -> list[int]:
+        """The ids each feature looked up since the last call."""
+        self._sum_pending()
+        counts = self._starts_summed.diff().tolist()
+        self._starts_summed.zero_()
+        return counts
+
+    def _sum_pending(self) -> None:
+        pending, self._starts_pending = self._starts_pending, []
+        if pending:
+            self._starts_summed += torch.stack(pending).sum(dim=0)
 
 
 def group_forward(group, tables, means, keys, starts, weights, lengths) -> torch.Tensor:
