@@ -29,6 +29,9 @@ def test_the_arrays_hold_what_torch_would():
     small = huge_pages.full((5,), 7, torch.uint8, torch.device("cpu"))  # under a huge page: plain
     assert small.dtype == torch.uint8 and small.tolist() == [7] * 5
     assert huge_pages.empty((4, 6), torch.float32, torch.device("cpu")).shape == (4, 6)
+    for dtype in (torch.bool, torch.uint8, torch.bfloat16, torch.int32):  # each tier array's kind
+        rows = huge_pages.full((1 << 20, 3), 1, dtype, "cpu")
+        assert rows.dtype == dtype and rows.shape == (1 << 20, 3) and bool((rows == 1).all())
 
 
 def test_an_array_the_kernel_will_not_map_comes_from_torchs_allocator(monkeypatch):

@@ -46,7 +46,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     madvise = _madvise()
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if madvise is None or device.type != "cpu" or nbytes < HUGE_PAGE:
+    if madvise is None or torch.device(device).type != "cpu" or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype, device=device)
     try:
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
