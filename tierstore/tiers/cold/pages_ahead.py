@@ -32,7 +32,10 @@ class PagesAhead:
 
     @property
     def running(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        """Whether a range is being made for this process (a forked child's copy of its parent's
+        range never finishes there: not running)."""
+        pending = self._pending
+        return pending is not None and self._pending_pid == os.getpid() and not pending.done()
 
     def start(self, descriptor: int, first: int, end: int) -> None:
         """Make the pages of bytes ``[first, end)`` (page-aligned, past every write) on the worker;
