@@ -313,12 +313,55 @@ static inline i64 row_bytes_of(i64 row_width, i64 format) {
     return row_width * (format == FLOAT32 ? (i64)sizeof(float) : (i64)sizeof(u16));
 }
 
+// Whether bag b holds entry b alone, for every bag (one-hot features: the common case).
+static bool one_entry_each(const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags) {
+    if (!offsets) return bag_length == 1;
+    if (last_end != bags) return false;
+    i64 differs = 0;  // a branch-free OR the compiler vectorizes
+    for (i64 b = 0; b < bags; ++b) differs |= offsets[b] ^ b;
+    return differs == 0;
+}
+
+// pooled_forward (below) where bag b holds entry b alone: each output a row, times its weight,
+// added to zero as the general loop adds it (-0.0 pools to 0.0), without that loop's per-bag setup;
+// the gradient scales as it sets them (a mean's share is 1).
 template <typename Row>
-static void pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+static void one_entry_bags(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
                            const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
-                           const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags,
-                           i64 entries, int mean, const float* __restrict__ weights, float* __restrict__ out,
-                           i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+                           i64 bags, i64 entries, int mean, const float* __restrict__ weights,
+                           float* __restrict__ out, i64 out_stride, i64* __restrict__ entry_bag,
+                           float* __restrict__ scale) {
+#pragma omp parallel for schedule(static) if (bags >= PARALLEL_FROM)
+    for (i64 b = 0; b < bags; ++b) {
+        const i64 ahead = b + AHEAD;
+        if (ahead < entries && entry_rows[ahead] != padding_row)
+            prefetch_lines(rows + slots[entry_rows[ahead]] * row_width, dim * (i64)sizeof(Row));
+        float* __restrict__ target = out + b * out_stride;
+        const i64 row = entry_rows[b];
+        entry_bag[b] = b;
+        if (row == padding_row) {
+            scale[b] = 0.0f;
+            for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
+            continue;
+        }
+        const Row* __restrict__ source = rows + slots[row] * row_width;
+        const float weight = weights ? weights[b] : 1.0f;
+        scale[b] = mean ? 1.0f : weight;
+        if (weights) {
+            for (i64 c = 0; c < dim; ++c) target[c] = 0.0f + weight * row_value(source, c, format);
+        } else {
+            for (i64 c = 0; c < dim; ++c) target[c] = 0.0f + row_value(source, c, format);
+        }
+    }
+}
+
+// pooled_forward (below) for bags of any length.
+template <typename Row>
+static void any_bags(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                     const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
+                     const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags, i64 entries,
+                     int mean, const float* __restrict__ weights, float* __restrict__ out, i64 out_stride,
+                     i64* __restrict__ entry_bag, float* __restrict__ scale) {
 #pragma omp parallel for schedule(static) if (bags >= PARALLEL_FROM)
     for (i64 b = 0; b < bags; ++b) {
         const i64 start = offsets ? offsets[b] : b * bag_length;
@@ -354,6 +397,20 @@ static void pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_wid
             for (i64 e = start; e < end; ++e) scale[e] = scale[e] == 0.0f ? 0.0f : share;
         }
     }
+}
+
+template <typename Row>
+static void pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                           const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
+                           const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags,
+                           i64 entries, int mean, const float* __restrict__ weights, float* __restrict__ out,
+                           i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+    if (one_entry_each(offsets, bag_length, last_end, bags))
+        one_entry_bags(rows, format, row_width, dim, slots, entry_rows, padding_row, bags, entries, mean,
+                       weights, out, out_stride, entry_bag, scale);
+    else
+        any_bags(rows, format, row_width, dim, slots, entry_rows, padding_row, offsets, bag_length, last_end,
+                 bags, entries, mean, weights, out, out_stride, entry_bag, scale);
     for (i64 e = last_end; e < entries; ++e) {  // past the last bag (include_last_offset)
         entry_bag[e] = -1;
         scale[e] = 0.0f;

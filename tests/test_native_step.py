@@ -126,18 +126,24 @@ def _train(monkeypatch, native: bool, optimizer, steps, dtype=torch.float32, **s
     return outputs, rows
 
 
-def _bag_steps(seed: int, include_last_offset: bool, weighted: bool, two_d: bool, padding: bool):
+def _bag_steps(
+    seed: int, include_last_offset: bool, weighted: bool, two_d: bool, padding: bool, one_hot: bool = False
+):
+    """Six steps' arguments and output gradients: bags of 3 ids (``two_d``) or cut at random; or, with
+    ``one_hot``, an id a bag (with ``include_last_offset``, the last 6 ids in no bag)."""
     generator = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(6):
         if two_d:
-            ids = torch.randint(0, 60, (5, 3), generator=generator)
-            arguments, bags = [ids, None], 5
+            ids = torch.randint(0, 60, (30, 1) if one_hot else (5, 3), generator=generator)
+            arguments, bags = [ids, None], ids.shape[0]
         else:
             ids = torch.randint(0, 60, (30,), generator=generator)
             cuts = torch.sort(torch.randint(0, 31, (6,), generator=generator)).values
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
-            if include_last_offset:
+            if one_hot:  # with include_last_offset, the last offset (24) ends bag 23
+                offsets = torch.arange(25 if include_last_offset else 30)
+            elif include_last_offset:
                 offsets = torch.cat([offsets, torch.tensor([30])])
             arguments, bags = [ids, offsets], offsets.numel() - include_last_offset
         if padding:
@@ -149,19 +155,22 @@ def _bag_steps(seed: int, include_last_offset: bool, weighted: bool, two_d: bool
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
 @pytest.mark.parametrize(
-    "mode, include_last_offset, weighted, two_d, padding",
+    "mode, include_last_offset, weighted, two_d, padding, one_hot",
     [
-        ("sum", False, False, False, False),
-        ("mean", False, False, False, True),
-        ("sum", True, True, False, True),
-        ("mean", True, False, True, False),
-        ("sum", False, True, True, False),
+        ("sum", False, False, False, False, False),
+        ("mean", False, False, False, True, False),
+        ("sum", True, True, False, True, False),
+        ("mean", True, False, True, False, False),
+        ("sum", False, True, True, False, False),
+        ("sum", False, True, False, True, True),
+        ("mean", True, False, False, True, True),
+        ("sum", False, False, True, False, True),
     ],
 )
 def test_native_step_trains_the_rows_of_the_reference_path(
-    monkeypatch, optimizer, mode, include_last_offset, weighted, two_d, padding
+    monkeypatch, optimizer, mode, include_last_offset, weighted, two_d, padding, one_hot
 ):
-    steps = _bag_steps(3, include_last_offset, weighted, two_d, padding)
+    steps = _bag_steps(3, include_last_offset, weighted, two_d, padding, one_hot)
     settings = dict(mode=mode, include_last_offset=include_last_offset, padding_idx=3 if padding else None)
     native_outputs, native_rows = _train(monkeypatch, True, optimizer, steps, **settings)
     reference_outputs, reference_rows = _train(monkeypatch, False, optimizer, steps, **settings)
@@ -174,14 +183,17 @@ def test_native_step_trains_the_rows_of_the_reference_path(
     "optimizer", [*OPTIMIZERS, optim.Adagrad(lr=0.1, stochastic_rounding=True)], ids=repr
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode, weighted, padding", [("sum", True, False), ("mean", False, True)])
+@pytest.mark.parametrize(
+    "mode, weighted, padding, one_hot",
+    [("sum", True, False, False), ("mean", False, True, False), ("sum", True, True, True)],
+)
 def test_native_step_on_16_bit_rows_trains_the_rows_of_the_reference_path(
-    monkeypatch, optimizer, dtype, mode, weighted, padding
+    monkeypatch, optimizer, dtype, mode, weighted, padding, one_hot
 ):
     """16-bit rows: pooled in float32 and rounded once to the output, updated by the _16 kernels'
     step (stochastic rounding by the slots' keys); new rows initialised natively. The rows equal
     the reference path's bit for bit (the state too), and the outputs within one rounding."""
-    steps = _bag_steps(4, False, weighted, False, padding)
+    steps = _bag_steps(4, False, weighted, False, padding, one_hot)
     settings = dict(mode=mode, padding_idx=3 if padding else None, dtype=dtype)
     native_outputs, native_rows = _train(monkeypatch, True, optimizer, steps, **settings)
     reference_outputs, reference_rows = _train(monkeypatch, False, optimizer, steps, **settings)
