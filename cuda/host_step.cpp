@@ -299,7 +299,9 @@ extern "C" i64 step_unique(const i64* __restrict__ ids, i64 n, int* __restrict__
 // entries reading `padding_row` are left out (an empty bag pools to zeros). Bag b holds entries
 // offsets[b] .. offsets[b + 1] - 1, the last bag up to last_end - 1; without offsets (null), bag b
 // holds entries b * bag_length .. (b + 1) * bag_length - 1. Writes each entry's bag (-1: in none)
-// and its gradient scale (its weight, 1 / the bag's entries for a mean, 1; 0 for padding).
+// and its gradient scale (its weight, 1 / the bag's entries for a mean, 1; 0 for padding), and
+// returns 0; or, where every entry is a bag of its own with scale 1 (one entry a bag, no weights,
+// none past the last bag), writes neither and returns 1: step_backward then takes no bags (null).
 // Rows are float32 (format FLOAT32) or 16-bit (FLOAT16, BFLOAT16: embedding_cache.cu's), read as
 // float32 and written back rounded (update_row).
 #define FLOAT32 (-1)
@@ -324,7 +326,8 @@ static bool one_entry_each(const i64* __restrict__ offsets, i64 bag_length, i64 
 
 // pooled_forward (below) where bag b holds entry b alone: each output a row, times its weight,
 // added to zero as the general loop adds it (-0.0 pools to 0.0), without that loop's per-bag setup;
-// the gradient scales as it sets them (a mean's share is 1).
+// the bags and gradient scales as it sets them (a mean's share is 1), where entry_bag and scale are
+// not null.
 template <typename Row>
 static void one_entry_bags(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
                            const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
@@ -338,15 +341,15 @@ static void one_entry_bags(const Row* __restrict__ rows, i64 format, i64 row_wid
             prefetch_lines(rows + slots[entry_rows[ahead]] * row_width, dim * (i64)sizeof(Row));
         float* __restrict__ target = out + b * out_stride;
         const i64 row = entry_rows[b];
-        entry_bag[b] = b;
+        if (entry_bag) entry_bag[b] = b;
         if (row == padding_row) {
-            scale[b] = 0.0f;
+            if (scale) scale[b] = 0.0f;
             for (i64 c = 0; c < dim; ++c) target[c] = 0.0f;
             continue;
         }
         const Row* __restrict__ source = rows + slots[row] * row_width;
         const float weight = weights ? weights[b] : 1.0f;
-        scale[b] = mean ? 1.0f : weight;
+        if (scale) scale[b] = mean ? 1.0f : weight;
         if (weights) {
             for (i64 c = 0; c < dim; ++c) target[c] = 0.0f + weight * row_value(source, c, format);
         } else {
@@ -400,36 +403,41 @@ static void any_bags(const Row* __restrict__ rows, i64 format, i64 row_width, i6
 }
 
 template <typename Row>
-static void pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
-                           const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
-                           const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags,
-                           i64 entries, int mean, const float* __restrict__ weights, float* __restrict__ out,
-                           i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
-    if (one_entry_each(offsets, bag_length, last_end, bags))
+static i64 pooled_forward(const Row* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                          const i64* __restrict__ slots, const i64* __restrict__ entry_rows, i64 padding_row,
+                          const i64* __restrict__ offsets, i64 bag_length, i64 last_end, i64 bags,
+                          i64 entries, int mean, const float* __restrict__ weights, float* __restrict__ out,
+                          i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+    if (one_entry_each(offsets, bag_length, last_end, bags)) {
+        const bool own_bags = !weights && last_end == entries;  // entry e: bag e, scale 1 (or padding)
         one_entry_bags(rows, format, row_width, dim, slots, entry_rows, padding_row, bags, entries, mean,
-                       weights, out, out_stride, entry_bag, scale);
-    else
+                       weights, out, out_stride, own_bags ? nullptr : entry_bag, own_bags ? nullptr : scale);
+        if (own_bags) return 1;
+    } else {
         any_bags(rows, format, row_width, dim, slots, entry_rows, padding_row, offsets, bag_length, last_end,
                  bags, entries, mean, weights, out, out_stride, entry_bag, scale);
+    }
     for (i64 e = last_end; e < entries; ++e) {  // past the last bag (include_last_offset)
         entry_bag[e] = -1;
         scale[e] = 0.0f;
     }
+    return 0;
 }
 
 // The pooled forward (above) over rows of `format`, summed in float32.
-extern "C" void step_pooled_forward(const void* __restrict__ rows, i64 format, i64 row_width, i64 dim,
-                                    const i64* __restrict__ slots, const i64* __restrict__ entry_rows,
-                                    i64 padding_row, const i64* __restrict__ offsets, i64 bag_length,
-                                    i64 last_end, i64 bags, i64 entries, int mean,
-                                    const float* __restrict__ weights, float* __restrict__ out,
-                                    i64 out_stride, i64* __restrict__ entry_bag, float* __restrict__ scale) {
+extern "C" i64 step_pooled_forward(const void* __restrict__ rows, i64 format, i64 row_width, i64 dim,
+                                   const i64* __restrict__ slots, const i64* __restrict__ entry_rows,
+                                   i64 padding_row, const i64* __restrict__ offsets, i64 bag_length,
+                                   i64 last_end, i64 bags, i64 entries, int mean,
+                                   const float* __restrict__ weights, float* __restrict__ out, i64 out_stride,
+                                   i64* __restrict__ entry_bag, float* __restrict__ scale) {
     if (format == FLOAT32)
-        pooled_forward((const float*)rows, format, row_width, dim, slots, entry_rows, padding_row, offsets,
-                       bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag, scale);
-    else
-        pooled_forward((const u16*)rows, format, row_width, dim, slots, entry_rows, padding_row, offsets,
-                       bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag, scale);
+        return pooled_forward((const float*)rows, format, row_width, dim, slots, entry_rows, padding_row,
+                              offsets, bag_length, last_end, bags, entries, mean, weights, out, out_stride,
+                              entry_bag, scale);
+    return pooled_forward((const u16*)rows, format, row_width, dim, slots, entry_rows, padding_row, offsets,
+                          bag_length, last_end, bags, entries, mean, weights, out, out_stride, entry_bag,
+                          scale);
 }
 
 // The element-wise optimizers of embedding_cache.cu by number (tierstore/kernels/step_passes.py's
@@ -479,7 +487,8 @@ __device__ __forceinline__ void update_row(u16* __restrict__ row, const float* _
 
 // Row r's gradient: the sum over its entries (order[starts[r]] .. order[starts[r + 1] - 1], in
 // that order) of scale[e] * grad_out[entry_bag[e]] (bag b's gradient at grad_out + b * grad_stride;
-// entries in no bag are left out), as bag_weight_gradient sums it. With grad_rows (not null) the
+// entries in no bag are left out; entry_bag and scale null: entry e is bag e, of scale 1, as
+// step_pooled_forward's result 1 says), as bag_weight_gradient sums it. With grad_rows (not null) the
 // sums are written there ([distinct, dim]); otherwise `optimizer` updates rows[slots[r]] in place
 // and marks the slot dirty (16-bit rows: rounded by `rounding`, whose keys are the slots' keys).
 template <typename Row>
@@ -497,8 +506,8 @@ static void backward(const float* __restrict__ grad_out, i64 grad_stride, const 
             const i64 entries = starts[distinct];
             const i64 ahead = starts[r + 1] + AHEAD < entries ? starts[r + 1] + AHEAD : entries;
             for (i64 e = starts[r] + AHEAD < entries ? starts[r] + AHEAD : entries; e < ahead; ++e) {
-                if (entry_bag[order[e]] >= 0)
-                    prefetch_lines(grad_out + entry_bag[order[e]] * grad_stride, dim * (i64)sizeof(float));
+                const i64 bag = entry_bag ? entry_bag[order[e]] : order[e];
+                if (bag >= 0) prefetch_lines(grad_out + bag * grad_stride, dim * (i64)sizeof(float));
             }
             if (!grad_rows && r + AHEAD / 4 < distinct) {
                 prefetch_lines<1>(rows + slots[r + AHEAD / 4] * row_width, row_width * (i64)sizeof(Row));
@@ -507,6 +516,11 @@ static void backward(const float* __restrict__ grad_out, i64 grad_stride, const 
             for (i64 c = 0; c < dim; ++c) g[c] = 0.0f;
             for (i64 e = starts[r]; e < starts[r + 1]; ++e) {
                 const i64 entry = order[e];
+                if (!entry_bag) {  // the entry is its bag, of scale 1
+                    const float* __restrict__ source = grad_out + entry * grad_stride;
+                    for (i64 c = 0; c < dim; ++c) g[c] += source[c];
+                    continue;
+                }
                 const i64 bag = entry_bag[entry];
                 if (bag < 0) continue;
                 const float* __restrict__ source = grad_out + bag * grad_stride;
@@ -1622,6 +1636,7 @@ struct BagLookup {
     float* scale;
     i64 distinct_count;  // out: U
     i64 sampled;         // out: the lookups the replay sampled
+    i64 own_bags;        // out: step_pooled_forward's result (1: entry_bag and scale not written)
 };
 
 // entry_slots[e]: the slot of ids[e] (a key, repeats and padding included) in `tier`, or -1.
@@ -1681,9 +1696,9 @@ extern "C" void step_lookup_bags(BagLookup* lookup, const HostTier* tier, const 
     out->distinct_ns = deduplicated - started + steady_ns() - replaying;
     if (out->status != 0) return;
     const i64 resident = steady_ns();
-    step_pooled_forward(tier->rows, tier->format, tier->row_width, bags.dim, slots, entry_rows,
-                        bags.has_padding ? count : -1, bags.offsets, bags.bag_length, bags.last_end,
-                        bags.bags, n, bags.mean, bags.weights, bags.out, bags.dim, bags.entry_bag,
-                        bags.scale);
+    bags.own_bags = step_pooled_forward(tier->rows, tier->format, tier->row_width, bags.dim, slots,
+                                        entry_rows, bags.has_padding ? count : -1, bags.offsets,
+                                        bags.bag_length, bags.last_end, bags.bags, n, bags.mean, bags.weights,
+                                        bags.out, bags.dim, bags.entry_bag, bags.scale);
     out->pooled_ns = steady_ns() - resident;
 }

@@ -16,6 +16,7 @@ from tierstore.errors import CacheCapacityError, StoreFormatError
 from tierstore.initializer import initial_rows, reference_initial_rows
 from tierstore.kernels import step_passes
 from tierstore.kernels.host import openmp_runtime
+from tierstore.kernels.native_types import Bags
 from tierstore.nn import jagged_batch, native_step
 from tierstore.nn.collection import TieredEmbeddingBagCollection
 from tierstore.tiers.cold import codec, mmap_store, open_cold_store
@@ -177,6 +178,62 @@ def test_native_step_trains_the_rows_of_the_reference_path(
     assert torch.equal(native_rows, reference_rows)
     for native, reference in zip(native_outputs, reference_outputs):
         torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "shape, offsets, weighted, own_bags",
+    [
+        ((40,), torch.arange(40), False, True),
+        ((40, 1), None, False, True),
+        ((40,), torch.arange(40), True, False),  # scaled by the weights
+        ((40,), torch.arange(33), False, False),  # include_last_offset: entries 32.. in no bag
+        ((40,), torch.arange(0, 40, 2), False, False),  # two entries a bag
+        ((40,), torch.arange(20), False, False),  # the last bag holds entries 19..39
+    ],
+)
+def test_entries_are_taken_as_their_own_bags_only_where_each_is_one_of_scale_one(
+    passes, shape, offsets, weighted, own_bags
+):
+    """The pooled pass leaves out each entry's bag and scale (None: the backward takes entry e as
+    bag e, of scale 1) exactly where that holds; elsewhere they are written, and the output is
+    torch's embedding_bag either way."""
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 25, shape, generator=generator)
+    ids[::7] = 4  # the padding row
+    flat = ids.reshape(-1)
+    distinct = passes.distinct(flat, 4)
+    rows = torch.randn(distinct.count, 3, generator=generator)
+    slots = torch.randperm(distinct.count, generator=generator)
+    table = torch.zeros(25, 3)
+    table[distinct.unique] = rows[slots]
+    weights = torch.rand(flat.numel(), generator=generator) if weighted else None
+    past_last = offsets is not None and offsets.numel() == 33
+    if offsets is None:
+        count, length, last_end = shape[0], 1, flat.numel()
+    elif past_last:
+        count, length, last_end = offsets.numel() - 1, 0, int(offsets[-1])
+    else:
+        count, length, last_end = offsets.numel(), 0, flat.numel()
+    bags = Bags(offsets, length, count, last_end, False, weights, 3, None)
+    out, entry_bag, scale = passes.pooled(rows, slots, distinct, bags)
+    kept = flat[:last_end] if past_last else ids  # entries past the last offset are in no bag
+    expected = torch.nn.functional.embedding_bag(
+        kept,
+        table,
+        offsets,
+        mode="sum",
+        per_sample_weights=None if weights is None else weights[: kept.numel()],
+        padding_idx=4,
+        include_last_offset=past_last,
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert (entry_bag is None, scale is None) == (own_bags, own_bags)
+    if not own_bags:
+        bag_of = torch.bucketize(torch.arange(flat.numel()), offsets[:count], right=True) - 1
+        bag_of[last_end:] = -1
+        assert torch.equal(entry_bag, bag_of)
+        expected_scale = (weights if weighted else torch.ones(flat.numel())).masked_fill(flat == 4, 0)
+        assert torch.equal(scale, expected_scale.masked_fill(bag_of < 0, 0))
 
 
 @pytest.mark.parametrize(

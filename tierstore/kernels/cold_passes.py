@@ -138,7 +138,7 @@ class ColdPasses:
         status is ``RESIDENT``."""
         flat, entries, scratch, buffer = self._distinct_room(ids)
         slots = torch.empty(entries, dtype=torch.int64)
-        outputs = out, entry_bag, scale = bags.outputs(entries)
+        out, entry_bag, scale = bags.outputs(entries)
         threshold, shadows, shadow_count, memory, hits = replay or (0, None, 0, 0.0, None)
         lookup = BagLookup(
             flat.data_ptr(),
@@ -180,6 +180,7 @@ class ColdPasses:
         )
         count = lookup.distinct_count
         distinct = Distinct(buffer, entries, count, count if padding is not None else -1)
+        outputs = (out, None, None) if lookup.own_bags else (out, entry_bag, scale)
         return distinct, slots[:count], outputs, done, lookup.sampled
 
     def will_need_homes(

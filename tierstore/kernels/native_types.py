@@ -170,6 +170,7 @@ class BagLookup(ctypes.Structure):
         ("scale", _POINTER),
         ("distinct_count", _I64),
         ("sampled", _I64),
+        ("own_bags", _I64),
     ]
 
 

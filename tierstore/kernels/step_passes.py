@@ -34,7 +34,7 @@ _SIGNATURES = {
     "step_distinct": (_I64, [_POINTER, _I64, _I64, _INT] + [_POINTER] * 6),
     "step_unique": (_I64, [_POINTER, _I64, _POINTER, _I64, _POINTER]),
     "step_pooled_forward": (
-        None,
+        _I64,
         [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64, _POINTER, _I64, _I64, _I64, _I64, _INT]
         + [_POINTER, _POINTER, _I64, _POINTER, _POINTER],
     ),
@@ -136,13 +136,14 @@ class StepPasses(ColdPasses):
 
     def pooled(
         self, rows: torch.Tensor, slots: torch.Tensor, distinct: Distinct, bags: Bags
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(pooled [bags, dim] (or as ``bags.shape``), each entry's bag int64 [N] (-1: none), its
         gradient scale float32 [N])`` of ``bags`` over ``rows`` (the host tier's buffer, float32 or
-        16-bit: summed in float32) at ``slots`` (int64 [U])."""
+        16-bit: summed in float32) at ``slots`` (int64 [U]); the last two None where each entry is
+        a bag of its own, of scale 1 (``backward`` takes them so)."""
         entries = distinct.entries
         out, entry_bag, scale = bags.outputs(entries)
-        self._functions["step_pooled_forward"](
+        own_bags = self._functions["step_pooled_forward"](
             rows.data_ptr(),
             ROW_FORMATS[rows.dtype],
             rows.shape[1],
@@ -162,19 +163,20 @@ class StepPasses(ColdPasses):
             entry_bag.data_ptr(),
             scale.data_ptr(),
         )
-        return out, entry_bag, scale
+        return (out, None, None) if own_bags else (out, entry_bag, scale)
 
     def backward(
         self,
         grad: torch.Tensor,
         grad_stride: int,
         distinct: Distinct,
-        entry_bag: torch.Tensor,
-        scale: torch.Tensor,
+        entry_bag: torch.Tensor | None,
+        scale: torch.Tensor | None,
         dim: int,
         update: tuple | None,
     ) -> torch.Tensor | None:
-        """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``).
+        """Each distinct row's gradient summed from ``grad`` (bag b's at ``b * grad_stride``), its
+        entries' bags and scales as ``pooled`` gave them (None: each entry its own bag, scale 1).
         ``update``: ``(rows, slots int64 [U], dirty, optimizer kernel name, its float arguments,
         rounding)``: applied to the rows in place (returns None), 16-bit rows rounded as ``rounding``
         says (``(slot keys, stream)`` for stochastic rounding by the rows' ids, else None); None: the
@@ -196,8 +198,8 @@ class StepPasses(ColdPasses):
             grad_stride,
             distinct.order_address,
             distinct.starts_address,
-            entry_bag.data_ptr(),
-            scale.data_ptr(),
+            pointer(entry_bag),
+            pointer(scale),
             count,
             dim,
             pointer(rows),

@@ -161,8 +161,9 @@ class ColdStore(ABC):
         (int64 CPU, validated; entries equal to ``padding`` left out) made resident as
         ``make_resident_in`` makes them, the tier's shadow caches replaying them, and ``bags`` (a
         ``kernels.native_types.Bags``) pooled from the rows where they lie. Returns ``(Distinct of
-        ids, their slots int64 [U], (pooled, each entry's bag, its gradient scale))``; more distinct
-        ids than the tier holds raise ``CacheCapacityError`` before any change."""
+        ids, their slots int64 [U], (pooled, each entry's bag, its gradient scale))``, the last two
+        None where each entry is a bag of its own (as ``StepPasses.pooled``); more distinct ids
+        than the tier holds raise ``CacheCapacityError`` before any change."""
         raise NotImplementedError(f"{type(self).__name__} does not admit rows into a cache tier")
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
