@@ -472,6 +472,7 @@ ADMISSION_FIELDS = ("choose_ns", "admit_ns")  # a row moved in: its victim's cho
 
 
 BASELINES = ("nn_embedding_bag", "fbgemm")  # what every method's speed is given against
+DETAIL_STEPS = 60  # fresh batches at least, after the rounds, that the breakdown and the cost model time
 # The collection's variants, each against the run it adds to (paired as the baselines are).
 VARIANTS = {
     "collection_lookahead": "collection",
@@ -597,8 +598,14 @@ def main() -> None:
     parser.add_argument(
         "--fill-batch", type=int, default=32768, help="samples per batch filling the collection's host cache"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="turns of timing, each method once")
-    parser.add_argument("--steps", type=int, default=40, help="batches per method per round")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help="turns of timing, each method once (many short turns: the methods' ratios in a turn see "
+        "the same moment of a shared machine)",
+    )
+    parser.add_argument("--steps", type=int, default=15, help="batches per method per round")
     parser.add_argument(
         "--device", default="cpu", help="where the outputs and nn.EmbeddingBag's tables live (cpu, cuda)"
     )
@@ -690,13 +697,16 @@ def main() -> None:
         page_us = new_page_microseconds(Path(directory))  # in the memory the timed rounds start from
         seconds = interleaved_seconds(runs, timed)
         rates = median_rates(seconds, args.steps * args.batch_size)
-        breakdowns = {"collection": time_breakdown(runs["collection"], [batch() for _ in range(args.steps)])}
+        detail_steps = max(args.steps, DETAIL_STEPS)
+        breakdowns = {
+            "collection": time_breakdown(runs["collection"], [batch() for _ in range(detail_steps)])
+        }
         costs = step_costs(
-            waited(step_of_collection, wait), store, [batch()[0] for _ in range(args.steps)], lengths, tier
+            waited(step_of_collection, wait), store, [batch()[0] for _ in range(detail_steps)], lengths, tier
         )
         if args.lookahead:
             breakdowns["collection_lookahead"] = time_breakdown(
-                runs["collection_lookahead"], [batch() for _ in range(args.steps)]
+                runs["collection_lookahead"], [batch() for _ in range(detail_steps)]
             )
     caches = {"collection": host_figures(host, top_rows)}
     if args.lookahead:
