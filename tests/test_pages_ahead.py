@@ -113,6 +113,71 @@ def test_a_write_reaching_the_pages_being_made_waits_for_them(tmp_path):
     array.close()
 
 
+def test_the_range_made_ahead_starts_past_the_room_the_next_writer_reserves(tmp_path):
+    array = GrowableArray(tmp_path / "log.bin", 64, np.uint8, read_only=False)
+    array.reserve(2048)  # 128 KiB of blocks
+    go, made = threading.Event(), []
+
+    def make(descriptor, first, end):
+        go.wait()
+        os.pwrite(descriptor, bytes(end - first), first)
+        made.append((first, end))
+
+    array.pages_ahead = PagesAhead(make)
+    go.set()
+    array.make_pages_ahead(8192, 16384, room=32768)  # the room and the pages ahead past it
+    array.pages_ahead.wait()
+    assert made == [(8192, 57344)] and array.prepared == 0
+    array.make_pages_ahead(12800, 16384, room=32768)  # made past 12,800 + room + half: nothing
+    assert len(made) == 1 and array.prepared == 57344
+    go.clear()
+    array.make_pages_ahead(20480, 16384, room=32768)  # the next range: past the room, held
+    assert array.pages_ahead.running and array.pages_ahead.first == 57344
+    array.reserve((20480 + 32768) // 64)  # the next writer's room: no wait for the held range
+    assert len(made) == 1 and array.pages_ahead.running
+    go.set()
+    array.pages_ahead.wait()
+    assert made[-1] == (57344, 69632)
+    array.close()
+
+
+def test_an_admission_finds_the_room_it_reserves_made_before_the_range_being_made(tmp_path, monkeypatch):
+    """Steady steps of one batch size, each range made before the step goes on (the sizes alone
+    decide, not the worker's speed; past the first steps, whose few victims set the pages ahead too
+    short for the next; the log files grown beforehand: a range stops at a file's end, which doubles
+    as the log fills): every range of either log file starts past the room the next admission
+    reserves (each id a miss: many times the ids that do miss), so that reserve does not wait for
+    the range being made meanwhile."""
+    monkeypatch.setattr(pages_ahead, "MIN_AHEAD", 1 << 14)  # many ranges within a small log
+    table = TieredEmbeddingBag(
+        None, DIM, path=tmp_path / "store", backend="mmap", optimizer=optim.SGD(lr=0.1), host_cache=1024
+    )
+    cold = table.store.stack.cold
+    ranges = {}
+    for name, log in (("rows", cold._wal_rows), ("keys", cold._wal_keys)):
+        log.reserve(1 << 16)
+        item, ahead, made = log.width * log.dtype.itemsize, log.pages_ahead, ranges.setdefault(name, [])
+
+        def start(fd, first, end, item=item, made=made, ahead=ahead, start=ahead.start):
+            made.append((first, cold._wal_count * item, 4096 * item))
+            start(fd, first, end)
+            ahead.wait()
+
+        ahead.start = start
+    generator = torch.Generator().manual_seed(5)
+    for step in range(50):
+        if step == 10:
+            for made in ranges.values():
+                made.clear()
+        hot = torch.randint(0, 512, (3840,), generator=generator)  # resident: the room far past the appends
+        ids = torch.cat([hot, torch.randint(512, 60_000, (256,), generator=generator)])
+        table(ids, torch.arange(0, 4096, 4)).sum().backward()
+    table.close()
+    for made in ranges.values():
+        assert len(made) >= 4
+        assert all(first >= written + room for first, written, room in made)
+
+
 def test_a_process_ending_while_pages_are_made_exits_cleanly(tmp_path):
     script = textwrap.dedent(
         f"""
