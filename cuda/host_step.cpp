@@ -1329,6 +1329,14 @@ static i64 step_admit_cold(const i64* __restrict__ keys, const i64* __restrict__
             written.store(error ? -1 : 1, std::memory_order_release);
             if (!error) {  // nothing fails from here on: the log's index, then rewrites in place
                 for (i64 j = 0; j < appended; ++j) {
+                    if (j + AHEAD < appended) {  // each key's place in the index, asked for ahead
+                        const i64 ahead = appended_rows[j + AHEAD].position;
+                        if (ahead >= 0)
+                            __builtin_prefetch(&cold.log_values[ahead], 1);
+                        else
+                            prefetch_home<1>(cold.log_keys, cold.log_values, cold.log_mask,
+                                             appended_keys[j + AHEAD]);
+                    }
                     const i64 record = cold.log_count + j;
                     if (appended_rows[j].position >= 0) {  // its committed record is superseded
                         cold.log_values[appended_rows[j].position] = record;
