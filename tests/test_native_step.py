@@ -296,15 +296,16 @@ def test_a_tier_that_must_grow_for_a_batch_takes_the_passes_one_by_one(monkeypat
 
 
 @pytest.mark.parametrize("between", ["a second forward", "a load of new rows"])
-def test_rows_moved_between_forward_and_backward_are_found_again(monkeypatch, between):
+@pytest.mark.parametrize("bag_length", [5, 1], ids=["bags of 5", "an id a bag"])
+def test_rows_moved_between_forward_and_backward_are_found_again(monkeypatch, between, bag_length):
     """A second forward evicts the first one's rows (a cache of one batch's rows), or a load takes
     them out of the cache: the first backward's update goes through the store, which finds them
-    again, as the reference path does."""
+    again, as the reference path does (one-hot bags too: their gradients summed with no entry bags)."""
     generator = torch.Generator().manual_seed(1)
     first, second = torch.arange(0, 20), torch.arange(20, 40)
-    gradients = [torch.randn(4, 6, generator=generator) for _ in range(2)]
+    gradients = [torch.randn(20 // bag_length, 6, generator=generator) for _ in range(2)]
     loaded = torch.randn(5, 6, generator=generator)
-    offsets = torch.tensor([0, 5, 10, 15])
+    offsets = torch.arange(0, 20, bag_length)
     results = []
     for native in (True, False):
         monkeypatch.setattr(native_step, "step_passes", native_step.step_passes if native else lambda s: None)
