@@ -81,11 +81,9 @@ def test_training_with_the_logs_pages_made_ahead_is_training_without(tmp_path, m
     assert torch.equal(with_pages[1], without[1])
 
 
-def _held_log(path, items: int) -> tuple[GrowableArray, threading.Event, list]:
-    """A log of 64-byte items with the blocks of ``items`` allocated, whose ranges ahead are made
-    (listed in ``made``) once ``go`` is set."""
-    array = GrowableArray(path, 64, np.uint8, read_only=False)
-    array.reserve(items)
+def test_a_write_reaching_the_pages_being_made_waits_for_them(tmp_path):
+    array = GrowableArray(tmp_path / "log.bin", 64, np.uint8, read_only=False)
+    array.reserve(1024)  # 64 KiB of blocks
     go, made = threading.Event(), []
 
     def make(descriptor, first, end):
@@ -94,11 +92,6 @@ def _held_log(path, items: int) -> tuple[GrowableArray, threading.Event, list]:
         made.append((first, end))
 
     array.pages_ahead = PagesAhead(make)
-    return array, go, made
-
-
-def test_a_write_reaching_the_pages_being_made_waits_for_them(tmp_path):
-    array, go, made = _held_log(tmp_path / "log.bin", 1024)  # 64 KiB of blocks
     array.make_pages_ahead(8192, 32768)  # bytes 8,192 to 40,960
     assert array.pages_ahead.running and array.made_through == 40960 and array.prepared == 0
     array.make_pages_ahead(8192, 32768)  # one range at a time
@@ -121,7 +114,16 @@ def test_a_write_reaching_the_pages_being_made_waits_for_them(tmp_path):
 
 
 def test_the_range_made_ahead_starts_past_the_room_the_next_writer_reserves(tmp_path):
-    array, go, made = _held_log(tmp_path / "log.bin", 2048)  # 128 KiB of blocks
+    array = GrowableArray(tmp_path / "log.bin", 64, np.uint8, read_only=False)
+    array.reserve(2048)  # 128 KiB of blocks
+    go, made = threading.Event(), []
+
+    def make(descriptor, first, end):
+        go.wait()
+        os.pwrite(descriptor, bytes(end - first), first)
+        made.append((first, end))
+
+    array.pages_ahead = PagesAhead(make)
     go.set()
     array.make_pages_ahead(8192, 16384, room=32768)  # the room and the pages ahead past it
     array.pages_ahead.wait()
