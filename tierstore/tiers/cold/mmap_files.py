@@ -153,21 +153,18 @@ class GrowableArray:
             return max(self.prepared, self.pages_ahead.end)
         return self.prepared
 
-    def make_pages_ahead(self, written: int, ahead: int, room: int = 0) -> None:
+    def make_pages_ahead(self, written: int, ahead: int) -> None:
         """Have ``pages_ahead`` make the pages of bytes past ``written`` (the end of every write so
-        far) up to ``written + room + ahead`` (within the file, their blocks allocated first: where
-        the disk has no room, only up to the blocks allocated), unless those up to ``written + room``
-        and half of the ``ahead`` past them are made or being made. ``room``: the bytes past
-        ``written`` the next writer reserves (``reserve`` waits for a range starting below them), so
-        the range made meanwhile starts past them once the pages before are made."""
+        far) up to ``written + ahead`` (within the file, their blocks allocated first: where the disk
+        has no room, only up to the blocks allocated), unless half of them are made or being made."""
         if self.pages_ahead is None or self.pages_ahead.running:
             return
         self._pages_made_below(written)
-        if self.prepared >= written + room + ahead // 2:
+        if self.prepared >= written + ahead // 2:
             return
         item = self.width * self.dtype.itemsize
         first = max(self.prepared, page_ceil(written))
-        end = min(self.capacity * item, written + room + ahead)
+        end = min(self.capacity * item, written + ahead)
         if end > self.allocated_bytes:
             self._allocate_to(end // item)  # refused: the range stops at the blocks allocated
         end = page_floor(min(end, self.allocated_bytes))

@@ -67,7 +67,7 @@ from .disk_index import INDEX_FILE, DiskIndex
 from .mmap_files import KEYS_FILE, ROWS_FILE, STATE_FILE, WAL_ROWS_FILE
 from .mmap_log import MmapLog
 from .mmap_opening import MmapOpening, live_rows, log_entries
-from .pages_ahead import ahead_bytes, room_bytes
+from .pages_ahead import ahead_bytes
 
 
 class MmapColdStore(MmapOpening, MmapLog, ColdStore):
@@ -246,7 +246,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         protected = None if protected is None else cpu_int64(protected)
         admission, held = self._admission(tier, keys.numel(), initial)
         slots, done = host_passes().make_resident(keys, counts, protected, *admission)
-        self._admitted(tier, done, held, admission[3], keys.numel())
+        self._admitted(tier, done, held, admission[3])
         return slots
 
     def lookup_bags_in(self, tier, ids: torch.Tensor, padding: int | None, bags, initial) -> tuple:
@@ -258,7 +258,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         if done.status == Residency.TOO_MANY:  # refused before any change
             raise too_many_distinct(tier.name, tier.max_capacity, done.detail)
         policy.replayed(sampled)
-        self._admitted(tier, done, held, admission[3], ids.numel())
+        self._admitted(tier, done, held, admission[3])
         return distinct, slots, outputs
 
     def _admission(self, tier, rows: int, initial) -> tuple[tuple, tuple]:
@@ -301,11 +301,9 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         log_files = (self._wal_rows.fileno(), self._wal_keys.fileno())
         return (tier_arrays, choice, files, advise, log_files, initial), held
 
-    def _admitted(self, tier, done: Residency, held: tuple, advised: bool, rows: int) -> None:
-        """After a native admission (``_admission``'s arguments, for up to ``rows`` rows coming in): the
-        tier and this store's counters moved, or the error of a damaged row or a failed write raised
-        (nothing having changed); the log's pages made ahead past the room the next admission of as
-        many rows reserves."""
+    def _admitted(self, tier, done: Residency, held: tuple, advised: bool) -> None:
+        """After a native admission (``_admission``'s arguments): the tier and this store's counters
+        moved, or the error of a damaged row or a failed write raised (nothing having changed)."""
         self._reads.done(done.misses, advised)
         tier.settle_native(done, held)  # raises where too few slots were evictable
         if done.status == Residency.DAMAGED:
@@ -319,9 +317,7 @@ class MmapColdStore(MmapOpening, MmapLog, ColdStore):
         self._wal_count += done.appended
         self._wal_rows.prepared = done.log_prepared
         for log, item in ((self._wal_rows, self.codec.stored_bytes), (self._wal_keys, 8)):
-            log.make_pages_ahead(
-                self._wal_count * item, ahead_bytes(done.appended * item), room_bytes(rows * item)
-            )
+            log.make_pages_ahead(self._wal_count * item, ahead_bytes(done.appended * item))
         self._wal_index.table.live += done.new_to_log
 
     def structure_problems(self) -> list[str]:

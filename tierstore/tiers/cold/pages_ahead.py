@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 AHEAD_APPENDS = 8  # the pages made ahead cover this many of the last admission's appends...
 MIN_AHEAD, MAX_AHEAD = 1 << 20, 16 << 20  # ...and this many bytes at least and at most
-MAX_ROOM = 16 << 20  # bytes: past it, an admission's reserved room may wait for the range being made
 
 
 class PagesAhead:
@@ -88,14 +87,6 @@ def _worker() -> ThreadPoolExecutor:
 def ahead_bytes(appended_bytes: int) -> int:
     """Bytes to keep made past the last record, after an admission appended ``appended_bytes``."""
     return min(MAX_AHEAD, max(MIN_AHEAD, AHEAD_APPENDS * appended_bytes))
-
-
-def room_bytes(reserved_bytes: int) -> int:
-    """The bytes past the last record to keep made before a range being made, after an admission
-    reserved ``reserved_bytes`` past it (its bound, every key a miss): the next admission reserves
-    as much past its own appends (at most as much again) and, where that reaches the range, waits
-    for it."""
-    return min(MAX_ROOM, 2 * reserved_bytes)
 
 
 def page_floor(offset: int) -> int:
